@@ -1,0 +1,263 @@
+//! `allreduce`: one all-reduce call for tensor-parallel inference, whatever the GPU.
+//!
+//! A group of ranks is built in-process with [`Communicator::new_group`] (one communicator per
+//! rank, each driven from its own thread). A call names its input and output buffers (or one
+//! buffer, in place), and [`AllReduceOptions`] carry the precision (`Exact` by default, or a
+//! lossy [`Codec`]), the [`Strategy`] (`Auto` by default) and the caller's stream.
+//!
+//! ```
+//! use allreduce::{AllReduceOptions, BackendKind, BufMut, BufRef, Communicator, GroupConfig};
+//!
+//! let comms = Communicator::new_group(BackendKind::Host, GroupConfig::new(4)).unwrap();
+//! std::thread::scope(|s| {
+//!     for comm in &comms {
+//!         s.spawn(move || {
+//!             let input = vec![comm.rank() as f32 + 1.0; 1000];
+//!             let mut output = vec![0f32; 1000];
+//!             comm.all_reduce(
+//!                 BufRef::from_slice(&input),
+//!                 BufMut::from_slice(&mut output),
+//!                 &AllReduceOptions::default(),
+//!             )
+//!             .unwrap();
+//!             assert!(output.iter().all(|&v| v == 10.0)); // 1 + 2 + 3 + 4
+//!         });
+//!     }
+//! });
+//! ```
+//!
+//! Backends are chosen at run time by [`BackendKind`] among those compiled in: the host
+//! backend (CPU threads as ranks, the reference) is always there.
+
+use std::fmt;
+use std::str::FromStr;
+
+pub use allreduce_core::{
+    codec, layout, AllReduceOptions, BufMut, BufRef, Codec, DType, Device, Element, Error,
+    GroupConfig, HostBytes, Precision, RawBuffer, ReduceOp, Result, Rule, SelectionTable, Strategy,
+    Stream,
+};
+use allreduce_core::{prepare, Backend, BackendComm};
+
+/// The CUDA backend's own API: device memory, streams and graphs for tests and the bench.
+#[cfg(feature = "cuda")]
+pub use allreduce_backend_cuda as cuda;
+
+/// Which implementation runs the ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BackendKind {
+    /// CPU threads as ranks; always compiled.
+    Host,
+    /// NVIDIA GPUs (cargo feature `cuda`).
+    Cuda,
+    /// AMD GPUs (cargo feature `rocm`).
+    Rocm,
+}
+
+impl BackendKind {
+    pub const fn name(self) -> &'static str {
+        match self {
+            BackendKind::Host => "host",
+            BackendKind::Cuda => "cuda",
+            BackendKind::Rocm => "rocm",
+        }
+    }
+
+    /// Whether this build contains the backend.
+    pub const fn is_compiled(self) -> bool {
+        match self {
+            BackendKind::Host => true,
+            BackendKind::Cuda => cfg!(feature = "cuda"),
+            BackendKind::Rocm => false,
+        }
+    }
+}
+
+impl fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for BackendKind {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "host" | "cpu" => Ok(BackendKind::Host),
+            "cuda" | "nvidia" => Ok(BackendKind::Cuda),
+            "rocm" | "hip" | "amd" => Ok(BackendKind::Rocm),
+            _ => Err(format!(
+                "unknown backend `{s}` (expected host, cuda or rocm)"
+            )),
+        }
+    }
+}
+
+/// One rank of a group.
+pub struct Communicator {
+    backend: BackendKind,
+    comm: Box<dyn BackendComm>,
+}
+
+fn boxed<B: Backend>(config: &GroupConfig) -> Result<Vec<Box<dyn BackendComm>>> {
+    Ok(B::create_group(config)?
+        .into_iter()
+        .map(|c| Box::new(c) as Box<dyn BackendComm>)
+        .collect())
+}
+
+impl Communicator {
+    /// Build every rank of an in-process group; element `r` is rank `r`.
+    pub fn new_group(backend: BackendKind, config: GroupConfig) -> Result<Vec<Communicator>> {
+        let _span = tracing::debug_span!(
+            "new_group",
+            backend = backend.name(),
+            world = config.world_size,
+            max_bytes = config.max_bytes
+        )
+        .entered();
+        config.validate()?;
+        let comms = match backend {
+            BackendKind::Host => boxed::<allreduce_backend_host::Host>(&config)?,
+            #[cfg(feature = "cuda")]
+            BackendKind::Cuda => boxed::<allreduce_backend_cuda::Cuda>(&config)?,
+            _ => return Err(Error::BackendNotBuilt(backend.name())),
+        };
+        tracing::debug!(ranks = comms.len(), "group ready");
+        Ok(comms
+            .into_iter()
+            .map(|comm| Communicator { backend, comm })
+            .collect())
+    }
+
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    pub fn backend(&self) -> BackendKind {
+        self.backend
+    }
+
+    pub fn device(&self) -> Device {
+        self.comm.limits().device
+    }
+
+    /// The largest call this communicator accepts, in bytes.
+    pub fn max_bytes(&self) -> usize {
+        self.comm.limits().max_bytes
+    }
+
+    /// `Ok` if this communicator can run `strategy` for calls of this dtype and precision,
+    /// else the reason it cannot (the same text `Error::StrategyUnavailable` would carry).
+    pub fn strategy_available(
+        &self,
+        strategy: Strategy,
+        dtype: DType,
+        precision: Precision,
+    ) -> Result<()> {
+        if let Precision::Lossy(codec) = precision {
+            if !codec.supports(dtype) {
+                return Err(Error::UnsupportedCodec { codec, dtype });
+            }
+        }
+        match strategy {
+            Strategy::Auto => Ok(()),
+            s => self
+                .comm
+                .strategy_available(s, dtype, precision)
+                .map_err(|reason| Error::StrategyUnavailable {
+                    strategy: s,
+                    reason,
+                }),
+        }
+    }
+
+    /// What `Strategy::Auto` picks for a call of this shape.
+    pub fn select(&self, len: usize, dtype: DType, precision: Precision) -> Strategy {
+        let comm = &*self.comm;
+        comm.selection().choose(
+            len * dtype.size(),
+            comm.world_size(),
+            dtype,
+            precision,
+            |s| comm.strategy_available(s, dtype, precision).is_ok(),
+        )
+    }
+
+    /// Sum `input` over all ranks into `output`. Returns the strategy that ran.
+    pub fn all_reduce(
+        &self,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        options: &AllReduceOptions,
+    ) -> Result<Strategy> {
+        self.call(Some(input), output, options)
+    }
+
+    /// Sum `buf` over all ranks, in place. Returns the strategy that ran.
+    pub fn all_reduce_in_place(
+        &self,
+        buf: BufMut<'_>,
+        options: &AllReduceOptions,
+    ) -> Result<Strategy> {
+        self.call(None, buf, options)
+    }
+
+    fn call(
+        &self,
+        input: Option<BufRef<'_>>,
+        output: BufMut<'_>,
+        options: &AllReduceOptions,
+    ) -> Result<Strategy> {
+        let comm = &*self.comm;
+        let _span = tracing::debug_span!(
+            "all_reduce",
+            rank = comm.rank(),
+            len = output.len(),
+            dtype = %output.dtype(),
+            precision = %options.precision,
+            requested = %options.strategy,
+        )
+        .entered();
+        let prepared = prepare(
+            input,
+            &output,
+            options,
+            &comm.limits(),
+            comm.world_size(),
+            comm.selection(),
+            |s, d, p| comm.strategy_available(s, d, p),
+        );
+        let call = match prepared {
+            Ok(call) => call,
+            Err(e) => {
+                tracing::debug!(error = %e, "rejected");
+                comm.reject(&e);
+                return Err(e);
+            }
+        };
+        tracing::debug!(strategy = %call.strategy, "enqueue");
+        comm.all_reduce(&call)?;
+        Ok(call.strategy)
+    }
+
+    /// Wait for the work enqueued on `stream` and report any asynchronous error (a device-side
+    /// timeout, an aborted group).
+    pub fn synchronize(&self, stream: Stream) -> Result<()> {
+        self.comm.synchronize(stream)
+    }
+}
+
+impl fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Communicator")
+            .field("backend", &self.backend)
+            .field("rank", &self.rank())
+            .field("world_size", &self.world_size())
+            .finish()
+    }
+}

@@ -1,0 +1,302 @@
+//! The slice of the CUDA driver API this backend uses, over cudarc's `sys` layer.
+//!
+//! cudarc loads libcuda lazily and panics if it is missing, so [`init`] probes for the
+//! library first and every later call can assume it. Errors become `Error::Device` with the
+//! driver's own message.
+
+use std::ffi::{c_void, CStr};
+use std::sync::OnceLock;
+
+use allreduce_core::{Error, Result};
+use cudarc::driver::sys;
+
+pub use sys::{CUcontext, CUdevice, CUdeviceptr, CUfunction, CUmodule, CUstream};
+
+pub fn check(r: sys::CUresult, api: &'static str) -> Result<()> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let mut s: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: the library is loaded (every caller runs after `init`); cuGetErrorString
+    // writes a pointer to a static string or leaves it null.
+    let detail = unsafe {
+        if sys::cuGetErrorString(r, &mut s) == sys::CUresult::CUDA_SUCCESS && !s.is_null() {
+            CStr::from_ptr(s).to_string_lossy().into_owned()
+        } else {
+            format!("{r:?}")
+        }
+    };
+    Err(Error::Device {
+        api,
+        detail: format!("{detail} ({r:?})"),
+    })
+}
+
+/// Load libcuda and initialise the driver, once per process.
+pub fn init() -> Result<()> {
+    static INIT: OnceLock<Result<()>> = OnceLock::new();
+    INIT.get_or_init(|| {
+        // SAFETY: probing only tries to open the library.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(Error::LibraryUnavailable {
+                library: "libcuda",
+                detail: "the NVIDIA driver library could not be loaded (no driver installed?)"
+                    .into(),
+            });
+        }
+        // SAFETY: the library is present.
+        check(unsafe { sys::cuInit(0) }, "cuInit")
+    })
+    .clone()
+}
+
+pub fn device_count() -> Result<usize> {
+    init()?;
+    let mut n = 0;
+    // SAFETY: driver initialised.
+    check(unsafe { sys::cuDeviceGetCount(&mut n) }, "cuDeviceGetCount")?;
+    Ok(n as usize)
+}
+
+/// A device's primary context, retained for as long as this value lives.
+pub struct Device {
+    pub ordinal: u32,
+    pub dev: CUdevice,
+    pub ctx: CUcontext,
+    pub sm_count: u32,
+}
+
+// SAFETY: contexts and device handles may be used from any thread.
+unsafe impl Send for Device {}
+unsafe impl Sync for Device {}
+
+impl Device {
+    pub fn open(ordinal: u32) -> Result<Self> {
+        init()?;
+        let count = device_count()?;
+        if ordinal as usize >= count {
+            return Err(Error::InvalidConfig(format!(
+                "CUDA device {ordinal} requested but {count} present"
+            )));
+        }
+        let mut dev = 0;
+        let mut ctx = std::ptr::null_mut();
+        let mut sms = 0;
+        // SAFETY: driver initialised, ordinal checked.
+        unsafe {
+            check(sys::cuDeviceGet(&mut dev, ordinal as i32), "cuDeviceGet")?;
+            check(
+                sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
+                "cuDevicePrimaryCtxRetain",
+            )?;
+            check(
+                sys::cuDeviceGetAttribute(
+                    &mut sms,
+                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                    dev,
+                ),
+                "cuDeviceGetAttribute",
+            )?;
+        }
+        Ok(Device {
+            ordinal,
+            dev,
+            ctx,
+            sm_count: sms as u32,
+        })
+    }
+
+    /// Make this device's context current on the calling thread.
+    pub fn bind(&self) -> Result<()> {
+        // SAFETY: ctx is a retained primary context.
+        check(unsafe { sys::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")
+    }
+
+    pub fn can_access_peer(&self, other: &Device) -> Result<bool> {
+        let mut ok = 0;
+        // SAFETY: both handles are valid devices.
+        check(
+            unsafe { sys::cuDeviceCanAccessPeer(&mut ok, self.dev, other.dev) },
+            "cuDeviceCanAccessPeer",
+        )?;
+        Ok(ok != 0)
+    }
+
+    /// Let this context read and write `other`'s memory.
+    pub fn enable_peer(&self, other: &Device) -> Result<()> {
+        self.bind()?;
+        // SAFETY: both contexts are retained.
+        let r = unsafe { sys::cuCtxEnablePeerAccess(other.ctx, 0) };
+        if r == sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+            return Ok(());
+        }
+        check(r, "cuCtxEnablePeerAccess")
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        // SAFETY: balanced with the retain in `open`. A failure here has no one to report to.
+        unsafe {
+            let _ = sys::cuDevicePrimaryCtxRelease_v2(self.dev);
+        }
+    }
+}
+
+/// Device memory, freed on drop.
+pub struct DeviceMem {
+    pub ptr: CUdeviceptr,
+    pub bytes: usize,
+}
+
+impl DeviceMem {
+    /// Allocate `bytes` in the current context, uninitialised.
+    pub fn alloc(bytes: usize) -> Result<Self> {
+        let mut ptr = 0;
+        // SAFETY: a context is current (callers bind first).
+        check(
+            unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)) },
+            "cuMemAlloc",
+        )?;
+        Ok(DeviceMem { ptr, bytes })
+    }
+
+    /// Allocate and zero, and wait for the zeroing: a memset on the legacy stream does not
+    /// order with the non-blocking streams kernels later run on.
+    pub fn zeroed(bytes: usize) -> Result<Self> {
+        let m = Self::alloc(bytes)?;
+        // SAFETY: the allocation holds at least `bytes.max(1)`.
+        unsafe {
+            check(sys::cuMemsetD8_v2(m.ptr, 0, bytes.max(1)), "cuMemsetD8")?;
+            check(sys::cuCtxSynchronize(), "cuCtxSynchronize")?;
+        }
+        Ok(m)
+    }
+}
+
+impl Drop for DeviceMem {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemAlloc; unified addressing lets any context free it.
+        unsafe {
+            let _ = sys::cuMemFree_v2(self.ptr);
+        }
+    }
+}
+
+/// Pinned host memory mapped into every context: where kernels report errors so the host
+/// can read them without a copy.
+pub struct HostMapped {
+    pub host: *mut c_void,
+    pub dev: CUdeviceptr,
+}
+
+unsafe impl Send for HostMapped {}
+unsafe impl Sync for HostMapped {}
+
+impl HostMapped {
+    pub fn zeroed(bytes: usize) -> Result<Self> {
+        let mut host = std::ptr::null_mut();
+        let mut dev = 0;
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: a context is current; the allocation is zeroed before use.
+        unsafe {
+            check(
+                sys::cuMemHostAlloc(&mut host, bytes, flags),
+                "cuMemHostAlloc",
+            )?;
+            std::ptr::write_bytes(host as *mut u8, 0, bytes);
+            check(
+                sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0),
+                "cuMemHostGetDevicePointer",
+            )?;
+        }
+        Ok(HostMapped { host, dev })
+    }
+}
+
+impl Drop for HostMapped {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemHostAlloc.
+        unsafe {
+            let _ = sys::cuMemFreeHost(self.host);
+        }
+    }
+}
+
+/// A module loaded from the embedded fatbin, with the functions we launch.
+pub struct Module {
+    pub module: CUmodule,
+}
+
+unsafe impl Send for Module {}
+unsafe impl Sync for Module {}
+
+impl Module {
+    pub fn load(image: &[u8]) -> Result<Self> {
+        let mut module = std::ptr::null_mut();
+        // SAFETY: a context is current; the image is a fatbin produced by build-support.
+        check(
+            unsafe { sys::cuModuleLoadData(&mut module, image.as_ptr() as *const c_void) },
+            "cuModuleLoadData",
+        )?;
+        Ok(Module { module })
+    }
+
+    pub fn function(&self, name: &CStr) -> Result<CUfunction> {
+        let mut f = std::ptr::null_mut();
+        // SAFETY: module is loaded.
+        check(
+            unsafe { sys::cuModuleGetFunction(&mut f, self.module, name.as_ptr()) },
+            "cuModuleGetFunction",
+        )?;
+        Ok(f)
+    }
+}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        // SAFETY: loaded by cuModuleLoadData.
+        unsafe {
+            let _ = sys::cuModuleUnload(self.module);
+        }
+    }
+}
+
+/// Launch `f` with one by-value argument struct.
+///
+/// # Safety
+/// `A` must match the kernel's parameter layout, and every pointer in it must be valid for
+/// the kernel's lifetime.
+pub unsafe fn launch<A>(
+    f: CUfunction,
+    grid: u32,
+    block: u32,
+    stream: CUstream,
+    args: &A,
+) -> Result<()> {
+    let mut params = [args as *const A as *mut c_void];
+    check(
+        sys::cuLaunchKernel(
+            f,
+            grid,
+            1,
+            1,
+            block,
+            1,
+            1,
+            0,
+            stream,
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        ),
+        "cuLaunchKernel",
+    )
+}
+
+pub fn stream_synchronize(stream: allreduce_core::Stream) -> Result<()> {
+    // SAFETY: driver initialised; a bad handle is reported by the driver.
+    check(
+        unsafe { sys::cuStreamSynchronize(stream.as_raw() as CUstream) },
+        "cuStreamSynchronize",
+    )
+}

@@ -1,0 +1,132 @@
+//! A barrier whose every wait has a deadline.
+//!
+//! The host backend's counterpart of the GPU flag barrier: if a rank does not arrive within
+//! the group's timeout, the waiter reports `Error::Timeout` and aborts the group, so every
+//! other rank (waiting now or arriving later) gets `Error::Aborted` instead of hanging.
+//! Waiting parks the thread (condvar), which matters when ranks outnumber cores.
+
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use allreduce_core::{Error, Result};
+
+pub struct DeadlineBarrier {
+    parties: usize,
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+struct State {
+    arrived: usize,
+    generation: u64,
+    aborted: Option<String>,
+}
+
+impl DeadlineBarrier {
+    pub fn new(parties: usize) -> Self {
+        DeadlineBarrier {
+            parties,
+            state: Mutex::new(State {
+                arrived: 0,
+                generation: 0,
+                aborted: None,
+            }),
+            cv: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding this lock leaves a consistent state (plain counters).
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn aborted(&self) -> Option<String> {
+        self.lock().aborted.clone()
+    }
+
+    /// Wait for all parties. `what` names the phase for the timeout message.
+    pub fn wait(&self, rank: usize, call: u64, timeout: Duration, what: &str) -> Result<()> {
+        let start = Instant::now();
+        let mut st = self.lock();
+        if let Some(reason) = &st.aborted {
+            return Err(Error::Aborted {
+                reason: reason.clone(),
+            });
+        }
+        let generation = st.generation;
+        st.arrived += 1;
+        if st.arrived == self.parties {
+            st.arrived = 0;
+            st.generation = st.generation.wrapping_add(1);
+            self.cv.notify_all();
+            return Ok(());
+        }
+        loop {
+            let waited = start.elapsed();
+            if waited >= timeout {
+                let reason = format!("rank {rank} timed out in call {call} waiting for {what}");
+                st.aborted = Some(reason);
+                self.cv.notify_all();
+                return Err(Error::Timeout {
+                    rank,
+                    call,
+                    waited,
+                    waiting_for: what.to_string(),
+                });
+            }
+            st = self
+                .cv
+                .wait_timeout(st, timeout - waited)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+            if st.generation != generation {
+                return Ok(());
+            }
+            if let Some(reason) = &st.aborted {
+                return Err(Error::Aborted {
+                    reason: reason.clone(),
+                });
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn releases_all_parties_repeatedly() {
+        let b = Arc::new(DeadlineBarrier::new(4));
+        std::thread::scope(|s| {
+            for r in 0..4 {
+                let b = b.clone();
+                s.spawn(move || {
+                    for call in 0..200 {
+                        b.wait(r, call, Duration::from_secs(5), "test").unwrap();
+                    }
+                });
+            }
+        });
+    }
+
+    #[test]
+    fn missing_party_times_out_then_aborts() {
+        let b = DeadlineBarrier::new(2);
+        let err = b.wait(0, 7, Duration::from_millis(50), "peer").unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Timeout {
+                    rank: 0,
+                    call: 7,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        let err = b.wait(1, 7, Duration::from_millis(50), "peer").unwrap_err();
+        assert!(matches!(err, Error::Aborted { .. }), "{err:?}");
+    }
+}

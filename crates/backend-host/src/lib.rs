@@ -1,0 +1,453 @@
+//! CPU threads as ranks: the reference implementation of every allreduce algorithm.
+//!
+//! Each rank is a thread holding a [`HostComm`]; the ranks of a group share a workspace
+//! ([`workspace`]). The algorithms are the ones the GPU kernels run, phase for phase:
+//!
+//! - one-shot: copy the input into the workspace | barrier | every rank reduces all of it;
+//! - two-shot: copy | barrier | rank r reduces shard r | barrier | every rank gathers;
+//! - quantized two-shot: encode shard j for owner j (j != r) | barrier | owner decodes the
+//!   peers' pieces, adds its own unquantized piece, sums in f32, re-encodes | barrier | every
+//!   rank decodes every shard.
+//!
+//! Every call starts by publishing a descriptor (length, dtype, strategy, precision) with the
+//! first copy; after the first barrier all ranks compare descriptors and, if any differ or a
+//! rank rejected its arguments, all return an error before any output is written.
+
+mod barrier;
+mod reduce;
+mod workspace;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use allreduce_core::codec;
+use allreduce_core::layout::{exact_granule, shard_range, QUANT_GRANULE};
+use allreduce_core::{
+    Backend, BackendComm, Call, Codec, DType, Device, Element, Error, GroupConfig, Limits,
+    Precision, Result, SelectionTable, Strategy, Stream,
+};
+use half::{bf16, f16};
+
+use barrier::DeadlineBarrier;
+use workspace::{Desc, Slot};
+
+/// The host backend.
+pub struct Host;
+
+impl Backend for Host {
+    const NAME: &'static str = "host";
+    type Comm = HostComm;
+
+    fn create_group(config: &GroupConfig) -> Result<Vec<HostComm>> {
+        config.validate()?;
+        let world = config.world_size;
+        let group = Arc::new(Group {
+            world,
+            timeout: config.timeout,
+            barrier: DeadlineBarrier::new(world),
+            slots: (0..world).map(|_| Slot::new()).collect(),
+        });
+        let table = config.selection.clone().unwrap_or_default();
+        Ok((0..world)
+            .map(|rank| HostComm {
+                rank,
+                group: group.clone(),
+                max_bytes: config.max_bytes,
+                table: table.clone(),
+                calls: AtomicU64::new(0),
+                scratch: Mutex::new(Scratch::default()),
+            })
+            .collect())
+    }
+}
+
+struct Group {
+    world: usize,
+    timeout: Duration,
+    barrier: DeadlineBarrier,
+    slots: Vec<Slot>,
+}
+
+#[derive(Default)]
+struct Scratch {
+    a: Vec<f32>,
+    b: Vec<f32>,
+}
+
+/// One rank of a host group.
+pub struct HostComm {
+    rank: usize,
+    group: Arc<Group>,
+    max_bytes: usize,
+    table: SelectionTable,
+    calls: AtomicU64,
+    scratch: Mutex<Scratch>,
+}
+
+/// Where a call is: its number, the parity that picks double-buffered slots, and the timeout.
+#[derive(Clone, Copy)]
+struct Ctx {
+    call: u64,
+    parity: usize,
+}
+
+impl HostComm {
+    fn barrier(&self, ctx: Ctx, what: &str) -> Result<()> {
+        self.group
+            .barrier
+            .wait(self.rank, ctx.call, self.group.timeout, what)
+    }
+
+    fn begin(&self) -> Ctx {
+        let call = self.calls.fetch_add(1, Ordering::Relaxed);
+        Ctx {
+            call,
+            parity: (call % 2) as usize,
+        }
+    }
+
+    /// After the first barrier: every rank reads every descriptor and reaches the same verdict.
+    fn agree(&self, ctx: Ctx) -> Result<()> {
+        let descs: Vec<Option<Desc>> = self
+            .group
+            .slots
+            .iter()
+            .map(|s| s.desc(ctx.parity))
+            .collect();
+        for (rank, d) in descs.iter().enumerate() {
+            match d {
+                None => {
+                    return Err(Error::RankMismatch {
+                        what: "call sequence",
+                        call: ctx.call,
+                        detail: format!("rank {rank} published no descriptor"),
+                    })
+                }
+                Some(Desc {
+                    rejected: Some(reason),
+                    ..
+                }) => {
+                    return Err(Error::PeerRejected {
+                        rank,
+                        call: ctx.call,
+                        reason: reason.clone(),
+                    })
+                }
+                Some(_) => {}
+            }
+        }
+        let first = descs[0].as_ref().expect("checked above");
+        for (rank, d) in descs.iter().enumerate().skip(1) {
+            let d = d.as_ref().expect("checked above");
+            let (what, a, b) = if d.len != first.len {
+                ("length", first.len.to_string(), d.len.to_string())
+            } else if d.dtype != first.dtype {
+                ("dtype", first.dtype.to_string(), d.dtype.to_string())
+            } else if d.strategy != first.strategy {
+                (
+                    "strategy",
+                    first.strategy.to_string(),
+                    d.strategy.to_string(),
+                )
+            } else if d.precision != first.precision {
+                (
+                    "precision",
+                    first.precision.to_string(),
+                    d.precision.to_string(),
+                )
+            } else {
+                continue;
+            };
+            return Err(Error::RankMismatch {
+                what,
+                call: ctx.call,
+                detail: format!("rank 0 has {a}, rank {rank} has {b}"),
+            });
+        }
+        Ok(())
+    }
+
+    fn publish(&self, ctx: Ctx, call: &Call) {
+        self.group.slots[self.rank].publish(
+            ctx.parity,
+            Desc {
+                len: call.len(),
+                dtype: call.dtype(),
+                op: call.op,
+                precision: call.precision,
+                strategy: call.strategy,
+                rejected: None,
+            },
+        );
+    }
+
+    fn run<T: Element>(&self, call: &Call) -> Result<()> {
+        let ctx = self.begin();
+        self.publish(ctx, call);
+        match call.strategy {
+            Strategy::OneShot => self.one_shot::<T>(ctx, call),
+            Strategy::TwoShot => self.two_shot::<T>(ctx, call),
+            Strategy::QuantizedTwoShot => {
+                let codec = call
+                    .codec()
+                    .expect("prepare() pairs QuantizedTwoShot with a codec");
+                self.quantized::<T>(ctx, call, codec)
+            }
+            s => Err(Error::StrategyUnavailable {
+                strategy: s,
+                reason: "not implemented by the host backend".into(),
+            }),
+        }
+    }
+
+    /// Copy this rank's input into its stage buffer for the call's parity.
+    fn stage_input(&self, ctx: Ctx, call: &Call) {
+        let bytes = call.bytes();
+        // SAFETY: our own slot, before the first barrier of the call: by the parity argument
+        // in `workspace`, no peer reads this stage buffer now.
+        unsafe {
+            let dst = self.group.slots[self.rank].stage[ctx.parity].prepare(bytes);
+            std::ptr::copy_nonoverlapping(call.input.addr as *const u8, dst, bytes);
+        }
+    }
+
+    /// Every rank's staged input as `&[T]`.
+    ///
+    /// # Safety
+    /// Only between the call's first barrier and the next call's first barrier.
+    unsafe fn staged<T: Element>(&self, ctx: Ctx, len: usize) -> Vec<&[T]> {
+        let bytes = len * size_of::<T>();
+        self.group
+            .slots
+            .iter()
+            .map(|s| {
+                let b = s.stage[ctx.parity].read(bytes);
+                std::slice::from_raw_parts(b.as_ptr() as *const T, len)
+            })
+            .collect()
+    }
+
+    fn one_shot<T: Element>(&self, ctx: Ctx, call: &Call) -> Result<()> {
+        self.stage_input(ctx, call);
+        self.barrier(ctx, "all ranks to stage their input")?;
+        self.agree(ctx)?;
+        let n = call.len();
+        // SAFETY: after the barrier that follows every rank's staging.
+        let inputs = unsafe { self.staged::<T>(ctx, n) };
+        // SAFETY: `prepare` checked the output's size, alignment and device; the caller
+        // lends it exclusively for the call. The input was staged, so in-place is fine.
+        let out = unsafe { output_slice::<T>(call) };
+        reduce::sum_into(&inputs, out);
+        Ok(())
+    }
+
+    fn two_shot<T: Element>(&self, ctx: Ctx, call: &Call) -> Result<()> {
+        let n = call.len();
+        let world = self.group.world;
+        let granule = exact_granule(call.dtype());
+        self.stage_input(ctx, call);
+        self.barrier(ctx, "all ranks to stage their input")?;
+        self.agree(ctx)?;
+
+        // ---- stage 1: reduce-scatter. Rank r reduces shard r of every rank's input.
+        let mine = shard_range(n, world, self.rank, granule);
+        // SAFETY: after the staging barrier.
+        let inputs = unsafe { self.staged::<T>(ctx, n) };
+        let parts: Vec<&[T]> = inputs.iter().map(|s| &s[mine.clone()]).collect();
+        // SAFETY: own slot; peers read `reduced` only after the next barrier, and the previous
+        // call's readers finished before this call's first barrier.
+        let reduced = unsafe {
+            let p = self.group.slots[self.rank]
+                .reduced
+                .prepare(mine.len() * size_of::<T>()) as *mut T;
+            std::slice::from_raw_parts_mut(p, mine.len())
+        };
+        reduce::sum_into(&parts, reduced);
+        self.barrier(ctx, "all ranks to reduce their shard")?;
+
+        // ---- stage 2: all-gather. Copy every owner's reduced shard, bytes unchanged, so all
+        // ranks hold the same rounding of the same f32 sums.
+        // SAFETY: as in one_shot.
+        let out = unsafe { output_slice::<T>(call) };
+        for (owner, slot) in self.group.slots.iter().enumerate() {
+            let range = shard_range(n, world, owner, granule);
+            // SAFETY: written by `owner` before the barrier above.
+            let src = unsafe {
+                let b = slot.reduced.read(range.len() * size_of::<T>());
+                std::slice::from_raw_parts(b.as_ptr() as *const T, range.len())
+            };
+            out[range].copy_from_slice(src);
+        }
+        Ok(())
+    }
+
+    fn quantized<T: Element>(&self, ctx: Ctx, call: &Call, codec: Codec) -> Result<()> {
+        let n = call.len();
+        let world = self.group.world;
+        let shard = |r| shard_range(n, world, r, QUANT_GRANULE);
+        // Offsets of each owner's segment inside a rank's send buffer.
+        let mut seg_off = Vec::with_capacity(world + 1);
+        let mut total = 0;
+        for r in 0..world {
+            seg_off.push(total);
+            total += codec.encoded_len(shard(r).len());
+        }
+        seg_off.push(total);
+        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let Scratch { a, b } = &mut *scratch;
+        let max_shard = shard(0).len();
+        a.resize(max_shard, 0.0);
+        b.resize(max_shard, 0.0);
+
+        // ---- stage 1a: encode shard j of our input for owner j.
+        // SAFETY: the caller's input, validated by `prepare`.
+        let input = unsafe { std::slice::from_raw_parts(call.input.addr as *const T, n) };
+        // SAFETY: own slot before the first barrier; the previous call's readers of `qsend`
+        // finished before its second barrier.
+        let send = unsafe {
+            std::slice::from_raw_parts_mut(self.group.slots[self.rank].qsend.prepare(total), total)
+        };
+        for owner in (0..world).filter(|&o| o != self.rank) {
+            let range = shard(owner);
+            let x = &mut a[..range.len()];
+            reduce::widen(&input[range], x);
+            codec::encode(codec, x, &mut send[seg_off[owner]..seg_off[owner + 1]]);
+        }
+        self.barrier(ctx, "all ranks to encode their shards")?;
+        self.agree(ctx)?;
+
+        // ---- stage 1b: the owner decodes every peer's piece of its shard, sums in f32 in
+        // rank order and re-encodes the sum once. Its own piece never travels, so it enters
+        // the sum unquantized: one quantization fewer than QuickReduce, which round-trips
+        // every rank's piece through the codec (+0.28 dB at 8 ranks, docs/codecs.md).
+        let mine = shard(self.rank);
+        let acc = &mut a[..mine.len()];
+        let tmp = &mut b[..mine.len()];
+        for (src, slot) in self.group.slots.iter().enumerate() {
+            if src == self.rank {
+                reduce::widen(&input[mine.clone()], tmp);
+            } else {
+                // SAFETY: written by `src` before the barrier above.
+                let bytes = unsafe { slot.qsend.read(total) };
+                codec::decode(
+                    codec,
+                    &bytes[seg_off[self.rank]..seg_off[self.rank + 1]],
+                    tmp,
+                );
+            }
+            reduce::accumulate(acc, tmp, src == 0);
+        }
+        let enc_len = codec.encoded_len(mine.len());
+        // SAFETY: own slot; peers read `qresult` only after the next barrier.
+        let result = unsafe {
+            std::slice::from_raw_parts_mut(
+                self.group.slots[self.rank]
+                    .qresult
+                    .prepare(codec.encoded_len(max_shard)),
+                enc_len,
+            )
+        };
+        codec::encode(codec, acc, result);
+        self.barrier(ctx, "all ranks to reduce their shard")?;
+
+        // ---- stage 2: every rank decodes every owner's bytes: identical bytes in, identical
+        // values out on every rank.
+        // SAFETY: as in one_shot; the input was fully read in stage 1a.
+        let out = unsafe { output_slice::<T>(call) };
+        for (owner, slot) in self.group.slots.iter().enumerate() {
+            let range = shard(owner);
+            let len = range.len();
+            // SAFETY: written by `owner` before the barrier above.
+            let bytes = unsafe { slot.qresult.read(codec.encoded_len(len)) };
+            codec::decode(codec, bytes, &mut a[..len]);
+            reduce::narrow(&a[..len], &mut out[range]);
+        }
+        Ok(())
+    }
+}
+
+/// # Safety
+/// `call.output` must be valid, aligned, host memory lent exclusively for the call.
+unsafe fn output_slice<'a, T: Element>(call: &Call) -> &'a mut [T] {
+    std::slice::from_raw_parts_mut(call.output.addr as *mut T, call.len())
+}
+
+impl BackendComm for HostComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.group.world
+    }
+
+    fn limits(&self) -> Limits {
+        Limits {
+            device: Device::Host,
+            max_bytes: self.max_bytes,
+            align: 1,
+        }
+    }
+
+    fn selection(&self) -> &SelectionTable {
+        &self.table
+    }
+
+    fn strategy_available(
+        &self,
+        strategy: Strategy,
+        dtype: DType,
+        precision: Precision,
+    ) -> Result<(), String> {
+        match strategy {
+            Strategy::OneShot | Strategy::TwoShot => Ok(()),
+            Strategy::QuantizedTwoShot => match precision {
+                Precision::Lossy(c) if c.supports(dtype) => Ok(()),
+                Precision::Lossy(c) => Err(format!("codec {c} does not accept {dtype}")),
+                Precision::Exact => Err("it needs Precision::Lossy(codec)".into()),
+            },
+            Strategy::Vendor => {
+                Err("the host backend has no vendor library (NCCL/RCCL come with the cuda/rocm backends)".into())
+            }
+            Strategy::Auto => Err("Auto is resolved before the backend is called".into()),
+        }
+    }
+
+    fn all_reduce(&self, call: &Call) -> Result<()> {
+        if let Some(reason) = self.group.barrier.aborted() {
+            return Err(Error::Aborted { reason });
+        }
+        match call.dtype() {
+            DType::F32 => self.run::<f32>(call),
+            DType::F16 => self.run::<f16>(call),
+            DType::BF16 => self.run::<bf16>(call),
+        }
+    }
+
+    fn reject(&self, reason: &Error) {
+        let ctx = self.begin();
+        self.group.slots[self.rank].publish(
+            ctx.parity,
+            Desc {
+                len: 0,
+                dtype: DType::F32,
+                op: Default::default(),
+                precision: Precision::Exact,
+                strategy: Strategy::Auto,
+                rejected: Some(reason.to_string()),
+            },
+        );
+        // The peers learn of the rejection at this barrier; our own error is what the caller
+        // sees, so a failure here (timeout, abort) has nothing to add.
+        let _ = self.barrier(ctx, "all ranks to publish their arguments");
+    }
+
+    fn synchronize(&self, _stream: Stream) -> Result<()> {
+        // Host calls complete before returning; only an abort is left to report.
+        match self.group.barrier.aborted() {
+            Some(reason) => Err(Error::Aborted { reason }),
+            None => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,218 @@
+//! Rank inputs and the reference sum they are checked against.
+//!
+//! Every value is a pure function of (data set, rank, size, element index), so a rank fills its
+//! own input and any thread can regenerate any rank's element for the check without the inputs
+//! being kept or shipped around.
+
+use allreduce::DType;
+use half::{bf16, f16};
+
+/// What the ranks' inputs hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, clap::ValueEnum)]
+pub enum DataSet {
+    /// N(0,1) per element, from splitmix64 + Box-Muller seeded by (rank, size)
+    Gauss,
+    /// The integer pattern ((rank*7 + i*3) % 23) - 11: exact in every dtype
+    Ints,
+}
+
+impl DataSet {
+    pub const fn name(self) -> &'static str {
+        match self {
+            DataSet::Gauss => "gauss",
+            DataSet::Ints => "ints",
+        }
+    }
+}
+
+/// The exact rows' pattern: integers in -11..=11, so any f32 sum of up to 64 ranks is exact.
+#[inline]
+pub fn int_pattern(rank: usize, i: usize) -> f32 {
+    (((rank % 23) * 7 + (i % 23) * 3) % 23) as f32 - 11.0
+}
+
+const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// splitmix64's output function.
+#[inline]
+pub fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The `n`-th output (from 0) of a splitmix64 generator seeded with `seed`.
+#[inline]
+pub fn splitmix64_at(seed: u64, n: u64) -> u64 {
+    mix64(seed.wrapping_add(GOLDEN.wrapping_mul(n.wrapping_add(1))))
+}
+
+/// The seed of one rank's data for one size.
+pub fn seed(rank: usize, bytes: usize) -> u64 {
+    mix64(mix64(0xA11_EDCE ^ rank as u64) ^ bytes as u64)
+}
+
+/// Elements `2k` and `2k+1` of a Gaussian stream: Box-Muller on outputs `2k`, `2k+1`.
+#[inline]
+pub fn gauss_pair(seed: u64, k: u64) -> (f64, f64) {
+    const SCALE: f64 = 1.0 / (1u64 << 53) as f64;
+    let a = splitmix64_at(seed, 2 * k);
+    let b = splitmix64_at(seed, 2 * k + 1);
+    let u1 = ((a >> 11) + 1) as f64 * SCALE; // (0, 1]: ln is finite
+    let u2 = (b >> 11) as f64 * SCALE;
+    let r = (-2.0 * u1.ln()).sqrt();
+    let (s, c) = (std::f64::consts::TAU * u2).sin_cos();
+    (r * c, r * s)
+}
+
+/// `v` rounded (to nearest even) to `dtype`, back in f32.
+#[inline]
+pub fn round_to(dtype: DType, v: f32) -> f32 {
+    match dtype {
+        DType::F32 => v,
+        DType::F16 => f16::from_f32(v).to_f32(),
+        DType::BF16 => bf16::from_f32(v).to_f32(),
+    }
+}
+
+/// The inputs of one row: the data set, dtype and size every rank's values derive from.
+#[derive(Clone, Copy, Debug)]
+pub struct Inputs {
+    pub set: DataSet,
+    pub dtype: DType,
+    /// Bytes per rank (part of the seed, so each size sees fresh data).
+    pub bytes: usize,
+}
+
+impl Inputs {
+    pub fn new(set: DataSet, dtype: DType, bytes: usize) -> Self {
+        Inputs { set, dtype, bytes }
+    }
+
+    pub fn count(&self) -> usize {
+        self.bytes / self.dtype.size()
+    }
+
+    /// Rank `rank`'s elements `start..start + out.len()`, already rounded to the dtype.
+    pub fn values(&self, rank: usize, start: usize, out: &mut [f32]) {
+        match self.set {
+            DataSet::Ints => {
+                for (j, o) in out.iter_mut().enumerate() {
+                    *o = int_pattern(rank, start + j);
+                }
+            }
+            DataSet::Gauss => {
+                let seed = seed(rank, self.bytes);
+                let end = start + out.len();
+                let mut i = start;
+                while i < end {
+                    let (even, odd) = gauss_pair(seed, (i / 2) as u64);
+                    if i % 2 == 0 {
+                        out[i - start] = round_to(self.dtype, even as f32);
+                        if i + 1 < end {
+                            out[i + 1 - start] = round_to(self.dtype, odd as f32);
+                        }
+                        i += 2;
+                    } else {
+                        out[i - start] = round_to(self.dtype, odd as f32);
+                        i += 1;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Rank `rank`'s whole input, encoded as little-endian `dtype` bytes.
+    pub fn fill(&self, rank: usize) -> Vec<u8> {
+        let n = self.count();
+        let mut bytes = vec![0u8; n * self.dtype.size()];
+        let mut vals = vec![0f32; CHUNK.min(n)];
+        let mut start = 0;
+        while start < n {
+            let len = CHUNK.min(n - start);
+            self.values(rank, start, &mut vals[..len]);
+            for (j, &v) in vals[..len].iter().enumerate() {
+                self.dtype.store_f32(&mut bytes, start + j, v);
+            }
+            start += len;
+        }
+        bytes
+    }
+
+    /// The exact sum over `world` ranks of elements `start..start + out.len()`, in f64 (of the
+    /// dtype-rounded inputs; exact for up to 2^29 ranks of f16/bf16 values).
+    pub fn reference(&self, world: usize, start: usize, out: &mut [f64], scratch: &mut Vec<f32>) {
+        scratch.resize(out.len(), 0.0);
+        out.fill(0.0);
+        for rank in 0..world {
+            self.values(rank, start, scratch);
+            for (o, &v) in out.iter_mut().zip(scratch.iter()) {
+                *o += f64::from(v);
+            }
+        }
+    }
+}
+
+/// Elements generated or checked at a time.
+pub const CHUNK: usize = 4096;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn int_pattern_is_in_range_and_exact() {
+        for rank in 0..64 {
+            for i in 0..100 {
+                let v = int_pattern(rank, i);
+                assert!((-11.0..=11.0).contains(&v));
+                for d in DType::ALL {
+                    assert_eq!(round_to(d, v), v);
+                }
+            }
+        }
+        assert_eq!(int_pattern(0, 0), -11.0);
+        assert_eq!(int_pattern(1, 2), (7 + 6) as f32 - 11.0);
+    }
+
+    #[test]
+    fn values_do_not_depend_on_the_chunking() {
+        let inp = Inputs::new(DataSet::Gauss, DType::BF16, 2 * 1001);
+        let mut all = vec![0f32; 1001];
+        inp.values(3, 0, &mut all);
+        for start in [0usize, 1, 2, 7, 500, 999] {
+            let mut part = vec![0f32; 1001 - start];
+            inp.values(3, start, &mut part);
+            assert_eq!(&all[start..], &part[..], "start {start}");
+        }
+        // Different ranks and sizes see different streams.
+        let mut other = vec![0f32; 1001];
+        inp.values(4, 0, &mut other);
+        assert_ne!(all, other);
+    }
+
+    #[test]
+    fn gauss_looks_standard_normal() {
+        let inp = Inputs::new(DataSet::Gauss, DType::F32, 4 * 200_000);
+        let mut v = vec![0f32; 200_000];
+        inp.values(0, 0, &mut v);
+        let n = v.len() as f64;
+        let mean = v.iter().map(|&x| f64::from(x)).sum::<f64>() / n;
+        let var = v
+            .iter()
+            .map(|&x| (f64::from(x) - mean).powi(2))
+            .sum::<f64>()
+            / n;
+        assert!(mean.abs() < 0.01, "mean {mean}");
+        assert!((var - 1.0).abs() < 0.02, "var {var}");
+    }
+
+    #[test]
+    fn fill_encodes_the_values() {
+        let inp = Inputs::new(DataSet::Ints, DType::F16, 2 * 50);
+        let bytes = inp.fill(2);
+        for i in 0..50 {
+            assert_eq!(DType::F16.load_f32(&bytes, i), int_pattern(2, i));
+        }
+    }
+}

@@ -1,0 +1,228 @@
+//! `allreduce-bench`: an nccl-tests-like bandwidth and correctness sweep of the allreduce
+//! library. `--help` describes the flags and the measurements.
+
+mod buffers;
+mod cli;
+mod data;
+mod metrics;
+mod plot;
+mod report;
+mod runner;
+
+use std::io::{IsTerminal, Write};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use allreduce::{Communicator, GroupConfig};
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use cli::Args;
+use report::{Git, Machine, RunInfo};
+use runner::{Config, Iters, RowSpec};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("allreduce-bench: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `items` without repeats, in first-seen order.
+fn dedup<T: PartialEq + Copy>(items: &[T]) -> Vec<T> {
+    let mut out: Vec<T> = Vec::with_capacity(items.len());
+    for &x in items {
+        if !out.contains(&x) {
+            out.push(x);
+        }
+    }
+    out
+}
+
+/// A row as the progress bar names it while it runs.
+fn describe(row: &RowSpec) -> String {
+    format!("{} B {} {}", row.bytes, row.strategy, row.precision)
+}
+
+fn run(args: &Args) -> Result<ExitCode, BoxError> {
+    if !(args.row_time.is_finite() && args.row_time > 0.0) {
+        return Err(format!(
+            "--row-time must be a positive number of seconds, not {}",
+            args.row_time
+        )
+        .into());
+    }
+    if !(args.timeout.is_finite() && args.timeout > 0.0 && args.timeout < 1e9) {
+        return Err(format!(
+            "--timeout must be a positive number of seconds, not {}",
+            args.timeout
+        )
+        .into());
+    }
+    let dtype = args.dtype;
+    let sizes = cli::sweep_sizes(args.minbytes, args.maxbytes, args.stepfactor, dtype.size());
+    if args.minbytes > args.maxbytes {
+        return Err(format!(
+            "--minbytes ({}) is larger than --maxbytes ({})",
+            args.minbytes, args.maxbytes
+        )
+        .into());
+    }
+    if sizes.is_empty() {
+        return Err(format!(
+            "no sizes to run: -b {} -e {} holds no whole {dtype} element ({} bytes)",
+            args.minbytes,
+            args.maxbytes,
+            dtype.size()
+        )
+        .into());
+    }
+    let strategies = dedup(&args.strategy);
+    let precisions = dedup(&args.precision);
+    let rows: Vec<RowSpec> = sizes
+        .iter()
+        .flat_map(|&bytes| {
+            let precisions = &precisions;
+            strategies.iter().flat_map(move |&strategy| {
+                precisions.iter().map(move |&precision| RowSpec {
+                    bytes,
+                    count: bytes / dtype.size(),
+                    strategy,
+                    precision,
+                })
+            })
+        })
+        .collect();
+
+    let max_bytes = sizes.iter().copied().max().unwrap_or(0).max(1);
+    let config = GroupConfig::new(args.ranks)
+        .max_bytes(max_bytes)
+        .timeout(Duration::from_secs_f64(args.timeout));
+    let comms = Communicator::new_group(args.backend, config).map_err(|e| {
+        format!(
+            "cannot build a {}-rank {} group: {e}",
+            args.ranks, args.backend
+        )
+    })?;
+    let factory = buffers::factory(args.backend)?;
+
+    let cfg = Config {
+        dtype,
+        in_place: args.inplace,
+        data: args.data,
+        warmup: args.warmup,
+        iters: match args.iters {
+            Some(n) => Iters::Fixed(n),
+            None => Iters::Budget {
+                seconds: args.row_time,
+                max: args.max_iters,
+            },
+        },
+    };
+    let info = RunInfo {
+        command: cli::command_line(),
+        backend: args.backend.to_string(),
+        world: comms.len(),
+        devices: comms.iter().map(|c| c.device().to_string()).collect(),
+        minbytes: args.minbytes,
+        maxbytes: args.maxbytes,
+        stepfactor: args.stepfactor,
+        sizes: sizes.len(),
+        strategies: strategies.iter().map(|s| s.to_string()).collect(),
+        precisions: precisions.iter().map(|p| p.to_string()).collect(),
+        timeout_s: args.timeout,
+        cfg: cfg.clone(),
+        machine: Machine::detect(),
+        git: Git::detect(),
+    };
+
+    let mut stdout = std::io::stdout().lock();
+    if !args.json {
+        writeln!(stdout, "{}", report::header(&info))?;
+    }
+    let progress = if std::io::stderr().is_terminal() {
+        let pb = ProgressBar::new(rows.len() as u64);
+        if let Ok(style) =
+            ProgressStyle::with_template("{bar:32} {pos}/{len} rows  {elapsed}  {msg}")
+        {
+            pb.set_style(style);
+        }
+        pb
+    } else {
+        ProgressBar::hidden()
+    };
+    if let Some(first) = rows.first() {
+        progress.set_message(describe(first));
+    }
+    let world = comms.len();
+    let mut done = 0;
+    let mut write_error = None;
+    let sweep = runner::run_sweep(&comms, &*factory, &cfg, &rows, |row| {
+        if !args.json {
+            let line = report::row_line(row, world, &cfg);
+            progress.suspend(|| {
+                if let Err(e) = writeln!(stdout, "{line}").and_then(|()| stdout.flush()) {
+                    write_error.get_or_insert(e);
+                }
+            });
+        }
+        done += 1;
+        progress.inc(1);
+        if let Some(next) = rows.get(done) {
+            progress.set_message(describe(next));
+        }
+    });
+    progress.finish_and_clear();
+    if let Some(e) = write_error {
+        return Err(format!("writing the table: {e}").into());
+    }
+
+    let summary = report::summarize(&sweep.rows, world);
+    if args.json {
+        let doc = report::json_document(&info, &sweep.rows, &summary, sweep.error.as_deref());
+        serde_json::to_writer_pretty(&mut stdout, &doc)?;
+        writeln!(stdout)?;
+    } else {
+        writeln!(stdout, "{}", report::footer(&summary))?;
+    }
+    stdout.flush()?;
+    if let Some(path) = &args.plot {
+        let title = format!(
+            "allreduce-bench: {} backend, {} ranks, {}, {}",
+            info.backend,
+            world,
+            dtype,
+            if cfg.in_place {
+                "in-place"
+            } else {
+                "out-of-place"
+            }
+        );
+        plot::draw(path, &title, &sweep.rows, world)?;
+        if !args.json {
+            writeln!(stdout, "# Plot written to {}", path.display())?;
+        }
+    }
+    if let Some(e) = sweep.error {
+        return Err(format!(
+            "the sweep stopped after {} of {} rows: {e}",
+            sweep.rows.len(),
+            rows.len()
+        )
+        .into());
+    }
+    if summary.failed > 0 {
+        eprintln!(
+            "allreduce-bench: {} of {} measured rows failed the correctness check",
+            summary.failed, summary.run
+        );
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,444 @@
+//! The nccl-tests-style table, the JSON document, and what they say about the machine.
+
+use std::process::{Command, Stdio};
+
+use serde_json::{json, Value};
+
+use crate::cli::format_size;
+use crate::metrics::{algbw_gbps, bus_factor};
+use crate::runner::{Config, Iters, Outcome, RowResult};
+
+/// The facts about the run that the header and the JSON document share.
+pub struct RunInfo {
+    pub command: String,
+    pub backend: String,
+    pub world: usize,
+    pub devices: Vec<String>,
+    pub minbytes: usize,
+    pub maxbytes: usize,
+    pub stepfactor: u64,
+    pub sizes: usize,
+    pub strategies: Vec<String>,
+    pub precisions: Vec<String>,
+    pub timeout_s: f64,
+    pub cfg: Config,
+    pub machine: Machine,
+    pub git: Option<Git>,
+}
+
+pub struct Machine {
+    pub hostname: String,
+    pub cpus: usize,
+    pub os: String,
+    pub kernel: Option<String>,
+    pub arch: String,
+    pub cpu_model: Option<String>,
+}
+
+pub struct Git {
+    pub commit: String,
+    pub dirty: bool,
+}
+
+fn read_trimmed(path: &str) -> Option<String> {
+    let s = std::fs::read_to_string(path).ok()?;
+    let s = s.trim();
+    (!s.is_empty()).then(|| s.to_string())
+}
+
+impl Machine {
+    pub fn detect() -> Self {
+        let hostname = read_trimmed("/proc/sys/kernel/hostname")
+            .or_else(|| read_trimmed("/etc/hostname"))
+            .or_else(|| std::env::var("HOSTNAME").ok())
+            .unwrap_or_else(|| "unknown".into());
+        let cpu_model = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        });
+        Machine {
+            hostname,
+            cpus: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1),
+            os: std::env::consts::OS.into(),
+            kernel: read_trimmed("/proc/sys/kernel/osrelease"),
+            arch: std::env::consts::ARCH.into(),
+            cpu_model,
+        }
+    }
+
+    fn describe(&self) -> String {
+        let mut s = format!("{}, {} cpus, {}", self.hostname, self.cpus, self.os);
+        if let Some(k) = &self.kernel {
+            s += &format!(" {k}");
+        }
+        s += &format!(" {}", self.arch);
+        if let Some(m) = &self.cpu_model {
+            s += &format!(", {m}");
+        }
+        s
+    }
+}
+
+impl Git {
+    /// The checkout's commit, if `git rev-parse HEAD` works here.
+    pub fn detect() -> Option<Self> {
+        let run = |args: &[&str]| {
+            Command::new("git")
+                .args(args)
+                .stdin(Stdio::null())
+                .stderr(Stdio::null())
+                .output()
+                .ok()
+                .filter(|o| o.status.success())
+                .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        };
+        let commit = run(&["rev-parse", "HEAD"]).filter(|c| !c.is_empty())?;
+        let dirty =
+            run(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+        Some(Git { commit, dirty })
+    }
+}
+
+fn iters_text(cfg: &Config) -> String {
+    match cfg.iters {
+        Iters::Fixed(n) => format!("{n} per row"),
+        Iters::Budget { seconds, max } => format!("auto ({seconds} s of calls per row, 1..={max})"),
+    }
+}
+
+fn placement(in_place: bool) -> &'static str {
+    if in_place {
+        "in"
+    } else {
+        "out"
+    }
+}
+
+/// The lines before the table.
+pub fn header(info: &RunInfo) -> String {
+    let cfg = &info.cfg;
+    let mut s = String::new();
+    s += &format!(
+        "# allreduce-bench {}: all-reduce (sum)\n",
+        env!("CARGO_PKG_VERSION")
+    );
+    s += &format!("# Command    : {}\n", info.command);
+    s += &format!(
+        "# Backend    : {}   ranks: {}   dtype: {}   {}\n",
+        info.backend,
+        info.world,
+        cfg.dtype,
+        if cfg.in_place {
+            "in-place"
+        } else {
+            "out-of-place"
+        }
+    );
+    s += &format!(
+        "# Sizes      : {} .. {} bytes per rank, factor {} ({} sizes)\n",
+        format_size(info.minbytes),
+        format_size(info.maxbytes),
+        info.stepfactor,
+        info.sizes
+    );
+    s += &format!(
+        "# Strategies : {}   precisions: {}   lossy data: {}\n",
+        info.strategies.join(","),
+        info.precisions.join(","),
+        cfg.data.name()
+    );
+    s += &format!(
+        "# Iterations : {}   warm-up: {}\n",
+        iters_text(cfg),
+        cfg.warmup.max(1)
+    );
+    s += &format!("# Machine    : {}\n", info.machine.describe());
+    if let Some(g) = &info.git {
+        s += &format!(
+            "# Git        : {}{}\n",
+            g.commit,
+            if g.dirty { " (dirty)" } else { "" }
+        );
+    }
+    s += "#\n";
+    let pid = std::process::id();
+    for (rank, dev) in info.devices.iter().enumerate() {
+        s += &format!(
+            "#  Rank {rank:2} Pid {pid:6} on {} device {dev}\n",
+            info.machine.hostname
+        );
+    }
+    s += "#\n";
+    s += &format!(
+        "#{:>11} {:>12} {:>5} {:>15} {:>6} {:>5} {:>6} {:>10} {:>9} {:>9} {:>7} {:>8} {:>9}\n",
+        "size",
+        "count",
+        "type",
+        "strategy",
+        "prec",
+        "place",
+        "iters",
+        "time",
+        "algbw",
+        "busbw",
+        "#wrong",
+        "snr",
+        "maxerr"
+    );
+    s += &format!(
+        "#{:>11} {:>12} {:>5} {:>15} {:>6} {:>5} {:>6} {:>10} {:>9} {:>9} {:>7} {:>8} {:>9}",
+        "(B)", "(elements)", "", "", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(dB)", ""
+    );
+    s
+}
+
+fn strategy_text(row: &RowResult) -> String {
+    let requested = row.spec.strategy;
+    match &row.outcome {
+        Outcome::Done(m) if requested == allreduce::Strategy::Auto => format!("auto>{}", m.ran),
+        _ => requested.to_string(),
+    }
+}
+
+/// SNR as printed: 2 decimals, `inf` for an exact result.
+fn snr_text(v: f64) -> String {
+    if v.is_nan() {
+        "-".into()
+    } else if v.is_infinite() {
+        if v > 0.0 { "inf" } else { "-inf" }.into()
+    } else {
+        format!("{v:.2}")
+    }
+}
+
+/// `v` as `1.234e-02` (printf's %.3e), `-` for NaN.
+fn sci(v: f64) -> String {
+    if v.is_nan() {
+        return "-".into();
+    }
+    if !v.is_finite() {
+        return if v > 0.0 { "inf" } else { "-inf" }.into();
+    }
+    let s = format!("{v:.3e}");
+    match s.split_once('e') {
+        Some((mantissa, exp)) => {
+            let (sign, digits) = exp.strip_prefix('-').map_or(("+", exp), |d| ("-", d));
+            format!("{mantissa}e{sign}{digits:0>2}")
+        }
+        None => s,
+    }
+}
+
+/// One table line.
+pub fn row_line(row: &RowResult, world: usize, cfg: &Config) -> String {
+    let spec = &row.spec;
+    let lead = format!(
+        "{:>12} {:>12} {:>5} {:>15} {:>6} {:>5}",
+        spec.bytes,
+        spec.count,
+        cfg.dtype,
+        strategy_text(row),
+        spec.precision,
+        placement(cfg.in_place)
+    );
+    match &row.outcome {
+        Outcome::Skipped(reason) => format!("{lead}  skipped: {reason}"),
+        Outcome::Done(m) => {
+            let algbw = algbw_gbps(spec.bytes, m.seconds);
+            let busbw = algbw * bus_factor(world);
+            let (wrong, snr, maxerr) = if spec.exact() {
+                (m.check.wrong_elements.to_string(), "-".into(), "-".into())
+            } else {
+                (
+                    m.check.ranks_differing().to_string(),
+                    snr_text(m.check.stats.snr_db()),
+                    if m.check.stats.elements == 0 {
+                        "-".into()
+                    } else {
+                        sci(m.check.stats.max_abs_err)
+                    },
+                )
+            };
+            format!(
+                "{lead} {:>6} {:>10.2} {:>9.3} {:>9.3} {:>7} {:>8} {:>9}",
+                m.iters,
+                m.seconds * 1e6,
+                algbw,
+                busbw,
+                wrong,
+                snr,
+                maxerr
+            )
+        }
+    }
+}
+
+/// Totals over the rows.
+pub struct Summary {
+    pub run: usize,
+    pub skipped: usize,
+    pub failed: usize,
+    pub avg_busbw: f64,
+}
+
+pub fn summarize(rows: &[RowResult], world: usize) -> Summary {
+    let mut s = Summary {
+        run: 0,
+        skipped: 0,
+        failed: 0,
+        avg_busbw: 0.0,
+    };
+    let mut sum = 0.0;
+    for row in rows {
+        match &row.outcome {
+            Outcome::Skipped(_) => s.skipped += 1,
+            Outcome::Done(m) => {
+                s.run += 1;
+                sum += algbw_gbps(row.spec.bytes, m.seconds) * bus_factor(world);
+                if m.failed(row.spec.exact()) {
+                    s.failed += 1;
+                }
+            }
+        }
+    }
+    if s.run > 0 {
+        s.avg_busbw = sum / s.run as f64;
+    }
+    s
+}
+
+/// The lines after the table.
+pub fn footer(summary: &Summary) -> String {
+    format!(
+        "# Rows                 : {} run, {} skipped\n\
+         # Out of bounds values : {} {}\n\
+         # Avg bus bandwidth    : {:.3} GB/s\n#",
+        summary.run,
+        summary.skipped,
+        summary.failed,
+        if summary.failed == 0 { "OK" } else { "FAILED" },
+        summary.avg_busbw
+    )
+}
+
+/// A float as JSON: `null` where JSON has no number (NaN, infinities).
+fn num(v: f64) -> Value {
+    if v.is_finite() {
+        json!(v)
+    } else {
+        Value::Null
+    }
+}
+
+fn row_json(row: &RowResult, world: usize, cfg: &Config) -> Value {
+    let spec = &row.spec;
+    let mut v = json!({
+        "bytes": spec.bytes,
+        "count": spec.count,
+        "dtype": cfg.dtype.name(),
+        "strategy": spec.strategy.name(),
+        "precision": spec.precision.to_string(),
+        "in_place": cfg.in_place,
+    });
+    let fields = match &row.outcome {
+        Outcome::Skipped(reason) => json!({ "status": "skipped", "reason": reason }),
+        Outcome::Done(m) => {
+            let algbw = algbw_gbps(spec.bytes, m.seconds);
+            let snr = m.check.stats.snr_db();
+            json!({
+                "status": if m.failed(spec.exact()) { "failed" } else { "ok" },
+                "ran": m.ran.name(),
+                "data": m.data.name(),
+                "iters": m.iters,
+                "time_us": num(m.seconds * 1e6),
+                "algbw_gbps": num(algbw),
+                "busbw_gbps": num(algbw * bus_factor(world)),
+                "wrong_elements": m.check.wrong_elements,
+                "ranks_differing": m.check.ranks_differing(),
+                "snr_db": num(snr),
+                "exact_result": snr == f64::INFINITY,
+                "max_abs_err": num(m.check.stats.max_abs_err),
+                "non_finite": m.check.stats.non_finite,
+            })
+        }
+    };
+    if let (Value::Object(o), Value::Object(f)) = (&mut v, fields) {
+        o.extend(f);
+    }
+    v
+}
+
+/// The whole run as one JSON document.
+pub fn json_document(
+    info: &RunInfo,
+    rows: &[RowResult],
+    summary: &Summary,
+    error: Option<&str>,
+) -> Value {
+    let cfg = &info.cfg;
+    let iters = match cfg.iters {
+        Iters::Fixed(n) => json!({ "mode": "fixed", "iters": n }),
+        Iters::Budget { seconds, max } => {
+            json!({ "mode": "budget", "row_time_s": seconds, "max_iters": max })
+        }
+    };
+    json!({
+        "tool": "allreduce-bench",
+        "version": env!("CARGO_PKG_VERSION"),
+        "command": info.command,
+        "config": {
+            "backend": info.backend,
+            "ranks": info.world,
+            "devices": info.devices,
+            "dtype": cfg.dtype.name(),
+            "in_place": cfg.in_place,
+            "minbytes": info.minbytes,
+            "maxbytes": info.maxbytes,
+            "stepfactor": info.stepfactor,
+            "strategies": info.strategies,
+            "precisions": info.precisions,
+            "data": cfg.data.name(),
+            "warmup": cfg.warmup.max(1),
+            "iters": iters,
+            "timeout_s": info.timeout_s,
+            "bus_factor": bus_factor(info.world),
+        },
+        "machine": {
+            "hostname": info.machine.hostname,
+            "cpus": info.machine.cpus,
+            "os": info.machine.os,
+            "kernel": info.machine.kernel,
+            "arch": info.machine.arch,
+            "cpu_model": info.machine.cpu_model,
+        },
+        "git": info.git.as_ref().map(|g| json!({ "commit": g.commit, "dirty": g.dirty })),
+        "rows": rows.iter().map(|r| row_json(r, info.world, cfg)).collect::<Vec<_>>(),
+        "summary": {
+            "rows_run": summary.run,
+            "rows_skipped": summary.skipped,
+            "rows_failed": summary.failed,
+            "avg_busbw_gbps": num(summary.avg_busbw),
+        },
+        "error": error,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scientific_like_printf() {
+        assert_eq!(sci(0.007202), "7.202e-03");
+        assert_eq!(sci(1.5), "1.500e+00");
+        assert_eq!(sci(0.0), "0.000e+00");
+        assert_eq!(sci(12345.0), "1.234e+04");
+        assert_eq!(sci(f64::INFINITY), "inf");
+        assert_eq!(snr_text(f64::INFINITY), "inf");
+        assert_eq!(snr_text(20.004), "20.00");
+    }
+}

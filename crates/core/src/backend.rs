@@ -1,0 +1,297 @@
+//! The contract between the facade and a backend.
+//!
+//! The facade validates arguments and resolves `Strategy::Auto` (both generic, here), then
+//! hands a backend a [`Call`] in which nothing is left to interpret. A backend enqueues the
+//! call on the caller's stream and returns; GPU backends do no host synchronisation per call
+//! and report device-side failures (spin-wait timeouts) through [`BackendComm::synchronize`]
+//! or the next call, the way `ncclCommGetAsyncError` does.
+
+use std::time::Duration;
+
+use crate::{
+    BufMut, BufRef, Codec, DType, Device, Error, Precision, RawBuffer, ReduceOp, Result,
+    SelectionTable, Strategy, Stream,
+};
+
+/// Largest world size any backend accepts. GPU kernels are instantiated for 2..=8 ranks.
+pub const MAX_WORLD: usize = 64;
+
+/// How to build a group of ranks.
+#[derive(Clone, Debug)]
+pub struct GroupConfig {
+    pub world_size: usize,
+    /// Device ordinal of each rank for GPU backends; an ordinal may repeat ("virtual ranks",
+    /// several ranks on one GPU). Empty means every rank on device 0. Ignored by the host.
+    pub devices: Vec<u32>,
+    /// Largest call in bytes (per rank); sizes the workspace.
+    pub max_bytes: usize,
+    /// Deadline of every wait for a peer.
+    pub timeout: Duration,
+    /// Table behind `Strategy::Auto`; `None` uses the backend's default.
+    pub selection: Option<SelectionTable>,
+}
+
+impl GroupConfig {
+    pub const DEFAULT_MAX_BYTES: usize = 64 << 20;
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
+    pub fn new(world_size: usize) -> Self {
+        GroupConfig {
+            world_size,
+            devices: Vec::new(),
+            max_bytes: Self::DEFAULT_MAX_BYTES,
+            timeout: Self::DEFAULT_TIMEOUT,
+            selection: None,
+        }
+    }
+
+    pub fn max_bytes(mut self, bytes: usize) -> Self {
+        self.max_bytes = bytes;
+        self
+    }
+
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    pub fn devices(mut self, devices: Vec<u32>) -> Self {
+        self.devices = devices;
+        self
+    }
+
+    pub fn selection(mut self, table: SelectionTable) -> Self {
+        self.selection = Some(table);
+        self
+    }
+
+    /// Checks that hold for every backend.
+    pub fn validate(&self) -> Result<()> {
+        if self.world_size == 0 || self.world_size > MAX_WORLD {
+            return Err(Error::InvalidConfig(format!(
+                "world size {} is outside 1..={MAX_WORLD}",
+                self.world_size
+            )));
+        }
+        if !self.devices.is_empty() && self.devices.len() != self.world_size {
+            return Err(Error::InvalidConfig(format!(
+                "{} device ordinals given for {} ranks",
+                self.devices.len(),
+                self.world_size
+            )));
+        }
+        if self.max_bytes == 0 {
+            return Err(Error::InvalidConfig("max_bytes must be positive".into()));
+        }
+        if self.timeout.is_zero() {
+            return Err(Error::InvalidConfig("timeout must be positive".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Per-call options. `Default` is an exact sum chosen by `Auto` on the null stream.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AllReduceOptions {
+    pub op: ReduceOp,
+    pub precision: Precision,
+    pub strategy: Strategy,
+    pub stream: Stream,
+}
+
+impl AllReduceOptions {
+    pub fn precision(mut self, p: Precision) -> Self {
+        self.precision = p;
+        self
+    }
+    pub fn strategy(mut self, s: Strategy) -> Self {
+        self.strategy = s;
+        self
+    }
+    pub fn stream(mut self, s: Stream) -> Self {
+        self.stream = s;
+        self
+    }
+}
+
+/// A validated call with a concrete strategy. For in-place calls `input == output`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Call {
+    pub input: RawBuffer,
+    pub output: RawBuffer,
+    pub op: ReduceOp,
+    pub precision: Precision,
+    pub strategy: Strategy,
+    pub stream: Stream,
+}
+
+impl Call {
+    pub fn len(&self) -> usize {
+        self.output.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.output.len == 0
+    }
+    pub fn dtype(&self) -> DType {
+        self.output.dtype
+    }
+    pub fn bytes(&self) -> usize {
+        self.output.bytes()
+    }
+    pub fn in_place(&self) -> bool {
+        self.input.addr == self.output.addr
+    }
+    /// The codec the call runs with, if its strategy quantizes.
+    pub fn codec(&self) -> Option<Codec> {
+        match (self.strategy, self.precision) {
+            (Strategy::QuantizedTwoShot, Precision::Lossy(c)) => Some(c),
+            _ => None,
+        }
+    }
+}
+
+/// What a backend tells the generic validation about itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    pub device: Device,
+    pub max_bytes: usize,
+    /// Required alignment of buffer addresses, in bytes (at least the element size).
+    pub align: usize,
+}
+
+/// Validate buffers and options against `limits`; resolve `Auto` through `table`.
+/// `available` says whether the backend can run a concrete strategy for this call.
+pub fn prepare(
+    input: Option<BufRef<'_>>,
+    output: &BufMut<'_>,
+    options: &AllReduceOptions,
+    limits: &Limits,
+    world: usize,
+    table: &SelectionTable,
+    available: impl Fn(Strategy, DType, Precision) -> Result<(), String>,
+) -> Result<Call> {
+    let out = output.raw();
+    let inp = input.map(|b| b.raw()).unwrap_or(out);
+    if inp.dtype != out.dtype {
+        return Err(Error::DTypeMismatch {
+            input: inp.dtype,
+            output: out.dtype,
+        });
+    }
+    if inp.len != out.len {
+        return Err(Error::LengthMismatch {
+            input: inp.len,
+            output: out.len,
+        });
+    }
+    for b in [inp, out] {
+        if b.device != limits.device {
+            return Err(Error::WrongDevice {
+                buffer: b.device,
+                comm: limits.device,
+            });
+        }
+        let align = limits.align.max(b.dtype.size());
+        if b.len > 0 && b.addr % align != 0 {
+            return Err(Error::Misaligned {
+                addr: b.addr,
+                align,
+            });
+        }
+    }
+    let bytes = out.bytes();
+    if bytes > limits.max_bytes {
+        return Err(Error::TooLarge {
+            bytes,
+            max: limits.max_bytes,
+        });
+    }
+    if input.is_some() && inp.addr != out.addr && inp.overlaps(&out) {
+        return Err(Error::InvalidConfig(
+            "input and output overlap without being the same buffer".into(),
+        ));
+    }
+    if let Precision::Lossy(codec) = options.precision {
+        if !codec.supports(out.dtype) {
+            return Err(Error::UnsupportedCodec {
+                codec,
+                dtype: out.dtype,
+            });
+        }
+    }
+    let dtype = out.dtype;
+    let strategy = match options.strategy {
+        Strategy::Auto => table.choose(bytes, world, dtype, options.precision, |s| {
+            available(s, dtype, options.precision).is_ok()
+        }),
+        Strategy::QuantizedTwoShot if options.precision == Precision::Exact => {
+            return Err(Error::StrategyUnavailable {
+                strategy: Strategy::QuantizedTwoShot,
+                reason: "it needs Precision::Lossy(codec)".into(),
+            })
+        }
+        s => {
+            available(s, dtype, options.precision).map_err(|reason| {
+                Error::StrategyUnavailable {
+                    strategy: s,
+                    reason,
+                }
+            })?;
+            s
+        }
+    };
+    Ok(Call {
+        input: inp,
+        output: out,
+        op: options.op,
+        precision: options.precision,
+        strategy,
+        stream: options.stream,
+    })
+}
+
+/// A backend: a family of communicators.
+pub trait Backend: 'static {
+    const NAME: &'static str;
+    type Comm: BackendComm;
+
+    /// Build all ranks of an in-process group; element `r` is rank `r`.
+    fn create_group(config: &GroupConfig) -> Result<Vec<Self::Comm>>;
+}
+
+/// One rank of a group. Each rank is driven from its own thread.
+pub trait BackendComm: Send + Sync {
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+    fn limits(&self) -> Limits;
+    fn selection(&self) -> &SelectionTable;
+
+    /// `Ok` if this backend can run `strategy` for the dtype and precision, else why not.
+    fn strategy_available(
+        &self,
+        strategy: Strategy,
+        dtype: DType,
+        precision: Precision,
+    ) -> Result<(), String>;
+
+    /// Enqueue a validated call on `call.stream`.
+    fn all_reduce(&self, call: &Call) -> Result<()>;
+
+    /// This rank's arguments were invalid. Backends that agree on every call between ranks
+    /// (the host backend) tell the peers, so they fail at once instead of timing out.
+    fn reject(&self, _reason: &Error) {}
+
+    /// Wait until everything enqueued on `stream` has finished and report any device-side
+    /// error (such as a spin-wait timeout) recorded since the last check.
+    fn synchronize(&self, stream: Stream) -> Result<()>;
+}
+
+/// Exchanges small byte messages among the ranks of a multi-process group (like NCCL's
+/// bootstrap): users plug in MPI, torch.distributed or a store; a TCP rendezvous is built in
+/// with the multi-process constructor.
+pub trait Bootstrap: Send {
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+    /// Every rank contributes `data`; all receive every rank's bytes, in rank order.
+    fn all_gather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>>;
+}

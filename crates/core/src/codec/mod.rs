@@ -1,0 +1,368 @@
+//! Reference block codecs of the quantized all-reduce.
+//!
+//! This is the specification GPU kernels must match bit for bit; `docs/codecs.md` describes
+//! the same format in prose, with a worked example.
+//!
+//! * Blocks of [`BLOCK`] = 32 elements, one 16-bit scale per block, symmetric.
+//! * Encoder input is f32, decoder output is f32.
+//! * Scale field: a bf16 bit pattern whose mantissa LSB (bit 0, [`FLAG_BIT`]) is not part of
+//!   the value; it is reserved for an adaptive variant, written 0 and masked on decode.
+//! * Integer codecs (Q8/Q6/Q4, `H = 2^(b-1)`): the element of largest magnitude `m` maps to
+//!   code `-H` (scale `s = round_scale(-m / H)`), codes are `clamp(rne(x / s), -H, H-1) + H`.
+//! * FP8: `s = round_scale(amax / 448)`, codes are `f32_to_e4m3(x / s)`.
+//! * A block with any Inf or NaN is poisoned: scale [`POISON_SCALE`], zero codes; it decodes
+//!   to 32 NaNs.
+//!
+//! Every division is the IEEE correctly rounded f32 division (`div.rn.f32` / `__fdiv_rn`,
+//! never a reciprocal multiply or fast-math division) and every product a single correctly
+//! rounded f32 multiply; subnormals are not flushed.
+
+mod fp8;
+#[cfg(test)]
+mod tests;
+
+pub use fp8::{e4m3_to_f32, f32_to_e4m3, E4M3_MAX};
+
+use crate::Codec;
+
+/// Elements per block.
+pub const BLOCK: usize = 32;
+
+/// Bit 0 of the scale field: the reserved "adaptive" flag. The plain codecs write 0 and
+/// [`scale_value`] ignores it.
+pub const FLAG_BIT: u16 = 1;
+
+/// Scale field of a block that held an Inf or a NaN: a bf16 quiet NaN, flag bit clear.
+pub const POISON_SCALE: u16 = 0x7FC0;
+
+/// 2^-133: half the spacing of scale values below 2^-125 (the grid there is 2^-132).
+const SCALE_HALF_GRID_MIN: f64 = 1.0 / (1u128 << 100) as f64 / (1u64 << 33) as f64;
+/// 2^-149: the smallest f32 subnormal, an upper bound on any single f32 rounding error that
+/// happens in the subnormal range.
+const F32_TINY: f64 = 1.0 / (1u128 << 100) as f64 / (1u64 << 49) as f64;
+
+#[inline]
+const fn align16(n: usize) -> usize {
+    (n + 15) & !15
+}
+
+impl Codec {
+    /// Bytes of codes per 32-element block (the scale travels separately).
+    pub const fn code_bytes(self) -> usize {
+        match self {
+            Codec::Fp8E4M3 | Codec::Int8 => 32,
+            Codec::Int6 => 24,
+            Codec::Int4 => 16,
+        }
+    }
+
+    /// Wire bits per element, the 16-bit block scale included.
+    pub const fn bits_per_element(self) -> f64 {
+        match self {
+            Codec::Fp8E4M3 | Codec::Int8 => 8.5,
+            Codec::Int6 => 6.5,
+            Codec::Int4 => 4.5,
+        }
+    }
+
+    /// `H = 2^(bits-1)` of an integer codec: codes span `[-H, H-1]`, stored biased by `H`.
+    /// `None` for FP8.
+    pub const fn half_range(self) -> Option<u32> {
+        match self {
+            Codec::Fp8E4M3 => None,
+            Codec::Int8 => Some(128),
+            Codec::Int6 => Some(32),
+            Codec::Int4 => Some(8),
+        }
+    }
+
+    /// Byte offset of the scales region in an encoded segment of `n` elements:
+    /// `align16(ceil(n / 32) * code_bytes)`.
+    pub fn scales_offset(self, n: usize) -> usize {
+        align16(n.div_ceil(BLOCK) * self.code_bytes())
+    }
+
+    /// Bytes of an encoded segment of `n` elements:
+    /// `align16(nb * code_bytes) + align16(2 * nb)` with `nb = ceil(n / 32)`.
+    pub fn encoded_len(self, n: usize) -> usize {
+        self.scales_offset(n) + align16(2 * n.div_ceil(BLOCK))
+    }
+
+    /// Bound on the error of one encode/decode round trip: `|x̂ - x| <= step_bound(amax)`
+    /// for every element `x` of a finite block whose largest magnitude is `amax`.
+    ///
+    /// With `s0 = amax / H` (ints) or `amax / 448` (FP8) and `r` the scale rounding error,
+    /// `r = max(2^-7 * s0, 2^-133)` (6 explicit mantissa bits; the grid is 2^-132 below 2^-125):
+    ///
+    /// * ints: `max(s0 + (H-1) * r, H * r)`. Unclamped elements are within `S/2` of their
+    ///   value (`S` the rounded scale); the max-magnitude side, clamped at `-H`, is off by at
+    ///   most `H * r`; the opposite side, clamped at `H-1`, by at most `s0 + (H-1) * r` (the
+    ///   one-level asymmetry of `[-H, H-1]` plus the scale rounding). For normal scales:
+    ///   `amax/H * (1 + (H-1)/128)`: Q8 `amax * 255/16384`, Q6 `amax * 159/4096`,
+    ///   Q4 `amax * 135/1024`.
+    /// * FP8: `max(16 * (s0 + r), 448 * r)`. `amax / S <= 448 / (1 - 2^-7) < 464`, so
+    ///   saturation only clips values that round to 448 anyway, and the largest rounding
+    ///   error in E4M3's top binade [256, 448] is half its ulp, 16; subnormal codes err by at
+    ///   most 2^-10. For normal scales: `amax / 28 * (1 + 2^-7)`.
+    ///
+    /// The last terms (`H * r`, `448 * r`) only matter for subnormal scales, where they also
+    /// cover blocks whose scale rounds to zero and that decode to all zeros. A relative slack
+    /// of 2^-16 and an absolute 2^-149 cover the f32 division and (FP8) the decode multiply.
+    ///
+    /// Valid for `amax <= 2^127`; above that the decode (`-H * S` or `448 * S`) may overflow
+    /// to ±Inf. Returns NaN/Inf for a NaN/Inf `amax`.
+    pub fn step_bound(self, amax: f32) -> f32 {
+        let a = f64::from(amax.abs());
+        // Bound on |S - s0|; F32_TINY also covers an inexact (subnormal) `amax / levels`.
+        let scale_err = |s0: f64| (s0 / 128.0).max(SCALE_HALF_GRID_MIN) + F32_TINY;
+        let b = match self.half_range() {
+            Some(h) => {
+                let h = f64::from(h);
+                let s0 = a / h;
+                let r = scale_err(s0);
+                (s0 + (h - 1.0) * r).max(h * r)
+            }
+            None => {
+                let s0 = a / 448.0;
+                let r = scale_err(s0);
+                (16.0 * (s0 + r)).max(448.0 * r)
+            }
+        };
+        (b * (1.0 + 1.0 / 65536.0) + F32_TINY) as f32
+    }
+}
+
+/// Rounds a scale to the 16-bit scale field: round-to-nearest-even at f32 bit 17 (a bf16 with
+/// 6 explicit mantissa bits), top 16 bits, flag bit 0 clear. A mantissa carry correctly
+/// moves into the exponent. NaN gives [`POISON_SCALE`].
+#[inline]
+pub fn round_scale(s: f32) -> u16 {
+    if s.is_nan() {
+        return POISON_SCALE;
+    }
+    let bits = s.to_bits();
+    // Cannot overflow u32: the largest non-NaN pattern is 0xFF80_0000.
+    let r = (bits + 0xFFFF + ((bits >> 17) & 1)) & 0xFFFE_0000;
+    (r >> 16) as u16
+}
+
+/// The value of a scale field, the flag bit masked off.
+#[inline]
+pub fn scale_value(field: u16) -> f32 {
+    f32::from_bits(u32::from(field & !FLAG_BIT) << 16)
+}
+
+/// Round-to-nearest-even to an integer, for |y| <= 2^22: adding 1.5 * 2^23 lands in a binade
+/// whose ulp is 1, so the f32 addition rounds (ties to even; the constant is even) and the
+/// subtraction is exact. Equal to `y.round_ties_even()` up to the sign of a zero result, and
+/// a single add/sub pair on targets without a rounding instruction. Integer-codec quotients
+/// stay far below 2^22: |x / s| <= |m| / S, at most about 1.5 * H (S is within 2^-7 of
+/// |m| / H, or 2^-133 absolute with S >= 2^-132 for subnormal scales).
+#[inline]
+fn rne_small(y: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
+    (y + MAGIC) - MAGIC
+}
+
+/// Packs 32 biased integer codes (each `< 2^bits`) into `codes`.
+#[inline]
+fn pack(codec: Codec, u: &[u8; BLOCK], codes: &mut [u8]) {
+    match codec {
+        Codec::Fp8E4M3 | Codec::Int8 => codes.copy_from_slice(u),
+        Codec::Int4 => {
+            for (c, p) in codes.iter_mut().zip(u.chunks_exact(2)) {
+                *c = p[0] | (p[1] << 4);
+            }
+        }
+        Codec::Int6 => {
+            let (lo, hi) = codes.split_at_mut(16);
+            for (c, p) in lo.iter_mut().zip(u.chunks_exact(2)) {
+                *c = (p[0] & 0xF) | ((p[1] & 0xF) << 4);
+            }
+            for (c, p) in hi.iter_mut().zip(u.chunks_exact(4)) {
+                *c = (p[0] >> 4) | ((p[1] >> 4) << 2) | ((p[2] >> 4) << 4) | ((p[3] >> 4) << 6);
+            }
+        }
+    }
+}
+
+/// Inverse of [`pack`].
+#[inline]
+fn unpack(codec: Codec, codes: &[u8], u: &mut [u8; BLOCK]) {
+    match codec {
+        Codec::Fp8E4M3 | Codec::Int8 => u.copy_from_slice(codes),
+        Codec::Int4 => {
+            for (c, p) in codes.iter().zip(u.chunks_exact_mut(2)) {
+                p[0] = c & 0xF;
+                p[1] = c >> 4;
+            }
+        }
+        Codec::Int6 => {
+            let (lo, hi) = codes.split_at(16);
+            for (c, p) in lo.iter().zip(u.chunks_exact_mut(2)) {
+                p[0] = c & 0xF;
+                p[1] = c >> 4;
+            }
+            for (c, p) in hi.iter().zip(u.chunks_exact_mut(4)) {
+                for (k, v) in p.iter_mut().enumerate() {
+                    *v |= ((c >> (2 * k)) & 3) << 4;
+                }
+            }
+        }
+    }
+}
+
+/// Encodes one block. `codes.len()` must be `codec.code_bytes()`.
+pub fn encode_block(codec: Codec, x: &[f32; BLOCK], codes: &mut [u8], scale: &mut u16) {
+    assert_eq!(
+        codes.len(),
+        codec.code_bytes(),
+        "codes must hold one {codec} block"
+    );
+    // One pass: finiteness, and the first element of largest magnitude. NaN compares false,
+    // so it never becomes `m`; `finite` catches it.
+    let mut finite = true;
+    let mut m = 0.0f32;
+    let mut amax = 0.0f32;
+    for &v in x {
+        finite &= v.is_finite();
+        if v.abs() > amax {
+            amax = v.abs();
+            m = v;
+        }
+    }
+    let mut u = [0u8; BLOCK];
+    let field = match codec.half_range() {
+        Some(h) => {
+            let hf = h as f32;
+            let field = if finite && amax != 0.0 {
+                round_scale(-m / hf)
+            } else {
+                0
+            };
+            let s = scale_value(field);
+            if s == 0.0 {
+                u = [h as u8; BLOCK];
+            } else {
+                for (c, &v) in u.iter_mut().zip(x) {
+                    *c = (rne_small(v / s).clamp(-hf, hf - 1.0) + hf) as u8;
+                }
+            }
+            field
+        }
+        None => {
+            let field = if finite && amax != 0.0 {
+                round_scale(amax / E4M3_MAX)
+            } else {
+                0
+            };
+            let s = scale_value(field);
+            if s != 0.0 {
+                for (c, &v) in u.iter_mut().zip(x) {
+                    *c = f32_to_e4m3(v / s);
+                }
+            }
+            field
+        }
+    };
+    // A scale that rounded to (signed) zero leaves a zero block: field 0, zero codes.
+    let field = if !finite {
+        POISON_SCALE
+    } else if scale_value(field) == 0.0 {
+        0
+    } else {
+        field
+    };
+    pack(codec, &u, codes);
+    *scale = field;
+}
+
+/// Decodes one block. `codes.len()` must be `codec.code_bytes()`. A NaN scale (a poisoned
+/// block) decodes to 32 NaNs.
+pub fn decode_block(codec: Codec, codes: &[u8], scale: u16, out: &mut [f32; BLOCK]) {
+    assert_eq!(
+        codes.len(),
+        codec.code_bytes(),
+        "codes must hold one {codec} block"
+    );
+    let s = scale_value(scale);
+    match codec.half_range() {
+        Some(h) => {
+            let mut u = [0u8; BLOCK];
+            unpack(codec, codes, &mut u);
+            let h = h as i32;
+            for (o, &c) in out.iter_mut().zip(&u) {
+                *o = (i32::from(c) - h) as f32 * s;
+            }
+        }
+        None => {
+            for (o, &c) in out.iter_mut().zip(codes) {
+                *o = e4m3_to_f32(c) * s;
+            }
+        }
+    }
+}
+
+/// Encodes a segment of `src.len()` elements into `dst` (`codec.encoded_len(src.len())`
+/// bytes): the codes of all blocks from offset 0, the little-endian scales from
+/// `codec.scales_offset(n)`. The last block is padded with zeros; alignment padding bytes
+/// are written as zero.
+pub fn encode(codec: Codec, src: &[f32], dst: &mut [u8]) {
+    let n = src.len();
+    assert_eq!(
+        dst.len(),
+        codec.encoded_len(n),
+        "dst must be encoded_len({n}) bytes"
+    );
+    let cb = codec.code_bytes();
+    let nb = n.div_ceil(BLOCK);
+    let (codes, scales) = dst.split_at_mut(codec.scales_offset(n));
+    let (codes, codes_pad) = codes.split_at_mut(nb * cb);
+    codes_pad.fill(0);
+    let (scales, scales_pad) = scales.split_at_mut(2 * nb);
+    scales_pad.fill(0);
+    let mut tail = [0.0f32; BLOCK];
+    for ((x, c), sc) in src
+        .chunks(BLOCK)
+        .zip(codes.chunks_exact_mut(cb))
+        .zip(scales.chunks_exact_mut(2))
+    {
+        let block: &[f32; BLOCK] = match x.try_into() {
+            Ok(full) => full,
+            Err(_) => {
+                tail[..x.len()].copy_from_slice(x);
+                &tail
+            }
+        };
+        let mut field = 0;
+        encode_block(codec, block, c, &mut field);
+        sc.copy_from_slice(&field.to_le_bytes());
+    }
+}
+
+/// Decodes a segment of `dst.len()` elements from `src` (`codec.encoded_len(dst.len())`
+/// bytes). The padding of the last block is decoded and dropped.
+pub fn decode(codec: Codec, src: &[u8], dst: &mut [f32]) {
+    let n = dst.len();
+    assert_eq!(
+        src.len(),
+        codec.encoded_len(n),
+        "src must be encoded_len({n}) bytes"
+    );
+    let cb = codec.code_bytes();
+    let (codes, scales) = src.split_at(codec.scales_offset(n));
+    let mut block = [0.0f32; BLOCK];
+    for ((y, c), sc) in dst
+        .chunks_mut(BLOCK)
+        .zip(codes.chunks_exact(cb))
+        .zip(scales.chunks_exact(2))
+    {
+        match <&mut [f32; BLOCK]>::try_from(&mut *y) {
+            Ok(full) => decode_block(codec, c, u16::from_le_bytes([sc[0], sc[1]]), full),
+            Err(_) => {
+                decode_block(codec, c, u16::from_le_bytes([sc[0], sc[1]]), &mut block);
+                y.copy_from_slice(&block[..y.len()]);
+            }
+        }
+    }
+}

@@ -1,0 +1,34 @@
+//! Types, errors, the backend contract, reference codecs and strategy selection shared by
+//! every `allreduce` backend.
+//!
+//! Users depend on the `allreduce` facade crate; this crate is what backends are written
+//! against. Its pieces:
+//!
+//! | module      | what it holds                                                          |
+//! |-------------|------------------------------------------------------------------------|
+//! | [`dtype`]   | `DType` and conversions through f32 (round-to-nearest-even)            |
+//! | [`op`]      | `ReduceOp`, `Codec`, `Precision`, `Strategy`                           |
+//! | [`buffer`]  | device-neutral buffer views (address + length + dtype + device), `Stream` |
+//! | [`backend`] | `Backend`/`BackendComm` traits, `GroupConfig`, per-call validation     |
+//! | [`codec`]   | the reference codecs GPU kernels must match bit for bit                |
+//! | [`layout`]  | how buffers are cut into per-rank shards                               |
+//! | [`select`]  | the table behind `Strategy::Auto`                                      |
+
+pub mod backend;
+pub mod buffer;
+pub mod codec;
+pub mod dtype;
+pub mod error;
+pub mod layout;
+pub mod op;
+pub mod select;
+
+pub use backend::{
+    prepare, AllReduceOptions, Backend, BackendComm, Bootstrap, Call, GroupConfig, Limits,
+    MAX_WORLD,
+};
+pub use buffer::{BufMut, BufRef, Device, HostBytes, RawBuffer, Stream};
+pub use dtype::{DType, Element};
+pub use error::{Error, Result};
+pub use op::{Codec, Precision, ReduceOp, Strategy};
+pub use select::{Rule, SelectionTable};

@@ -1,0 +1,152 @@
+//! What one call asks for: the reduction, how exact it must be, and which algorithm runs it.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::DType;
+
+/// Reduction operator. Only `Sum` exists: it is the one tensor parallelism needs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    #[default]
+    Sum,
+}
+
+/// A lossy wire format for the quantized all-reduce (docs/codecs.md has the bytes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Codec {
+    /// OCP FP8 E4M3 (max 448) with one scale per 32-element block: 8.5 bits per element.
+    Fp8E4M3,
+    /// Symmetric 8-bit integers, one scale per block: 8.5 bits per element.
+    Int8,
+    /// Symmetric 6-bit integers, one scale per block: 6.5 bits per element.
+    Int6,
+    /// Symmetric 4-bit integers, one scale per block: 4.5 bits per element.
+    Int4,
+}
+
+impl Codec {
+    pub const ALL: [Codec; 4] = [Codec::Fp8E4M3, Codec::Int8, Codec::Int6, Codec::Int4];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Codec::Fp8E4M3 => "fp8",
+            Codec::Int8 => "q8",
+            Codec::Int6 => "q6",
+            Codec::Int4 => "q4",
+        }
+    }
+
+    /// Input dtypes a codec accepts. Codecs exist to cut 16-bit traffic (as QuickReduce and
+    /// TensorRT-LLM's low-precision all-reduce do); f32 callers use `Exact` or cast first.
+    pub const fn supports(self, dtype: DType) -> bool {
+        matches!(dtype, DType::F16 | DType::BF16)
+    }
+}
+
+impl fmt::Display for Codec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Codec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "fp8" | "fp8e4m3" | "e4m3" => Ok(Codec::Fp8E4M3),
+            "q8" | "int8" => Ok(Codec::Int8),
+            "q6" | "int6" => Ok(Codec::Int6),
+            "q4" | "int4" => Ok(Codec::Int4),
+            _ => Err(format!("unknown codec `{s}` (expected fp8, q8, q6 or q4)")),
+        }
+    }
+}
+
+/// How exact the result must be.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Precision {
+    /// f32 accumulation, one rounding into the output dtype.
+    #[default]
+    Exact,
+    /// The caller accepts this codec's error bound. `Auto` may still pick an exact path
+    /// (for small messages it is faster); a forced `QuantizedTwoShot` always uses the codec.
+    Lossy(Codec),
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Precision::Exact => f.write_str("exact"),
+            Precision::Lossy(c) => c.fmt(f),
+        }
+    }
+}
+
+impl FromStr for Precision {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s.eq_ignore_ascii_case("exact") {
+            Ok(Precision::Exact)
+        } else {
+            s.parse().map(Precision::Lossy)
+        }
+    }
+}
+
+/// Which algorithm runs the call.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Strategy {
+    /// Chosen per call from the selection table (size, world size, dtype, precision).
+    #[default]
+    Auto,
+    /// Every rank reads every peer's data and reduces all of it: latency-optimal.
+    OneShot,
+    /// Reduce-scatter then all-gather: each rank reduces 1/world of the data.
+    TwoShot,
+    /// Two-shot over a lossy codec (needs `Precision::Lossy`).
+    QuantizedTwoShot,
+    /// The vendor library: NCCL on CUDA, RCCL on ROCm.
+    Vendor,
+}
+
+impl Strategy {
+    pub const CONCRETE: [Strategy; 4] = [
+        Strategy::OneShot,
+        Strategy::TwoShot,
+        Strategy::QuantizedTwoShot,
+        Strategy::Vendor,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Strategy::Auto => "auto",
+            Strategy::OneShot => "oneshot",
+            Strategy::TwoShot => "twoshot",
+            Strategy::QuantizedTwoShot => "quantized",
+            Strategy::Vendor => "vendor",
+        }
+    }
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Strategy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().replace(['-', '_'], "").as_str() {
+            "auto" => Ok(Strategy::Auto),
+            "oneshot" => Ok(Strategy::OneShot),
+            "twoshot" => Ok(Strategy::TwoShot),
+            "quantized" | "quantizedtwoshot" | "qtwoshot" => Ok(Strategy::QuantizedTwoShot),
+            "vendor" | "nccl" | "rccl" => Ok(Strategy::Vendor),
+            _ => Err(format!(
+                "unknown strategy `{s}` (expected auto, oneshot, twoshot, quantized or vendor)"
+            )),
+        }
+    }
+}

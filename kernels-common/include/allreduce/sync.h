@@ -1,0 +1,76 @@
+// The per-block flag barrier every kernel in this project synchronises ranks with.
+//
+// Contract
+// - One barrier per thread block: block b of rank r meets block b of every other rank. The
+//   kernels give block b the same set of addresses ("class b") in every buffer on every rank,
+//   so a block only ever needs its own peers to have arrived, never the whole grid.
+// - Flags are u32 epochs that only grow, never reset (QuickReduce's flag_color idea). The
+//   epoch counter lives in device memory and is advanced by the kernel, not the host, so a
+//   captured CUDA graph replays correctly. At barrier k a rank stores e_k into each peer's
+//   slot for it, then waits until its own slot for each peer holds at least e_k. A peer can be
+//   at most one barrier ahead (it cannot pass k+1 before we reach it), so "at least" is needed
+//   and enough; the comparison is on the signed difference so the counter may wrap.
+// - Ordering: __syncthreads, then one thread per peer does a system-scope release store.
+//   The CTA barrier makes every thread's earlier writes (the staged data) happen-before the
+//   release, so a peer that acquires the flag sees them. The waiter does acquire loads, then
+//   __syncthreads, which extends the acquire to the whole block before anyone reads peer data.
+//   Reads also count: a peer's reads of our buffer before its release happen-before our
+//   writes after we acquire it, which is what lets buffers be reused without a closing barrier.
+// - No spin without a way out (NCCL's checkAbort): every kSpinsBeforeCheck spins a waiter
+//   looks at the group's abort word and at the clock. Past the deadline it reports (once per
+//   block, through Flags::on_timeout) and the whole block leaves; so does every block of
+//   every rank that then sees the abort word set. A block that left never touches the flags
+//   again: after a timeout the group's workspaces are garbage and must be rebuilt.
+// - All threads of the block must call it (it contains __syncthreads), with blockDim.x >= world.
+#pragma once
+
+#include "allreduce/shim.h"
+
+namespace ar {
+
+constexpr int kSpinsBeforeCheck = 1024;
+
+// Flags is the kernel's address map:
+//   uint32_t* to_peer(int peer) const;          // peer's slot for this rank and block
+//   const uint32_t* from_peer(int peer) const;  // this rank's slot for peer and block
+//   void on_timeout(int peer, uint32_t epoch, u64 waited_ns) const;  // record the failure
+// `epoch` is this block's counter in its own workspace (only this block touches it).
+// `abort` is the group's abort word; `leave_now` lets a caller fold in a check it made earlier
+// (the kernels pass the abort word as read at kernel entry, so its latency overlaps phase 1).
+// Returns false when the block must return at once (the result is the same in every thread).
+template <typename Flags>
+AR_DEVICE bool flag_barrier(const Flags& f, uint32_t* epoch, int world, const uint32_t* abort,
+                            u64 timeout_ns, bool leave_now) {
+  // Orders this block's writes (and reads) before the release stores below.
+  if (__syncthreads_or(leave_now)) return false;
+  const uint32_t e = *epoch + 1;
+  bool leave = false;
+  const int peer = threadIdx.x;
+  if (peer < world) {
+    st_release_sys(f.to_peer(peer), e);
+    const uint32_t* slot = f.from_peer(peer);
+    const u64 start = global_timer_ns();
+    for (uint32_t spins = 1; static_cast<int32_t>(ld_acquire_sys(slot) - e) < 0; ++spins) {
+      if (spins % kSpinsBeforeCheck != 0) continue;
+      if (ld_relaxed_sys(abort) != 0) {
+        leave = true;
+        break;
+      }
+      const u64 waited = global_timer_ns() - start;
+      if (waited > timeout_ns) {
+        f.on_timeout(peer, e, waited);
+        leave = true;
+        break;
+      }
+    }
+  }
+  // Extends the acquires to the block; also the point where one thread's failure becomes
+  // everyone's.
+  if (__syncthreads_or(leave)) return false;
+  // Read above by threads < world before the __syncthreads_or, rewritten only after it; the
+  // next barrier's leading __syncthreads orders this write before its reads.
+  if (threadIdx.x == 0) *epoch = e;
+  return true;
+}
+
+}  // namespace ar

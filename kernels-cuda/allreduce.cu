@@ -1,0 +1,277 @@
+// Exact one-shot and two-shot all-reduce kernels (f32, f16, bf16) and the roofline copy.
+//
+// The host side is crates/backend-cuda/src/abi.rs: every struct and offset below is mirrored
+// there with the same asserts. Change both or neither.
+//
+// Launch contract (every kernel but the copy): grid = G blocks, G <= kMaxBlocks and the SAME
+// on every rank and for every call of a communicator; block = kThreads threads; one rank's
+// calls are ordered on one stream (the header below is not safe against two concurrent
+// calls of the same rank). Input and output are 16-byte aligned and n * sizeof(T) <= max_bytes.
+//
+// Arithmetic (shared with the host reference, docs/architecture.md): f32 accumulation in rank
+// order 0..world-1 starting from rank 0's value, one round-to-nearest-even into T. Every rank
+// therefore produces the same bits, and one-shot and two-shot produce the same bits.
+
+#include "allreduce/shim.h"
+#include "allreduce/sync.h"
+#include "allreduce/vec.h"
+
+using namespace ar;
+
+// ---- ABI -----------------------------------------------------------------------------------
+
+constexpr int kMaxWorld = 8;
+constexpr int kMaxBlocks = 64;
+constexpr int kThreads = 512;
+
+// Per-rank workspace, one device allocation:
+//   [0, 4096)            Header (zeroed at creation; only this rank's own kernels touch it)
+//   [kFlagsOffset, ..)   uint32_t flags[kMaxBlocks][kMaxWorld]; flags[b][src] is written by
+//                        rank src's block b (zeroed at creation)
+//   kStagingOffset:      staging[2][max_bytes], indexed by call parity
+//   +2*max_bytes:        reduced[max_bytes], two-shot owners' rounded shards, indexed by the
+//                        global byte offset
+// max_bytes is a multiple of 256 (the host rounds it), so every region is 256-byte aligned.
+struct Header {
+  uint32_t epoch[kMaxBlocks];  // last barrier epoch of block b (see sync.h)
+  uint32_t calls[kMaxBlocks];  // calls block b has completed; its parity picks the staging
+};
+constexpr unsigned long long kHeaderBytes = 4096;
+constexpr unsigned long long kFlagsOffset = 4096;
+constexpr unsigned long long kStagingOffset = 8192;
+static_assert(sizeof(Header) == 512 && sizeof(Header) <= kHeaderBytes, "Header");
+static_assert(kFlagsOffset + kMaxBlocks * kMaxWorld * sizeof(uint32_t) <= kStagingOffset, "flags");
+
+struct Control {        // host-mapped pinned memory, zeroed at creation
+  unsigned int error;   // 0 ok, kErrorTimeout; set once by atomicCAS from 0
+  unsigned int rank;    // the rank whose wait timed out (the one that wrote this)
+  unsigned int block;   // its block
+  unsigned int epoch;   // the epoch it waited for
+  unsigned long long waited_ns;
+};
+constexpr unsigned int kErrorTimeout = 1;
+static_assert(sizeof(Control) == 24, "Control");
+static_assert(offsetof(Control, error) == 0 && offsetof(Control, rank) == 4, "Control");
+static_assert(offsetof(Control, block) == 8 && offsetof(Control, epoch) == 12, "Control");
+static_assert(offsetof(Control, waited_ns) == 16, "Control");
+
+// Passed by value. Only input, output and n change between calls, so a captured graph stays
+// valid: everything per-call that must change (epochs, parity) is in device memory.
+struct Args {
+  const void* input;
+  void* output;
+  unsigned long long n;         // elements
+  char* peers[kMaxWorld];       // every rank's workspace base, rank order; peers[rank] is ours
+  Control* control;             // this rank's
+  Control* abort;               // the group's: any non-zero error makes every kernel leave
+  unsigned long long max_bytes;
+  unsigned long long timeout_ns;
+  unsigned int rank;
+  unsigned int world;           // 1..kMaxWorld
+};
+static_assert(sizeof(Args) == 128, "Args");
+static_assert(offsetof(Args, input) == 0 && offsetof(Args, output) == 8, "Args");
+static_assert(offsetof(Args, n) == 16 && offsetof(Args, peers) == 24, "Args");
+static_assert(offsetof(Args, control) == 88 && offsetof(Args, abort) == 96, "Args");
+static_assert(offsetof(Args, max_bytes) == 104 && offsetof(Args, timeout_ns) == 112, "Args");
+static_assert(offsetof(Args, rank) == 120 && offsetof(Args, world) == 124, "Args");
+
+// ---- Workspace addressing and the barrier ----------------------------------------------------
+
+AR_DEVICE Header* header_of(char* ws) { return reinterpret_cast<Header*>(ws); }
+AR_DEVICE uint32_t* flags_of(char* ws, unsigned b) {
+  return reinterpret_cast<uint32_t*>(ws + kFlagsOffset) + b * kMaxWorld;
+}
+AR_DEVICE char* staging_of(char* ws, const Args& a, unsigned parity) {
+  return ws + kStagingOffset + parity * a.max_bytes;
+}
+AR_DEVICE char* reduced_of(char* ws, const Args& a) {
+  return ws + kStagingOffset + 2 * a.max_bytes;
+}
+
+AR_DEVICE void record_timeout(Control* c, const Args& a, unsigned b, uint32_t epoch, u64 waited) {
+  if (atomicCAS_system(&c->error, 0u, kErrorTimeout) != 0u) return;  // keep the first report
+  c->rank = a.rank;
+  c->block = b;
+  c->epoch = epoch;
+  c->waited_ns = waited;
+}
+
+struct RankFlags {
+  const Args& a;
+  unsigned b;
+  AR_DEVICE uint32_t* to_peer(int peer) const { return flags_of(a.peers[peer], b) + a.rank; }
+  AR_DEVICE const uint32_t* from_peer(int peer) const {
+    return flags_of(a.peers[a.rank], b) + peer;
+  }
+  AR_DEVICE void on_timeout(int, uint32_t epoch, u64 waited) const {
+    record_timeout(a.control, a, b, epoch, waited);
+    record_timeout(a.abort, a, b, epoch, waited);
+    __threadfence_system();
+  }
+};
+
+// Why a per-block barrier is enough even when n changes between calls: vector v is always
+// handled by block (v / kThreads) % G, a function of v and the fixed G only, so block b of
+// every rank reads and writes the same addresses ("class b") of every buffer in every call.
+// Whatever block b of a peer touches of ours, only our block b also touches.
+AR_DEVICE bool barrier(const Args& a, Header* h, unsigned b, bool aborted_at_entry = false) {
+  return flag_barrier(RankFlags{a, b}, &h->epoch[b], a.world, &a.abort->error, a.timeout_ns,
+                      aborted_at_entry);
+}
+
+// ---- Kernels ---------------------------------------------------------------------------------
+
+// Vector geometry of one call: nvec 16-byte vectors, the last one holding `tail` elements
+// when n * sizeof(T) is not a multiple of 16 (tail == 0: all full).
+template <typename T>
+struct Geometry {
+  static constexpr int kElems = Packed<T>::kElems;
+  u64 nvec, full;
+  int tail;
+  AR_DEVICE explicit Geometry(u64 n)
+      : nvec((n + kElems - 1) / kElems), full(n / kElems), tail(int(n % kElems)) {}
+};
+
+// Phase 1 of both kernels: our input vectors of class b into our staging. The workspace side
+// always gets whole vectors (a partial one is zero-padded), so later phases read whole vectors.
+template <typename T>
+AR_DEVICE void stage_input(const Args& a, const Geometry<T>& g, char* staging) {
+  const uint4* in = static_cast<const uint4*>(a.input);
+  uint4* st = reinterpret_cast<uint4*>(staging);
+  const u64 stride = (u64)gridDim.x * kThreads;
+  for (u64 v = (u64)blockIdx.x * kThreads + threadIdx.x; v < g.nvec; v += stride)
+    st[v] = v < g.full ? in[v] : load_partial<T>(in + v, g.tail);
+}
+
+// sum over ranks of vector v of each rank's `region(ws)`, rounded once to T.
+template <typename T, typename Region>
+AR_DEVICE uint4 reduce_vector(const Args& a, Region region, u64 v) {
+  constexpr int E = Packed<T>::kElems;
+  // All loads first, so the world's worth of remote reads are in flight together.
+  uint4 raw[kMaxWorld];
+#pragma unroll
+  for (int r = 0; r < kMaxWorld; ++r)
+    if (r < int(a.world))
+      raw[r] = load_peer(reinterpret_cast<const uint4*>(region(a.peers[r])) + v);
+  // Rank order, from rank 0's value: not reordered by our own rank, so every rank computes
+  // the same bits (and -0.0 + -0.0 stays -0.0, which starting from 0.0 would not).
+  float acc[E], x[E];
+  Packed<T>::to_f32(raw[0], acc);
+#pragma unroll
+  for (int r = 1; r < kMaxWorld; ++r) {
+    if (r < int(a.world)) {
+      Packed<T>::to_f32(raw[r], x);
+#pragma unroll
+      for (int k = 0; k < E; ++k) acc[k] += x[k];
+    }
+  }
+  return Packed<T>::from_f32(acc);
+}
+
+template <typename T>
+AR_DEVICE void store_output(const Args& a, const Geometry<T>& g, u64 v, const uint4& val) {
+  uint4* out = static_cast<uint4*>(a.output);
+  if (v < g.full)
+    out[v] = val;
+  else
+    store_partial<T>(out + v, val, g.tail);
+}
+
+// One barrier: everyone stages, then everyone reduces everything. No closing barrier: the
+// staging buffer alternates by call parity, so a rank may start call k+1 while a peer still
+// reads its call-k staging, and it cannot reach call k+2 (same buffer again) before passing
+// call k+1's barrier, which the peer only enters once done reading call k.
+template <typename T>
+__device__ void oneshot(const Args& a) {
+  const unsigned b = blockIdx.x;
+  char* self = a.peers[a.rank];
+  Header* h = header_of(self);
+  // Read now, used at the barrier: the abort word may be across PCIe, and phase 1 only
+  // touches our own workspace, so doing it regardless costs nothing.
+  const bool aborted = threadIdx.x == 0 && ld_relaxed_sys(&a.abort->error) != 0;
+  const unsigned parity = h->calls[b] & 1;
+  const Geometry<T> g(a.n);
+
+  // ---- Phase 1: stage our input.
+  stage_input<T>(a, g, staging_of(self, a, parity));
+  if (!barrier(a, h, b, aborted)) return;
+
+  // ---- Phase 2: reduce every rank's staged input into our output.
+  auto staging = [&](char* ws) { return staging_of(ws, a, parity); };
+  const u64 stride = (u64)gridDim.x * kThreads;
+  for (u64 v = (u64)b * kThreads + threadIdx.x; v < g.nvec; v += stride)
+    store_output<T>(a, g, v, reduce_vector<T>(a, staging, v));
+
+  // Every thread read calls[b] before the barrier; only this write follows it.
+  if (threadIdx.x == 0) h->calls[b] += 1;
+}
+
+// Two barriers: stage; each rank reduces its shard and rounds it once; everyone gathers the
+// rounded shards. Shards are whole 16-byte granules (allreduce_core::layout with granule
+// 16 / sizeof(T)): rank r owns vectors [r * sv, (r + 1) * sv), sv = ceil(nvec / world).
+template <typename T>
+__device__ void twoshot(const Args& a) {
+  const unsigned b = blockIdx.x;
+  char* self = a.peers[a.rank];
+  Header* h = header_of(self);
+  const bool aborted = threadIdx.x == 0 && ld_relaxed_sys(&a.abort->error) != 0;
+  // Parity-indexed staging like one-shot, though two-shot alone could use one buffer: a
+  // one-shot call has no closing barrier, so right after one a peer may still be reading the
+  // staging of that call's parity.
+  const unsigned parity = h->calls[b] & 1;
+  const Geometry<T> g(a.n);
+  const u64 stride = (u64)gridDim.x * kThreads;
+  const u64 first = (u64)b * kThreads + threadIdx.x;  // this thread's first vector
+  const u64 sv = (g.nvec + a.world - 1) / a.world;
+
+  // ---- Phase 1: stage our input.
+  stage_input<T>(a, g, staging_of(self, a, parity));
+  if (!barrier(a, h, b, aborted)) return;
+
+  // ---- Phase 2: reduce-scatter. Our shard, rounded once, into our `reduced` at the same
+  // offsets. Start at the grid-stride step that reaches our shard instead of scanning from 0.
+  auto staging = [&](char* ws) { return staging_of(ws, a, parity); };
+  const u64 lo = (u64)a.rank * sv, hi = min(lo + sv, g.nvec);
+  uint4* reduced = reinterpret_cast<uint4*>(reduced_of(self, a));
+  for (u64 v = lo / stride * stride + first; v < hi; v += stride)
+    if (v >= lo) reduced[v] = reduce_vector<T>(a, staging, v);
+  // Every owner's shard is complete past this point. (`reduced` needs no parity: a peer reads
+  // ours in phase 3 and only then enters the next call's first barrier, which we must pass
+  // before our next phase 2 writes it.)
+  if (!barrier(a, h, b)) return;
+
+  // ---- Phase 3: all-gather. Every vector from its owner's `reduced`, bit for bit. The owner
+  // is tracked incrementally: a 64-bit division per vector costs registers we do not have to
+  // spare at two blocks per SM.
+  unsigned owner = 0;
+  for (u64 v = first; v < g.nvec; v += stride) {
+    while (v >= (owner + 1ull) * sv) ++owner;
+    const uint4* src = reinterpret_cast<const uint4*>(reduced_of(a.peers[owner], a));
+    store_output<T>(a, g, v, load_peer(src + v));
+  }
+
+  if (threadIdx.x == 0) h->calls[b] += 1;
+}
+
+// __grid_constant__: the body indexes a.peers with run-time ranks, which would otherwise make
+// every thread copy the whole parameter block into local memory at entry.
+// Two blocks per SM (<= 64 registers): the ranks' grids spin on each other, so they must all
+// be resident at once; with several ranks on one GPU, or other work beside us, one block per
+// SM would leave no slack. No spills on sm_90; 16-24 bytes in some 16-bit two-shots (sm_80/100).
+#define AR_KERNEL extern "C" __global__ void __launch_bounds__(kThreads, 2)
+#define AR_KERNELS(SUFFIX, T)                                                                   \
+  AR_KERNEL ar_oneshot_##SUFFIX(AR_GRID_CONSTANT const Args a) { oneshot<T>(a); }               \
+  AR_KERNEL ar_twoshot_##SUFFIX(AR_GRID_CONSTANT const Args a) { twoshot<T>(a); }
+
+AR_KERNELS(f32, float)
+AR_KERNELS(f16, ar_half)
+AR_KERNELS(bf16, ar_bf16)
+
+// The roofline a measurement is compared against: the plain copy the hardware can do, in the
+// same run and on the same buffers' sizes.
+extern "C" __global__ void ar_copy_f32x4(const uint4* src, uint4* dst, u64 n_vec) {
+  const u64 stride = (u64)gridDim.x * blockDim.x;
+  for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n_vec; i += stride)
+    dst[i] = src[i];
+}

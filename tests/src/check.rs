@@ -1,0 +1,130 @@
+//! Result checks: exact bounds, codec bounds, bitwise agreement across ranks.
+
+use allreduce::{Codec, DType, HostBytes};
+
+use crate::data::to_f64;
+use crate::harness::Outcome;
+
+/// All ranks succeeded and hold identical bytes; returns rank 0's output.
+pub fn bitwise_equal<'a>(outcomes: &'a [Outcome], what: &str) -> Result<&'a HostBytes, String> {
+    let mut first: Option<&HostBytes> = None;
+    for (r, o) in outcomes.iter().enumerate() {
+        let out = o
+            .as_ref()
+            .map_err(|e| format!("{what}: rank {r} failed: {e}"))?;
+        match first {
+            None => first = Some(out),
+            Some(f) if f.as_slice() != out.as_slice() => {
+                let i = f
+                    .as_slice()
+                    .iter()
+                    .zip(out.as_slice())
+                    .position(|(a, b)| a != b);
+                return Err(format!(
+                    "{what}: rank {r} differs from rank 0 (first byte {i:?})"
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    first.ok_or_else(|| format!("{what}: no ranks"))
+}
+
+/// The f64 view of a call's inputs, computed once and checked against many outputs.
+pub struct Reference {
+    pub dtype: DType,
+    pub ranks: Vec<Vec<f64>>,
+    /// Exact sum per element.
+    pub sum: Vec<f64>,
+    /// Sum of |x| per element.
+    pub abs: Vec<f64>,
+}
+
+impl Reference {
+    pub fn new(inputs: &[HostBytes], dtype: DType) -> Self {
+        let ranks: Vec<Vec<f64>> = inputs.iter().map(|b| to_f64(b, dtype)).collect();
+        let n = ranks.first().map_or(0, |r| r.len());
+        let mut sum = ranks[0].clone();
+        let mut abs: Vec<f64> = ranks[0].iter().map(|v| v.abs()).collect();
+        for r in &ranks[1..] {
+            for i in 0..n {
+                sum[i] += r[i];
+                abs[i] += r[i].abs();
+            }
+        }
+        Reference {
+            dtype,
+            ranks,
+            sum,
+            abs,
+        }
+    }
+}
+
+/// Exact path: f32 accumulation (error at most (world-1) * 2^-24 * sum|x|) and one rounding
+/// into the output dtype (half an ulp, or half the smallest subnormal near zero).
+pub fn exact(out: &HostBytes, r: &Reference, what: &str) -> Result<(), String> {
+    let (want, abs, dtype) = (&r.sum, &r.abs, r.dtype);
+    let got = to_f64(out, dtype);
+    if got.len() != want.len() {
+        return Err(format!(
+            "{what}: {} elements out, {} expected",
+            got.len(),
+            want.len()
+        ));
+    }
+    let acc_err = (r.ranks.len().saturating_sub(1)) as f64 * 2f64.powi(-24);
+    for (i, ((g, w), a)) in got.iter().zip(want).zip(abs).enumerate() {
+        let bound =
+            acc_err * a + dtype.unit_roundoff() * (w.abs() + acc_err * a) + dtype.min_subnormal();
+        if (g - w).abs() > bound || g.is_nan() != w.is_nan() {
+            return Err(format!(
+                "{what}: element {i} is {g}, expected {w} (bound {bound:e})"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Quantized path: per 32-element block, stage 1 adds at most sum_r step_bound(amax_r), the
+/// owner's f32 sum is re-encoded (step_bound of its magnitude, itself at most sum_r amax_r
+/// plus the stage-1 error), and the output is rounded once more.
+pub fn lossy(out: &HostBytes, r: &Reference, codec: Codec, what: &str) -> Result<(), String> {
+    let (want, rank_vals, dtype) = (&r.sum, &r.ranks, r.dtype);
+    let got = to_f64(out, dtype);
+    let n = want.len();
+    let world = rank_vals.len();
+    for start in (0..n).step_by(32) {
+        let end = (start + 32).min(n);
+        let amax = |v: &[f64]| v[start..end].iter().fold(0f64, |m, x| m.max(x.abs()));
+        let stage1: f64 = rank_vals
+            .iter()
+            .map(|v| codec.step_bound(amax(v) as f32) as f64)
+            .sum();
+        let sum_amax: f64 = rank_vals.iter().map(|v| amax(v)).sum::<f64>() + stage1;
+        let stage2 = codec.step_bound(sum_amax as f32) as f64;
+        let acc = (world.saturating_sub(1)) as f64 * 2f64.powi(-24) * sum_amax;
+        for i in start..end {
+            let bound = stage1
+                + stage2
+                + acc
+                + dtype.unit_roundoff() * (want[i].abs() + stage1 + stage2)
+                + dtype.min_subnormal();
+            if (got[i] - want[i]).abs() > bound || got[i].is_nan() {
+                return Err(format!(
+                    "{what}: element {i} is {}, expected {} (codec bound {bound:e})",
+                    got[i], want[i]
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// SNR in dB of `out` against the exact sum.
+pub fn snr_db(out: &HostBytes, r: &Reference) -> f64 {
+    let got = to_f64(out, r.dtype);
+    let sig: f64 = r.sum.iter().map(|w| w * w).sum();
+    let noise: f64 = got.iter().zip(&r.sum).map(|(g, w)| (g - w) * (g - w)).sum();
+    10.0 * (sig / noise).log10()
+}

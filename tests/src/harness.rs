@@ -1,0 +1,138 @@
+//! What the suite needs from a backend: a group, and a way to run a sequence of calls with
+//! host-side inputs and read the outputs back. The host harness is here; a GPU backend adds
+//! one that allocates device memory, uploads, enqueues, synchronizes and downloads.
+
+use allreduce::{
+    AllReduceOptions, BackendKind, BufRef, Communicator, DType, Device, GroupConfig, HostBytes,
+    Result,
+};
+
+/// One rank's part of one call.
+#[derive(Clone, Debug)]
+pub struct RankArgs {
+    pub input: HostBytes,
+    pub dtype: DType,
+    /// Output element count and dtype (differ from the input's only in bad-input tests).
+    pub out_len: usize,
+    pub out_dtype: DType,
+    pub in_place: bool,
+    pub options: AllReduceOptions,
+    /// Sleep this long before the call (a late rank).
+    pub delay: std::time::Duration,
+    /// Do not make the call at all (a rank that never arrives).
+    pub skip: bool,
+    /// Place the input this many bytes past an aligned address (a misaligned buffer).
+    pub misalign: usize,
+    /// Wait for the call to finish before the next one (GPU harnesses otherwise enqueue a
+    /// whole sequence with no synchronisation in between, and wait once at the end).
+    pub sync_after: bool,
+}
+
+impl RankArgs {
+    pub fn new(input: HostBytes, dtype: DType, in_place: bool, options: AllReduceOptions) -> Self {
+        let out_len = input.len() / dtype.size();
+        RankArgs {
+            input,
+            dtype,
+            out_len,
+            out_dtype: dtype,
+            in_place,
+            options,
+            delay: Default::default(),
+            skip: false,
+            misalign: 0,
+            sync_after: false,
+        }
+    }
+}
+
+/// A call's outcome on one rank: the output bytes, or the error.
+pub type Outcome = Result<HostBytes>;
+
+pub trait Harness: Sync {
+    fn name(&self) -> String;
+    fn backend(&self) -> BackendKind;
+    /// Largest world size this harness can run.
+    fn max_world(&self) -> usize {
+        8
+    }
+    fn group(&self, config: GroupConfig) -> Result<Vec<Communicator>> {
+        Communicator::new_group(self.backend(), config)
+    }
+    /// Run `steps[k][r]` on rank r for each step k in order, every rank on its own thread.
+    /// Returns `[k][r]`.
+    fn run(&self, comms: &[Communicator], steps: &[Vec<RankArgs>]) -> Vec<Vec<Outcome>>;
+}
+
+/// Ranks are threads and buffers are host memory.
+pub struct HostHarness;
+
+impl Harness for HostHarness {
+    fn name(&self) -> String {
+        "host".into()
+    }
+
+    fn backend(&self) -> BackendKind {
+        BackendKind::Host
+    }
+
+    fn run(&self, comms: &[Communicator], steps: &[Vec<RankArgs>]) -> Vec<Vec<Outcome>> {
+        let per_rank: Vec<Vec<Outcome>> = std::thread::scope(|s| {
+            let handles: Vec<_> = comms
+                .iter()
+                .enumerate()
+                .map(|(r, comm)| {
+                    s.spawn(move || {
+                        steps
+                            .iter()
+                            .map(|step| run_one_host(comm, &step[r]))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("rank thread panicked"))
+                .collect()
+        });
+        transpose(per_rank, steps.len())
+    }
+}
+
+fn run_one_host(comm: &Communicator, a: &RankArgs) -> Outcome {
+    if a.skip {
+        return Ok(HostBytes::zeroed(0));
+    }
+    if !a.delay.is_zero() {
+        std::thread::sleep(a.delay);
+    }
+    if a.in_place {
+        let mut buf = a.input.clone();
+        comm.all_reduce_in_place(buf.view_mut(a.dtype), &a.options)?;
+        return Ok(buf);
+    }
+    let mut out = HostBytes::zeroed(a.out_len * a.out_dtype.size());
+    if a.misalign == 0 {
+        comm.all_reduce(a.input.view(a.dtype), out.view_mut(a.out_dtype), &a.options)?;
+    } else {
+        let mut shifted = HostBytes::zeroed(a.input.len() + a.misalign);
+        shifted.as_mut_slice()[a.misalign..].copy_from_slice(a.input.as_slice());
+        let addr = shifted.as_slice().as_ptr() as usize + a.misalign;
+        let len = a.input.len() / a.dtype.size();
+        // SAFETY: `shifted` holds `len` elements from `addr` and outlives the call.
+        let input = unsafe { BufRef::from_raw(addr, len, a.dtype, Device::Host) };
+        comm.all_reduce(input, out.view_mut(a.out_dtype), &a.options)?;
+    }
+    Ok(out)
+}
+
+/// `[rank][step]` -> `[step][rank]`.
+pub fn transpose(per_rank: Vec<Vec<Outcome>>, steps: usize) -> Vec<Vec<Outcome>> {
+    let mut out: Vec<Vec<Outcome>> = (0..steps).map(|_| Vec::new()).collect();
+    for rank in per_rank {
+        for (k, o) in rank.into_iter().enumerate() {
+            out[k].push(o);
+        }
+    }
+    out
+}

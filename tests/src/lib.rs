@@ -1,0 +1,18 @@
+//! One conformance suite, run against every backend present.
+//!
+//! Each test is a function of a [`Harness`]; `tests/conformance.rs` runs the whole list once
+//! per backend compiled into the build and found at run time, naming each trial
+//! `[backend] test`, the way wgpu's test harness does. A backend that is absent is skipped
+//! with the reason printed.
+
+pub mod check;
+pub mod data;
+pub mod harness;
+#[cfg(feature = "cuda")]
+pub mod harness_cuda;
+mod suite;
+
+pub use harness::{Harness, HostHarness, RankArgs};
+#[cfg(feature = "cuda")]
+pub use harness_cuda::CudaHarness;
+pub use suite::{Test, TESTS};

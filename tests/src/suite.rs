@@ -1,0 +1,486 @@
+//! The test list.
+
+use std::time::Duration;
+
+use allreduce::{
+    AllReduceOptions, Codec, DType, Error, GroupConfig, HostBytes, Precision, Strategy,
+};
+
+use crate::check::{self, Reference};
+use crate::data::{gauss, ints};
+use crate::harness::{Harness, Outcome, RankArgs};
+
+pub type TestFn = fn(&dyn Harness) -> Result<(), String>;
+
+pub struct Test {
+    pub name: &'static str,
+    pub run: TestFn,
+}
+
+pub const TESTS: &[Test] = &[
+    Test {
+        name: "exact_all_shapes",
+        run: exact_all_shapes,
+    },
+    Test {
+        name: "exact_integers_are_exact",
+        run: exact_integers_are_exact,
+    },
+    Test {
+        name: "lossy_all_shapes",
+        run: lossy_all_shapes,
+    },
+    Test {
+        name: "thousand_calls_changing_sizes",
+        run: thousand_calls_changing_sizes,
+    },
+    Test {
+        name: "bad_input_is_rejected_and_harmless",
+        run: bad_input_is_rejected_and_harmless,
+    },
+    Test {
+        name: "late_rank_is_waited_for",
+        run: late_rank_is_waited_for,
+    },
+    Test {
+        name: "missing_rank_times_out",
+        run: missing_rank_times_out,
+    },
+    Test {
+        name: "invalid_group_config",
+        run: invalid_group_config,
+    },
+];
+
+/// The lengths every shape test covers, in elements; the last is a few MiB of f32.
+const LENGTHS: &[usize] = &[0, 1, 7, 31, 32, 33, 4097, (3 << 20) / 4 + 5];
+const MAX_BYTES: usize = 4 << 20;
+
+fn opts(strategy: Strategy, precision: Precision) -> AllReduceOptions {
+    AllReduceOptions::default()
+        .strategy(strategy)
+        .precision(precision)
+}
+
+fn step(inputs: &[HostBytes], dtype: DType, in_place: bool, o: AllReduceOptions) -> Vec<RankArgs> {
+    inputs
+        .iter()
+        .map(|b| RankArgs::new(b.clone(), dtype, in_place, o))
+        .collect()
+}
+
+fn group(h: &dyn Harness, world: usize) -> Result<Vec<allreduce::Communicator>, String> {
+    h.group(GroupConfig::new(world).max_bytes(MAX_BYTES))
+        .map_err(|e| format!("group of {world}: {e}"))
+}
+
+/// Every world size, length, dtype, strategy and placement: results within the exact bound,
+/// bitwise equal across ranks, and bitwise equal across strategies and placements.
+fn exact_all_shapes(h: &dyn Harness) -> Result<(), String> {
+    let strategies = [Strategy::OneShot, Strategy::TwoShot, Strategy::Auto];
+    for world in 1..=h.max_world() {
+        let comms = group(h, world)?;
+        for &n in LENGTHS {
+            for dtype in DType::ALL {
+                let inputs: Vec<HostBytes> =
+                    (0..world).map(|r| gauss(n, dtype, n as u64, r)).collect();
+                let mut steps = Vec::new();
+                let mut names = Vec::new();
+                for s in strategies {
+                    for in_place in [false, true] {
+                        steps.push(step(&inputs, dtype, in_place, opts(s, Precision::Exact)));
+                        names.push(format!(
+                            "world {world} n {n} {dtype} {s} in_place={in_place}"
+                        ));
+                    }
+                }
+                let results = h.run(&comms, &steps);
+                let reference = Reference::new(&inputs, dtype);
+                let mut first: Option<&HostBytes> = None;
+                for (outcomes, what) in results.iter().zip(&names) {
+                    let out = check::bitwise_equal(outcomes, what)?;
+                    match first {
+                        None => {
+                            check::exact(out, &reference, what)?;
+                            first = Some(out);
+                        }
+                        Some(f) if f.as_slice() != out.as_slice() => {
+                            return Err(format!("{what}: differs from {}", names[0]));
+                        }
+                        Some(_) => {}
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Integer data sums without rounding: every output element must equal the exact sum.
+fn exact_integers_are_exact(h: &dyn Harness) -> Result<(), String> {
+    for world in [2, 3, h.max_world()] {
+        let comms = group(h, world)?;
+        for dtype in DType::ALL {
+            let n = 10_007;
+            let inputs: Vec<HostBytes> = (0..world).map(|r| ints(n, dtype, r)).collect();
+            let want = crate::data::reference(&inputs, dtype);
+            let steps: Vec<_> = [Strategy::OneShot, Strategy::TwoShot]
+                .into_iter()
+                .map(|s| step(&inputs, dtype, false, opts(s, Precision::Exact)))
+                .collect();
+            for (k, outcomes) in h.run(&comms, &steps).iter().enumerate() {
+                let what = format!("world {world} {dtype} step {k}");
+                let out = check::bitwise_equal(outcomes, &what)?;
+                let got = crate::data::to_f64(out, dtype);
+                if let Some(i) = (0..n).find(|&i| got[i] != want[i]) {
+                    return Err(format!("{what}: element {i} is {} not {}", got[i], want[i]));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every world size, length, 16-bit dtype and codec through the quantized two-shot: within
+/// the codec's documented bound, bitwise equal across ranks. `Auto` with a lossy precision
+/// allowed is within the same bound.
+fn lossy_all_shapes(h: &dyn Harness) -> Result<(), String> {
+    for world in 1..=h.max_world() {
+        let comms = group(h, world)?;
+        let quantized = quantized_available(&comms);
+        for &n in LENGTHS {
+            for dtype in [DType::F16, DType::BF16] {
+                let inputs: Vec<HostBytes> = (0..world)
+                    .map(|r| gauss(n, dtype, 7 + n as u64, r))
+                    .collect();
+                let mut steps = Vec::new();
+                let mut meta = Vec::new();
+                for codec in Codec::ALL {
+                    for (s, in_place) in [
+                        (Strategy::QuantizedTwoShot, false),
+                        (Strategy::QuantizedTwoShot, true),
+                        (Strategy::Auto, false),
+                    ] {
+                        steps.push(step(
+                            &inputs,
+                            dtype,
+                            in_place,
+                            opts(s, Precision::Lossy(codec)),
+                        ));
+                        meta.push((
+                            codec,
+                            format!("world {world} n {n} {dtype} {codec} {s} in_place={in_place}"),
+                        ));
+                    }
+                }
+                let reference = Reference::new(&inputs, dtype);
+                for ((outcomes, (codec, what)), step) in
+                    h.run(&comms, &steps).iter().zip(&meta).zip(&steps)
+                {
+                    if !quantized && step[0].options.strategy == Strategy::QuantizedTwoShot {
+                        // Expected failure: it must fail, and with the right error.
+                        expect_all(outcomes, what, |_, e| {
+                            matches!(e, Error::StrategyUnavailable { .. })
+                        })?;
+                        continue;
+                    }
+                    let out = check::bitwise_equal(outcomes, what)?;
+                    check::lossy(out, &reference, *codec, what)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Whether the backend runs the quantized two-shot; where it does not, the lossy tests expect
+/// `StrategyUnavailable` from a forced `QuantizedTwoShot` (and fail if it unexpectedly works).
+fn quantized_available(comms: &[allreduce::Communicator]) -> bool {
+    comms[0]
+        .strategy_available(
+            Strategy::QuantizedTwoShot,
+            DType::BF16,
+            Precision::Lossy(Codec::Int8),
+        )
+        .is_ok()
+}
+
+/// One communicator, 1000 calls, size, dtype, strategy and precision changing every call
+/// with nothing in between.
+fn thousand_calls_changing_sizes(h: &dyn Harness) -> Result<(), String> {
+    let world = 4.min(h.max_world());
+    let comms = group(h, world)?;
+    let quantized = if quantized_available(&comms) {
+        Strategy::QuantizedTwoShot
+    } else {
+        Strategy::Auto
+    };
+    let sizes = [0usize, 1, 33, 4097, 96, 12_345, 7, 65_536 + 3, 512];
+    let mut steps = Vec::new();
+    let mut cases = Vec::new();
+    for k in 0..1000usize {
+        let n = sizes[k % sizes.len()];
+        let dtype = DType::ALL[(k / 3) % 3];
+        let (strategy, precision) = match k % 5 {
+            0 => (Strategy::OneShot, Precision::Exact),
+            1 => (Strategy::TwoShot, Precision::Exact),
+            2 => (Strategy::Auto, Precision::Exact),
+            3 if dtype != DType::F32 => (quantized, Precision::Lossy(Codec::ALL[k % 4])),
+            _ => (Strategy::Auto, Precision::Exact),
+        };
+        let inputs: Vec<HostBytes> = (0..world).map(|r| gauss(n, dtype, k as u64, r)).collect();
+        steps.push(step(&inputs, dtype, k % 2 == 1, opts(strategy, precision)));
+        cases.push((
+            Reference::new(&inputs, dtype),
+            precision,
+            format!("call {k}: n {n} {dtype} {strategy} {precision}"),
+        ));
+    }
+    for (outcomes, (reference, precision, what)) in h.run(&comms, &steps).iter().zip(&cases) {
+        let out = check::bitwise_equal(outcomes, what)?;
+        match precision {
+            Precision::Exact => check::exact(out, reference, what)?,
+            Precision::Lossy(c) => check::lossy(out, reference, *c, what)?,
+        }
+    }
+    Ok(())
+}
+
+fn expect_all(
+    outcomes: &[Outcome],
+    what: &str,
+    pred: impl Fn(usize, &Error) -> bool,
+) -> Result<(), String> {
+    for (r, o) in outcomes.iter().enumerate() {
+        match o {
+            Err(e) if pred(r, e) => {}
+            Err(e) => return Err(format!("{what}: rank {r} got the wrong error: {e:?}")),
+            Ok(_) => return Err(format!("{what}: rank {r} succeeded")),
+        }
+    }
+    Ok(())
+}
+
+/// Each kind of bad input gets its own error on every rank, and the next valid call is
+/// still right.
+fn bad_input_is_rejected_and_harmless(h: &dyn Harness) -> Result<(), String> {
+    let world = 4.min(h.max_world()).max(2);
+    let max = 64 << 10;
+    let comms = h
+        .group(GroupConfig::new(world).max_bytes(max))
+        .map_err(|e| e.to_string())?;
+    let n = 1000;
+    let exact = |s| opts(s, Precision::Exact);
+    let valid: Vec<HostBytes> = (0..world).map(|r| gauss(n, DType::BF16, 99, r)).collect();
+    let good = step(&valid, DType::BF16, false, exact(Strategy::Auto));
+    type Expect = Box<dyn Fn(usize, &Error) -> bool>;
+    let mut cases: Vec<(&str, Vec<RankArgs>, Expect)> = Vec::new();
+
+    let mut s = good.clone();
+    s.iter_mut().for_each(|a| a.out_len = n - 1);
+    cases.push((
+        "input/output length mismatch",
+        s,
+        Box::new(|_, e| matches!(e, Error::LengthMismatch { .. })),
+    ));
+
+    let mut s = good.clone();
+    s.iter_mut().for_each(|a| a.out_dtype = DType::F16);
+    cases.push((
+        "input/output dtype mismatch",
+        s,
+        Box::new(|_, e| matches!(e, Error::DTypeMismatch { .. })),
+    ));
+
+    let mut s = good.clone();
+    s[1] = RankArgs::new(
+        gauss(n + 32, DType::BF16, 1, 1),
+        DType::BF16,
+        false,
+        exact(Strategy::Auto),
+    );
+    cases.push((
+        "lengths differ between ranks",
+        s,
+        Box::new(|_, e| matches!(e, Error::RankMismatch { what: "length", .. })),
+    ));
+
+    let mut s = good.clone();
+    s.iter_mut()
+        .for_each(|a| a.options.strategy = Strategy::TwoShot);
+    s[0].options.strategy = Strategy::OneShot;
+    cases.push((
+        "strategies differ between ranks",
+        s,
+        Box::new(|_, e| {
+            matches!(
+                e,
+                Error::RankMismatch {
+                    what: "strategy",
+                    ..
+                }
+            )
+        }),
+    ));
+
+    let big: Vec<HostBytes> = (0..world)
+        .map(|r| gauss(max / 2 + 1, DType::BF16, 5, r))
+        .collect();
+    let mut s = good.clone();
+    s[2 % world] = step(&big, DType::BF16, false, exact(Strategy::Auto)).swap_remove(2 % world);
+    let big_rank = 2 % world;
+    cases.push((
+        "buffer larger than the maximum on one rank",
+        s,
+        Box::new(move |r, e| {
+            if r == big_rank {
+                matches!(e, Error::TooLarge { .. })
+            } else {
+                matches!(e, Error::PeerRejected { rank, .. } if *rank == big_rank)
+            }
+        }),
+    ));
+
+    let f32s: Vec<HostBytes> = (0..world).map(|r| gauss(n, DType::F32, 3, r)).collect();
+    cases.push((
+        "codec with an unsupported dtype",
+        step(
+            &f32s,
+            DType::F32,
+            false,
+            opts(Strategy::QuantizedTwoShot, Precision::Lossy(Codec::Int4)),
+        ),
+        Box::new(|_, e| {
+            matches!(
+                e,
+                Error::UnsupportedCodec {
+                    codec: Codec::Int4,
+                    dtype: DType::F32
+                }
+            )
+        }),
+    ));
+
+    cases.push((
+        "quantized strategy without a codec",
+        step(
+            &valid,
+            DType::BF16,
+            false,
+            exact(Strategy::QuantizedTwoShot),
+        ),
+        Box::new(|_, e| matches!(e, Error::StrategyUnavailable { .. })),
+    ));
+
+    let mut s = step(&f32s, DType::F32, false, exact(Strategy::Auto));
+    s.iter_mut().for_each(|a| a.misalign = 2);
+    cases.push((
+        "misaligned buffer",
+        s,
+        Box::new(|_, e| matches!(e, Error::Misaligned { .. })),
+    ));
+
+    // Wait after every call, so that a backend reporting errors asynchronously (at the next
+    // synchronisation, as GPU backends do) attributes each to its own call.
+    let mut steps = Vec::new();
+    for (_, s, _) in &cases {
+        steps.push(s.clone());
+        steps.push(good.clone());
+    }
+    steps.iter_mut().flatten().for_each(|a| a.sync_after = true);
+    let results = h.run(&comms, &steps);
+    let reference = Reference::new(&valid, DType::BF16);
+    for (k, (what, _, pred)) in cases.iter().enumerate() {
+        expect_all(&results[2 * k], what, pred)?;
+        let after = format!("valid call after `{what}`");
+        let out = check::bitwise_equal(&results[2 * k + 1], &after)?;
+        check::exact(out, &reference, &after)?;
+    }
+    Ok(())
+}
+
+/// A rank that arrives a second late is waited for, not timed out.
+fn late_rank_is_waited_for(h: &dyn Harness) -> Result<(), String> {
+    let world = 4.min(h.max_world()).max(2);
+    let comms = group(h, world)?;
+    let inputs: Vec<HostBytes> = (0..world).map(|r| gauss(5000, DType::F16, 11, r)).collect();
+    let mut s = step(
+        &inputs,
+        DType::F16,
+        false,
+        opts(Strategy::Auto, Precision::Exact),
+    );
+    s[world - 1].delay = Duration::from_secs(1);
+    let steps = vec![
+        s.clone(),
+        step(
+            &inputs,
+            DType::F16,
+            true,
+            opts(Strategy::TwoShot, Precision::Exact),
+        ),
+    ];
+    let reference = Reference::new(&inputs, DType::F16);
+    for (k, outcomes) in h.run(&comms, &steps).iter().enumerate() {
+        let what = format!("late rank, call {k}");
+        let out = check::bitwise_equal(outcomes, &what)?;
+        check::exact(out, &reference, &what)?;
+    }
+    Ok(())
+}
+
+/// A rank that never arrives makes the others fail within the deadline (no hang), and the
+/// group stays failed until it is rebuilt.
+fn missing_rank_times_out(h: &dyn Harness) -> Result<(), String> {
+    let world = 3.min(h.max_world()).max(2);
+    let config = GroupConfig::new(world).timeout(Duration::from_millis(300));
+    let comms = h.group(config).map_err(|e| e.to_string())?;
+    let inputs: Vec<HostBytes> = (0..world).map(|r| gauss(100, DType::F32, 1, r)).collect();
+    // Rank 1 makes neither call. The first call is waited for, so its failure is reported
+    // before the second is made.
+    let mut s = step(
+        &inputs,
+        DType::F32,
+        false,
+        opts(Strategy::OneShot, Precision::Exact),
+    );
+    s[1].skip = true;
+    s.iter_mut().for_each(|a| a.sync_after = true);
+    let start = std::time::Instant::now();
+    let results = h.run(&comms, &[s.clone(), s]);
+    if start.elapsed() > Duration::from_secs(5) {
+        return Err(format!("took {:?} with a 300 ms timeout", start.elapsed()));
+    }
+    let mut timeouts = 0;
+    for (r, o) in results[0].iter().enumerate() {
+        match o {
+            _ if r == 1 => {}
+            Err(Error::Timeout { .. }) => timeouts += 1,
+            Err(Error::Aborted { .. }) => {}
+            other => return Err(format!("rank {r} with a missing peer: {other:?}")),
+        }
+    }
+    if timeouts == 0 {
+        return Err("no rank reported a timeout".into());
+    }
+    let mut after = results[1].clone();
+    let _skipped_rank = after.remove(1);
+    expect_all(&after, "call after the timeout", |_, e| {
+        matches!(e, Error::Aborted { .. })
+    })
+}
+
+fn invalid_group_config(h: &dyn Harness) -> Result<(), String> {
+    match h.group(GroupConfig::new(0)) {
+        Err(Error::InvalidConfig(_)) => {}
+        other => return Err(format!("world size 0: {:?}", other.map(|c| c.len()))),
+    }
+    match h.group(GroupConfig::new(2).max_bytes(0)) {
+        Err(Error::InvalidConfig(_)) => {}
+        other => return Err(format!("max_bytes 0: {:?}", other.map(|c| c.len()))),
+    }
+    match h.group(GroupConfig::new(2).devices(vec![0])) {
+        Err(Error::InvalidConfig(_)) => Ok(()),
+        other => Err(format!("2 ranks, 1 device: {:?}", other.map(|c| c.len()))),
+    }
+}
