@@ -28,6 +28,8 @@ constexpr int kThreads = 512;
 //   [0, 4096)            Header (zeroed at creation; only this rank's own kernels touch it)
 //   [kFlagsOffset, ..)   uint32_t flags[kMaxBlocks][kMaxWorld]; flags[b][src] is written by
 //                        rank src's block b (zeroed at creation)
+//   [kDescOffset, ..)    uint64_t desc[2][kMaxBlocks][kMaxWorld]: what rank src's block b
+//                        says this call is (length, dtype, strategy), by call parity
 //   kStagingOffset:      staging[2][max_bytes], indexed by call parity
 //   +2*max_bytes:        reduced[max_bytes], two-shot owners' rounded shards, indexed by the
 //                        global byte offset
@@ -35,25 +37,43 @@ constexpr int kThreads = 512;
 struct Header {
   uint32_t epoch[kMaxBlocks];  // last barrier epoch of block b (see sync.h)
   uint32_t calls[kMaxBlocks];  // calls block b has completed; its parity picks the staging
+  // Non-zero once any rank of the group timed out: set by that rank in every peer's header.
+  // In device memory, not host memory, because every kernel reads it: a host-mapped word is a
+  // PCIe round trip per block (and, behind a virtualised IOMMU, a slow one).
+  uint32_t abort;
 };
 constexpr unsigned long long kHeaderBytes = 4096;
 constexpr unsigned long long kFlagsOffset = 4096;
-constexpr unsigned long long kStagingOffset = 8192;
-static_assert(sizeof(Header) == 512 && sizeof(Header) <= kHeaderBytes, "Header");
-static_assert(kFlagsOffset + kMaxBlocks * kMaxWorld * sizeof(uint32_t) <= kStagingOffset, "flags");
+constexpr unsigned long long kDescOffset = 8192;
+constexpr unsigned long long kStagingOffset = 16384;
+static_assert(sizeof(Header) == 516 && sizeof(Header) <= kHeaderBytes, "Header");
+static_assert(offsetof(Header, abort) == 512, "Header");
+static_assert(kFlagsOffset + kMaxBlocks * kMaxWorld * sizeof(uint32_t) <= kDescOffset, "flags");
+static_assert(kDescOffset + 2 * kMaxBlocks * kMaxWorld * sizeof(uint64_t) <= kStagingOffset, "desc");
+
+// Call descriptors. The host encodes (n << 16 | dtype << 12 | strategy << 8 | precision << 4
+// | 1); a rank whose arguments were refused on the host still launches, with kDescRejected
+// and n = 0, so its peers learn of it at the first barrier instead of timing out.
+constexpr unsigned long long kDescRejected = 2;
 
 struct Control {        // host-mapped pinned memory, zeroed at creation
-  unsigned int error;   // 0 ok, kErrorTimeout; set once by atomicCAS from 0
-  unsigned int rank;    // the rank whose wait timed out (the one that wrote this)
+  unsigned int error;   // 0 ok, kErrorTimeout, kErrorMismatch; set once by atomicCAS from 0
+  unsigned int rank;    // timeout: the rank whose wait timed out; mismatch: the peer that differs
   unsigned int block;   // its block
-  unsigned int epoch;   // the epoch it waited for
+  unsigned int epoch;   // the epoch it waited for / of the call
   unsigned long long waited_ns;
+  unsigned long long mine;    // mismatch: this rank's descriptor
+  unsigned long long theirs;  // mismatch: the peer's
 };
 constexpr unsigned int kErrorTimeout = 1;
-static_assert(sizeof(Control) == 24, "Control");
+// Not fatal: every rank of the call saw the same descriptors and skipped it. The host clears
+// it once reported; a timeout (which leaves ranks out of step) is never cleared.
+constexpr unsigned int kErrorMismatch = 2;
+static_assert(sizeof(Control) == 40, "Control");
 static_assert(offsetof(Control, error) == 0 && offsetof(Control, rank) == 4, "Control");
 static_assert(offsetof(Control, block) == 8 && offsetof(Control, epoch) == 12, "Control");
-static_assert(offsetof(Control, waited_ns) == 16, "Control");
+static_assert(offsetof(Control, waited_ns) == 16 && offsetof(Control, mine) == 24, "Control");
+static_assert(offsetof(Control, theirs) == 32, "Control");
 
 // Passed by value. Only input, output and n change between calls, so a captured graph stays
 // valid: everything per-call that must change (epochs, parity) is in device memory.
@@ -63,24 +83,28 @@ struct Args {
   unsigned long long n;         // elements
   char* peers[kMaxWorld];       // every rank's workspace base, rank order; peers[rank] is ours
   Control* control;             // this rank's
-  Control* abort;               // the group's: any non-zero error makes every kernel leave
   unsigned long long max_bytes;
   unsigned long long timeout_ns;
   unsigned int rank;
   unsigned int world;           // 1..kMaxWorld
+  unsigned long long desc;      // this call's descriptor (see kDescRejected)
 };
 static_assert(sizeof(Args) == 128, "Args");
 static_assert(offsetof(Args, input) == 0 && offsetof(Args, output) == 8, "Args");
 static_assert(offsetof(Args, n) == 16 && offsetof(Args, peers) == 24, "Args");
-static_assert(offsetof(Args, control) == 88 && offsetof(Args, abort) == 96, "Args");
-static_assert(offsetof(Args, max_bytes) == 104 && offsetof(Args, timeout_ns) == 112, "Args");
-static_assert(offsetof(Args, rank) == 120 && offsetof(Args, world) == 124, "Args");
+static_assert(offsetof(Args, control) == 88, "Args");
+static_assert(offsetof(Args, max_bytes) == 96 && offsetof(Args, timeout_ns) == 104, "Args");
+static_assert(offsetof(Args, rank) == 112 && offsetof(Args, world) == 116, "Args");
+static_assert(offsetof(Args, desc) == 120, "Args");
 
 // ---- Workspace addressing and the barrier ----------------------------------------------------
 
 AR_DEVICE Header* header_of(char* ws) { return reinterpret_cast<Header*>(ws); }
 AR_DEVICE uint32_t* flags_of(char* ws, unsigned b) {
   return reinterpret_cast<uint32_t*>(ws + kFlagsOffset) + b * kMaxWorld;
+}
+AR_DEVICE unsigned long long* desc_of(char* ws, unsigned parity, unsigned b) {
+  return reinterpret_cast<unsigned long long*>(ws + kDescOffset) + (parity * kMaxBlocks + b) * kMaxWorld;
 }
 AR_DEVICE char* staging_of(char* ws, const Args& a, unsigned parity) {
   return ws + kStagingOffset + parity * a.max_bytes;
@@ -100,13 +124,19 @@ AR_DEVICE void record_timeout(Control* c, const Args& a, unsigned b, uint32_t ep
 struct RankFlags {
   const Args& a;
   unsigned b;
-  AR_DEVICE uint32_t* to_peer(int peer) const { return flags_of(a.peers[peer], b) + a.rank; }
+  unsigned parity;
+  // Our descriptor travels with the flag: this plain store is ordered before the release.
+  AR_DEVICE uint32_t* to_peer(int peer) const {
+    desc_of(a.peers[peer], parity, b)[a.rank] = a.desc;
+    return flags_of(a.peers[peer], b) + a.rank;
+  }
   AR_DEVICE const uint32_t* from_peer(int peer) const {
     return flags_of(a.peers[a.rank], b) + peer;
   }
   AR_DEVICE void on_timeout(int, uint32_t epoch, u64 waited) const {
     record_timeout(a.control, a, b, epoch, waited);
-    record_timeout(a.abort, a, b, epoch, waited);
+    // Every rank's kernels leave at their next check; the host learns it from our Control.
+    for (int r = 0; r < int(a.world); ++r) st_release_sys(&header_of(a.peers[r])->abort, 1u);
     __threadfence_system();
   }
 };
@@ -115,9 +145,33 @@ struct RankFlags {
 // handled by block (v / kThreads) % G, a function of v and the fixed G only, so block b of
 // every rank reads and writes the same addresses ("class b") of every buffer in every call.
 // Whatever block b of a peer touches of ours, only our block b also touches.
-AR_DEVICE bool barrier(const Args& a, Header* h, unsigned b, bool aborted_at_entry = false) {
-  return flag_barrier(RankFlags{a, b}, &h->epoch[b], a.world, &a.abort->error, a.timeout_ns,
+AR_DEVICE bool barrier(const Args& a, Header* h, unsigned b, unsigned parity, bool aborted_at_entry = false) {
+  return flag_barrier(RankFlags{a, b, parity}, &h->epoch[b], a.world, &h->abort, a.timeout_ns,
                       aborted_at_entry);
+}
+
+// After the first barrier: do all ranks describe the same call? Every rank sees the same
+// descriptors, so either all go on or all skip the call, and skipping together keeps their
+// barriers and parities in step; the group stays usable. The descriptors were written before
+// the flags we acquired. Desc slots alternate by parity for the same reason staging does.
+AR_DEVICE bool agree(const Args& a, Header* h, unsigned b, unsigned parity) {
+  const unsigned long long* slots = desc_of(a.peers[a.rank], parity, b);
+  const int peer = threadIdx.x;
+  unsigned long long theirs = a.desc;
+  if (peer < int(a.world)) theirs = *reinterpret_cast<const volatile unsigned long long*>(&slots[peer]);
+  const bool differs = theirs != a.desc;
+  if (!__syncthreads_or(differs)) return true;
+  // A rank that was itself refused has already told its caller; it reports nothing more.
+  if (differs && a.desc != kDescRejected && atomicCAS_system(&a.control->error, 0u, kErrorMismatch) == 0u) {
+    a.control->rank = peer;
+    a.control->block = b;
+    a.control->epoch = h->epoch[b];
+    a.control->mine = a.desc;
+    a.control->theirs = theirs;
+    __threadfence_system();
+  }
+  if (threadIdx.x == 0) h->calls[b] += 1;
+  return false;
 }
 
 // ---- Kernels ---------------------------------------------------------------------------------
@@ -187,15 +241,16 @@ __device__ void oneshot(const Args& a) {
   const unsigned b = blockIdx.x;
   char* self = a.peers[a.rank];
   Header* h = header_of(self);
-  // Read now, used at the barrier: the abort word may be across PCIe, and phase 1 only
-  // touches our own workspace, so doing it regardless costs nothing.
-  const bool aborted = threadIdx.x == 0 && ld_relaxed_sys(&a.abort->error) != 0;
+  // Read now, used at the barrier: phase 1 only touches our own workspace, so doing it
+  // regardless costs nothing.
+  const bool aborted = threadIdx.x == 0 && ld_relaxed_sys(&h->abort) != 0;
   const unsigned parity = h->calls[b] & 1;
   const Geometry<T> g(a.n);
 
   // ---- Phase 1: stage our input.
   stage_input<T>(a, g, staging_of(self, a, parity));
-  if (!barrier(a, h, b, aborted)) return;
+  if (!barrier(a, h, b, parity, aborted)) return;
+  if (!agree(a, h, b, parity)) return;
 
   // ---- Phase 2: reduce every rank's staged input into our output.
   auto staging = [&](char* ws) { return staging_of(ws, a, parity); };
@@ -215,7 +270,7 @@ __device__ void twoshot(const Args& a) {
   const unsigned b = blockIdx.x;
   char* self = a.peers[a.rank];
   Header* h = header_of(self);
-  const bool aborted = threadIdx.x == 0 && ld_relaxed_sys(&a.abort->error) != 0;
+  const bool aborted = threadIdx.x == 0 && ld_relaxed_sys(&h->abort) != 0;
   // Parity-indexed staging like one-shot, though two-shot alone could use one buffer: a
   // one-shot call has no closing barrier, so right after one a peer may still be reading the
   // staging of that call's parity.
@@ -227,7 +282,8 @@ __device__ void twoshot(const Args& a) {
 
   // ---- Phase 1: stage our input.
   stage_input<T>(a, g, staging_of(self, a, parity));
-  if (!barrier(a, h, b, aborted)) return;
+  if (!barrier(a, h, b, parity, aborted)) return;
+  if (!agree(a, h, b, parity)) return;
 
   // ---- Phase 2: reduce-scatter. Our shard, rounded once, into our `reduced` at the same
   // offsets. Start at the grid-stride step that reaches our shard instead of scanning from 0.
@@ -239,7 +295,7 @@ __device__ void twoshot(const Args& a) {
   // Every owner's shard is complete past this point. (`reduced` needs no parity: a peer reads
   // ours in phase 3 and only then enters the next call's first barrier, which we must pass
   // before our next phase 2 writes it.)
-  if (!barrier(a, h, b)) return;
+  if (!barrier(a, h, b, parity)) return;
 
   // ---- Phase 3: all-gather. Every vector from its owner's `reduced`, bit for bit. The owner
   // is tracked incrementally: a 64-bit division per vector costs registers we do not have to

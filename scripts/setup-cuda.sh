@@ -31,7 +31,7 @@ missing=0
 for pin in "${PINS[@]}"; do
   name=${pin%%==*}
   want=${pin##*==}
-  have=$("$VENV/bin/python" -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
+  have=$("$VENV/bin/python" -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p' || true)
   [ "$have" = "$want" ] || missing=1
 done
 if [ "$missing" = 1 ]; then

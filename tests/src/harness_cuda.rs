@@ -1,5 +1,12 @@
 //! The suite on NVIDIA GPUs: device buffers, one stream per rank, calls enqueued back to
 //! back with no synchronisation between them unless a step asks for it.
+//!
+//! Every buffer of a sequence is allocated and filled before any rank makes its first call,
+//! and freed only after every rank is done: on virtual ranks, anything that may wait for the
+//! whole device (an allocation that maps memory, a free, a module load) made while a peer's
+//! kernel waits for this rank's next launch is a cycle that only the deadline breaks.
+
+use std::sync::Barrier;
 
 use allreduce::cuda::testing::{bind, Buffer, OwnedStream};
 use allreduce::{BackendKind, BufMut, BufRef, Communicator, Device, Error, HostBytes, Result};
@@ -32,14 +39,6 @@ impl CudaHarness {
     }
 }
 
-struct Pending {
-    out: Option<Buffer>,
-    /// Keeps the input alive until the stream has consumed it.
-    _input: Option<Buffer>,
-    len: usize,
-    result: Result<()>,
-}
-
 impl Harness for CudaHarness {
     fn name(&self) -> String {
         let mut d = self.devices.clone();
@@ -68,11 +67,13 @@ impl Harness for CudaHarness {
     }
 
     fn run(&self, comms: &[Communicator], steps: &[Vec<RankArgs>]) -> Vec<Vec<Outcome>> {
+        let barrier = Barrier::new(comms.len());
         let per_rank: Vec<Vec<Outcome>> = std::thread::scope(|s| {
+            let barrier = &barrier;
             let handles: Vec<_> = comms
                 .iter()
                 .enumerate()
-                .map(|(r, comm)| s.spawn(move || run_rank(comm, r, steps)))
+                .map(|(r, comm)| s.spawn(move || run_rank(comm, r, steps, barrier)))
                 .collect();
             handles
                 .into_iter()
@@ -83,106 +84,144 @@ impl Harness for CudaHarness {
     }
 }
 
-fn run_rank(comm: &Communicator, r: usize, steps: &[Vec<RankArgs>]) -> Vec<Outcome> {
-    let ordinal = match comm.device() {
-        Device::Cuda(o) => o,
-        d => {
-            return steps
-                .iter()
-                .map(|_| Err(Error::InvalidConfig(format!("rank on {d}"))))
-                .collect()
-        }
-    };
-    let setup = bind(ordinal).and_then(|dev| Ok((dev, OwnedStream::new()?)));
-    let (_dev, stream) = match setup {
+/// One rank's buffers for one step.
+struct Prepared {
+    input: Option<Buffer>,
+    /// The buffer the result is read from (the input itself in place).
+    out: Option<Buffer>,
+    out_bytes: usize,
+}
+
+fn prepare(a: &RankArgs, stream: &OwnedStream) -> Result<Prepared> {
+    if a.skip {
+        return Ok(Prepared {
+            input: None,
+            out: None,
+            out_bytes: 0,
+        });
+    }
+    if a.in_place {
+        let buf = Buffer::from_host(a.input.as_slice(), stream)?;
+        return Ok(Prepared {
+            input: None,
+            out: Some(buf),
+            out_bytes: a.input.len(),
+        });
+    }
+    let mut staged = vec![0u8; a.input.len() + a.misalign];
+    staged[a.misalign..].copy_from_slice(a.input.as_slice());
+    let out_bytes = a.out_len * a.out_dtype.size();
+    Ok(Prepared {
+        input: Some(Buffer::from_host(&staged, stream)?),
+        out: Some(Buffer::zeroed(out_bytes, stream)?),
+        out_bytes,
+    })
+}
+
+fn run_rank(
+    comm: &Communicator,
+    r: usize,
+    steps: &[Vec<RankArgs>],
+    barrier: &Barrier,
+) -> Vec<Outcome> {
+    let setup = (|| -> Result<_> {
+        let Device::Cuda(ordinal) = comm.device() else {
+            return Err(Error::InvalidConfig(format!("rank on {}", comm.device())));
+        };
+        let dev = bind(ordinal)?;
+        let stream = OwnedStream::new()?;
+        stream.warm()?;
+        let prepared = steps
+            .iter()
+            .map(|step| prepare(&step[r], &stream))
+            .collect::<Vec<_>>();
+        stream.synchronize()?;
+        Ok((dev, stream, prepared))
+    })();
+    // Everyone is ready (or failed) before anyone calls.
+    barrier.wait();
+    let (_dev, stream, prepared) = match setup {
         Ok(x) => x,
-        Err(e) => return steps.iter().map(|_| Err(e.clone())).collect(),
-    };
-    let mut pending: Vec<Pending> = Vec::new();
-    let mut outcomes: Vec<Option<Outcome>> = Vec::new();
-    // Enqueue every step; wait only where a step asks, and once at the end.
-    let flush = |pending: &mut Vec<Pending>, outcomes: &mut Vec<Option<Outcome>>| {
-        let sync = comm.synchronize(stream.handle());
-        for p in pending.drain(..) {
-            let o = p.result.and_then(|_| sync.clone()).and_then(|_| {
-                let mut h = HostBytes::zeroed(p.len);
-                if let Some(b) = &p.out {
-                    b.download(h.as_mut_slice(), &stream)?;
-                }
-                Ok(h)
-            });
-            outcomes.push(Some(o));
+        Err(e) => {
+            barrier.wait();
+            return steps.iter().map(|_| Err(e.clone())).collect();
         }
     };
-    for step in steps {
+
+    // Enqueue every step; wait only where a step asks, and once at the end. An asynchronous
+    // error belongs to every call enqueued since the previous wait.
+    let mut results: Vec<Result<()>> = Vec::with_capacity(steps.len());
+    let mut since_sync = 0;
+    let settle = |results: &mut Vec<Result<()>>, since: &mut usize| {
+        let sync = comm.synchronize(stream.handle());
+        let n = results.len();
+        for res in &mut results[n - *since..] {
+            if res.is_ok() {
+                *res = sync.clone();
+            }
+        }
+        *since = 0;
+    };
+    for (step, p) in steps.iter().zip(&prepared) {
         let a = &step[r];
+        let p = match p {
+            Ok(p) => p,
+            Err(e) => {
+                results.push(Err(e.clone()));
+                continue;
+            }
+        };
         if a.skip {
-            flush(&mut pending, &mut outcomes);
-            outcomes.push(Some(Ok(HostBytes::zeroed(0))));
+            results.push(Ok(()));
             continue;
         }
         if !a.delay.is_zero() {
             std::thread::sleep(a.delay);
         }
-        pending.push(enqueue(comm, &stream, a));
+        results.push(enqueue(comm, &stream, a, p));
+        since_sync += 1;
         if a.sync_after {
-            flush(&mut pending, &mut outcomes);
+            settle(&mut results, &mut since_sync);
         }
     }
-    flush(&mut pending, &mut outcomes);
-    outcomes
+    settle(&mut results, &mut since_sync);
+
+    let outcomes = results
         .into_iter()
-        .map(|o| o.expect("every step has an outcome"))
-        .collect()
+        .zip(&prepared)
+        .map(|(res, p)| {
+            res?;
+            let p = p.as_ref().map_err(Clone::clone)?;
+            let mut h = HostBytes::zeroed(p.out_bytes);
+            if let Some(b) = &p.out {
+                b.download(h.as_mut_slice(), &stream)?;
+            }
+            Ok(h)
+        })
+        .collect();
+    // Nobody frees while a peer may still be calling.
+    barrier.wait();
+    outcomes
 }
 
-fn enqueue(comm: &Communicator, stream: &OwnedStream, a: &RankArgs) -> Pending {
+fn enqueue(comm: &Communicator, stream: &OwnedStream, a: &RankArgs, p: &Prepared) -> Result<()> {
     let opts = a.options.stream(stream.handle());
     let dev = comm.device();
-    let fail = |e: Error| Pending {
-        out: None,
-        _input: None,
-        len: 0,
-        result: Err(e),
-    };
+    let out = p.out.as_ref().expect("prepared");
     if a.in_place {
-        let buf = match Buffer::from_host(a.input.as_slice(), stream) {
-            Ok(b) => b,
-            Err(e) => return fail(e),
-        };
         let len = a.input.len() / a.dtype.size();
-        // SAFETY: `buf` holds `len` elements and is kept alive in `Pending`.
-        let view = unsafe { BufMut::from_raw(buf.addr(), len, a.dtype, dev) };
-        let result = comm.all_reduce_in_place(view, &opts).map(|_| ());
-        return Pending {
-            len: a.input.len(),
-            out: Some(buf),
-            _input: None,
-            result,
-        };
+        // SAFETY: the buffer holds `len` elements and outlives the sequence.
+        let view = unsafe { BufMut::from_raw(out.addr(), len, a.dtype, dev) };
+        return comm.all_reduce_in_place(view, &opts).map(|_| ());
     }
-    let mut staged = vec![0u8; a.input.len() + a.misalign];
-    staged[a.misalign..].copy_from_slice(a.input.as_slice());
-    let (input, out) = match (
-        Buffer::from_host(&staged, stream),
-        Buffer::zeroed(a.out_len * a.out_dtype.size(), stream),
-    ) {
-        (Ok(i), Ok(o)) => (i, o),
-        (Err(e), _) | (_, Err(e)) => return fail(e),
-    };
+    let input = p.input.as_ref().expect("prepared");
     let in_len = a.input.len() / a.dtype.size();
-    // SAFETY: both buffers hold what the views claim and are kept alive in `Pending`.
+    // SAFETY: both buffers hold what the views claim and outlive the sequence.
     let (iv, ov) = unsafe {
         (
             BufRef::from_raw(input.addr() + a.misalign, in_len, a.dtype, dev),
             BufMut::from_raw(out.addr(), a.out_len, a.out_dtype, dev),
         )
     };
-    let result = comm.all_reduce(iv, ov, &opts).map(|_| ());
-    Pending {
-        len: a.out_len * a.out_dtype.size(),
-        out: Some(out),
-        _input: Some(input),
-        result,
-    }
+    comm.all_reduce(iv, ov, &opts).map(|_| ())
 }

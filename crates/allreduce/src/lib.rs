@@ -236,7 +236,7 @@ impl Communicator {
             Ok(call) => call,
             Err(e) => {
                 tracing::debug!(error = %e, "rejected");
-                comm.reject(&e);
+                comm.reject(&e, options.stream);
                 return Err(e);
             }
         };

@@ -17,10 +17,10 @@ use allreduce_core::{
     SelectionTable, Strategy, Stream,
 };
 
-use crate::abi::{self, Args, Control, MAX_BLOCKS, MAX_WORLD, THREADS};
+use crate::abi::{self, Args, Control, Desc, MAX_BLOCKS, MAX_WORLD, THREADS};
 use crate::driver::{self, CUfunction, DeviceMem, HostMapped, Module};
 
-static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/allreduce.fatbin"));
+pub(crate) static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/allreduce.fatbin"));
 
 /// vLLM's grid-searched block count for its one-shot/two-shot kernels on one GPU per rank.
 const BLOCKS_PER_RANK: u32 = 36;
@@ -97,7 +97,6 @@ struct Group {
     kernels: Vec<Option<Kernels>>,
     workspaces: Vec<Option<DeviceMem>>,
     controls: Vec<Option<HostMapped>>,
-    abort: Option<HostMapped>,
     peers: [u64; MAX_WORLD],
     grid: u32,
     max_bytes: usize,
@@ -153,8 +152,6 @@ impl Group {
             d.bind()?;
             kernels.push(Some(Kernels::load()?));
         }
-        devices[0].bind()?;
-        let abort = HostMapped::zeroed(size_of::<Control>())?;
         let mut workspaces = Vec::new();
         let mut controls = Vec::new();
         let mut peers = [0u64; MAX_WORLD];
@@ -164,6 +161,38 @@ impl Group {
             peers[rank] = ws.ptr;
             workspaces.push(Some(ws));
             controls.push(Some(HostMapped::zeroed(size_of::<Control>())?));
+        }
+        // Warm up: run every kernel once per rank, alone (world 1, nothing to move), before
+        // any rank waits on another. A context's first launches may do lazy work that waits
+        // for the whole device (loading code, growing the local-memory reservation for a kernel
+        // with a stack); done while a peer's kernel spins waiting for this rank's launch, that
+        // wait never ends. Every rank advances its epochs and call parities by the same
+        // amount, so the ranks stay in step.
+        for (rank, &d) in rank_device.iter().enumerate() {
+            devices[d].bind()?;
+            let k = kernels[d].as_ref().expect("loaded above");
+            let mut solo = [0u64; MAX_WORLD];
+            solo[0] = peers[rank];
+            let args = Args {
+                input: std::ptr::null(),
+                output: std::ptr::null_mut(),
+                n: 0,
+                peers: solo,
+                control: controls[rank].as_ref().expect("allocated above").dev,
+                max_bytes: max_bytes as u64,
+                timeout_ns: config.timeout.as_nanos().min(u64::MAX as u128) as u64,
+                rank: 0,
+                world: 1,
+                desc: Desc::new(0, 0, 0, 0).0,
+            };
+            for &f in k.oneshot.iter().chain(&k.twoshot) {
+                // SAFETY: n = 0 and world = 1: the kernel touches only this rank's workspace.
+                unsafe { driver::launch(f, grid, THREADS, std::ptr::null_mut(), &args)? };
+            }
+        }
+        for d in &devices {
+            d.bind()?;
+            driver::context_synchronize()?;
         }
         tracing::debug!(
             ranks = ordinals.len(),
@@ -179,7 +208,6 @@ impl Group {
             kernels,
             workspaces,
             controls,
-            abort: Some(abort),
             peers,
             grid,
             max_bytes,
@@ -191,10 +219,6 @@ impl Group {
         self.controls[rank]
             .as_ref()
             .expect("alive while the group is")
-    }
-
-    fn abort(&self) -> &HostMapped {
-        self.abort.as_ref().expect("alive while the group is")
     }
 
     /// Read a Control written by kernels. Volatile: the device writes it behind our back.
@@ -216,8 +240,6 @@ impl Drop for Group {
             let _ = self.devices[d].bind();
             k.take();
         }
-        let _ = self.devices[0].bind();
-        self.abort.take();
     }
 }
 
@@ -237,6 +259,80 @@ fn dtype_index(d: DType) -> usize {
     }
 }
 
+// Descriptor codes; 0 is never used so a zeroed slot matches nothing.
+const STRATEGIES: [Strategy; 4] = [
+    Strategy::OneShot,
+    Strategy::TwoShot,
+    Strategy::QuantizedTwoShot,
+    Strategy::Vendor,
+];
+
+fn precision_code(p: Precision) -> u64 {
+    match p {
+        Precision::Exact => 0,
+        Precision::Lossy(c) => {
+            1 + allreduce_core::Codec::ALL
+                .iter()
+                .position(|&x| x == c)
+                .unwrap_or(0) as u64
+        }
+    }
+}
+
+fn describe(call: &Call) -> Desc {
+    Desc::new(
+        call.len(),
+        1 + dtype_index(call.dtype()) as u64,
+        1 + STRATEGIES
+            .iter()
+            .position(|&s| s == call.strategy)
+            .unwrap_or(0) as u64,
+        precision_code(call.precision),
+    )
+}
+
+/// Turn two differing descriptors into the error the host backend would give.
+fn mismatch_error(me: usize, peer: usize, call: u64, mine: Desc, theirs: Desc) -> Error {
+    if theirs == Desc::REJECTED {
+        return Error::PeerRejected {
+            rank: peer,
+            call,
+            reason: "its arguments were refused".into(),
+        };
+    }
+    let name =
+        |table: &[&str], code: u64| table.get(code as usize).copied().unwrap_or("?").to_string();
+    let dtypes = ["?", "f32", "f16", "bf16"];
+    let strategies = ["?", "oneshot", "twoshot", "quantized", "vendor"];
+    let precisions = ["exact", "fp8", "q8", "q6", "q4"];
+    let (what, a, b) = if mine.len() != theirs.len() {
+        ("length", mine.len().to_string(), theirs.len().to_string())
+    } else if mine.dtype() != theirs.dtype() {
+        (
+            "dtype",
+            name(&dtypes, mine.dtype()),
+            name(&dtypes, theirs.dtype()),
+        )
+    } else if mine.strategy() != theirs.strategy() {
+        (
+            "strategy",
+            name(&strategies, mine.strategy()),
+            name(&strategies, theirs.strategy()),
+        )
+    } else {
+        (
+            "precision",
+            name(&precisions, mine.precision()),
+            name(&precisions, theirs.precision()),
+        )
+    };
+    Error::RankMismatch {
+        what,
+        call,
+        detail: format!("rank {me} has {a}, rank {peer} has {b}"),
+    }
+}
+
 impl CudaComm {
     fn device(&self) -> &driver::Device {
         &self.group.devices[self.group.rank_device[self.rank]]
@@ -252,13 +348,16 @@ impl CudaComm {
         self.group.grid
     }
 
+    /// Whether any rank's kernel has timed out: then the group is out of step for good.
     fn aborted(&self) -> Option<String> {
-        let c = Group::read_control(self.group.abort());
-        (c.error != abi::ERROR_NONE).then(|| {
-            format!(
-                "rank {} timed out at block {} waiting for epoch {}",
-                c.rank, c.block, c.epoch
-            )
+        (0..self.group.world).find_map(|r| {
+            let c = Group::read_control(self.group.control(r));
+            (c.error == abi::ERROR_TIMEOUT).then(|| {
+                format!(
+                    "rank {} timed out at block {} waiting for epoch {}",
+                    c.rank, c.block, c.epoch
+                )
+            })
         })
     }
 }
@@ -321,11 +420,11 @@ impl BackendComm for CudaComm {
             n: call.len() as u64,
             peers: g.peers,
             control: g.control(self.rank).dev,
-            abort: g.abort().dev,
             max_bytes: g.max_bytes as u64,
             timeout_ns: g.timeout.as_nanos().min(u64::MAX as u128) as u64,
             rank: self.rank as u32,
             world: g.world as u32,
+            desc: describe(call).0,
         };
         self.device().bind()?;
         // SAFETY: Args mirrors the kernel's parameter; the workspaces and controls live as long
@@ -333,10 +432,62 @@ impl BackendComm for CudaComm {
         unsafe { driver::launch(f, g.grid, THREADS, call.stream.as_raw() as _, &args) }
     }
 
+    fn reject(&self, _reason: &Error, stream: Stream) {
+        // Join the call's first barrier with a "rejected" descriptor and nothing to move, so
+        // the peers skip the call and report PeerRejected instead of waiting out the deadline.
+        if self.aborted().is_some() {
+            return;
+        }
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let g = &*self.group;
+        let kernels = g.kernels[g.rank_device[self.rank]].as_ref().expect("alive");
+        let args = Args {
+            input: std::ptr::null(),
+            output: std::ptr::null_mut(),
+            n: 0,
+            peers: g.peers,
+            control: g.control(self.rank).dev,
+            max_bytes: g.max_bytes as u64,
+            timeout_ns: g.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            rank: self.rank as u32,
+            world: g.world as u32,
+            desc: Desc::REJECTED.0,
+        };
+        // The caller already has its own error; a failed launch here surfaces to the peers as
+        // a timeout.
+        if self.device().bind().is_ok() {
+            // SAFETY: as in all_reduce; n = 0, so the null buffers are never touched.
+            let _ = unsafe {
+                driver::launch(
+                    kernels.oneshot[0],
+                    g.grid,
+                    THREADS,
+                    stream.as_raw() as _,
+                    &args,
+                )
+            };
+        }
+    }
+
     fn synchronize(&self, stream: Stream) -> Result<()> {
         self.device().bind()?;
         driver::stream_synchronize(stream)?;
-        let c = Group::read_control(self.group.control(self.rank));
+        let control = self.group.control(self.rank);
+        let c = Group::read_control(control);
+        if c.error == abi::ERROR_MISMATCH {
+            // Not fatal: clear it once reported. No kernel of ours runs now (the stream is
+            // idle) and peers never write our control.
+            // SAFETY: a live, aligned, host-mapped Control.
+            unsafe { std::ptr::write_volatile(control.host as *mut u32, abi::ERROR_NONE) };
+            let call = self.calls.load(Ordering::Relaxed).saturating_sub(1);
+            return Err(mismatch_error(
+                self.rank,
+                c.rank as usize,
+                call,
+                Desc(c.mine),
+                Desc(c.theirs),
+            ));
+        }
         if c.error == abi::ERROR_TIMEOUT {
             return Err(Error::Timeout {
                 rank: c.rank as usize,

@@ -44,6 +44,14 @@ pub fn init() -> Result<()> {
                     .into(),
             });
         }
+        // Ranks on one GPU run on their own streams and spin on each other: if two of those
+        // streams share one of the device's hardware work queues (8 by default), the kernel
+        // behind waits for the one in front, which waits for it. 32 queues (the maximum) keep
+        // up to 32 streams apart. Read when a context is created, so it only helps if this
+        // process has not made one yet; a caller's own setting wins.
+        if std::env::var_os("CUDA_DEVICE_MAX_CONNECTIONS").is_none() {
+            std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", "32");
+        }
         // SAFETY: the library is present.
         check(unsafe { sys::cuInit(0) }, "cuInit")
     })
@@ -56,6 +64,24 @@ pub fn device_count() -> Result<usize> {
     // SAFETY: driver initialised.
     check(unsafe { sys::cuDeviceGetCount(&mut n) }, "cuDeviceGetCount")?;
     Ok(n as usize)
+}
+
+/// Retain each device's primary context once for the life of the process. Releasing the
+/// last reference destroys the context, and the next group would build a new one, paying its
+/// lazy first-launch work again (see the warm-up in `comm`).
+fn keep_primary_context(dev: CUdevice) -> Result<()> {
+    static KEPT: std::sync::Mutex<Vec<CUdevice>> = std::sync::Mutex::new(Vec::new());
+    let mut kept = KEPT.lock().unwrap_or_else(|e| e.into_inner());
+    if !kept.contains(&dev) {
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: a valid device; never released on purpose.
+        check(
+            unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) },
+            "cuDevicePrimaryCtxRetain",
+        )?;
+        kept.push(dev);
+    }
+    Ok(())
 }
 
 /// A device's primary context, retained for as long as this value lives.
@@ -85,6 +111,7 @@ impl Device {
         // SAFETY: driver initialised, ordinal checked.
         unsafe {
             check(sys::cuDeviceGet(&mut dev, ordinal as i32), "cuDeviceGet")?;
+            keep_primary_context(dev)?;
             check(
                 sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
                 "cuDevicePrimaryCtxRetain",
@@ -244,11 +271,17 @@ impl Module {
 
     pub fn function(&self, name: &CStr) -> Result<CUfunction> {
         let mut f = std::ptr::null_mut();
-        // SAFETY: module is loaded.
-        check(
-            unsafe { sys::cuModuleGetFunction(&mut f, self.module, name.as_ptr()) },
-            "cuModuleGetFunction",
-        )?;
+        // SAFETY: module is loaded; `f` is the function just returned.
+        unsafe {
+            check(
+                sys::cuModuleGetFunction(&mut f, self.module, name.as_ptr()),
+                "cuModuleGetFunction",
+            )?;
+            // Load the code now. With CUDA's default lazy loading the first launch loads it,
+            // and loading can wait for the device to go idle: a rank's first launch would then
+            // wait for its peers' kernels, which wait for that launch. A deadlock.
+            check(sys::cuFuncLoad(f), "cuFuncLoad")?;
+        }
         Ok(f)
     }
 }
@@ -299,4 +332,10 @@ pub fn stream_synchronize(stream: allreduce_core::Stream) -> Result<()> {
         unsafe { sys::cuStreamSynchronize(stream.as_raw() as CUstream) },
         "cuStreamSynchronize",
     )
+}
+
+/// Wait for everything on the current context.
+pub fn context_synchronize() -> Result<()> {
+    // SAFETY: driver initialised; a context is bound by the caller.
+    check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")
 }

@@ -6,45 +6,93 @@ use std::ffi::c_void;
 use allreduce_core::{Result, Stream};
 use cudarc::driver::sys;
 
-use crate::driver::{self, check, DeviceMem};
+use crate::driver::{self, check};
 
 /// A GPU's primary context, to bind before using the helpers below on a thread.
+///
+/// Also stops the device's default memory pool from reusing memory across streams through
+/// internal dependencies: with them, an allocation on one rank's stream may be made to wait
+/// for a free on another rank's stream, which on virtual ranks (whose kernels wait for each
+/// other) closes a cycle and deadlocks until the deadline.
 pub fn bind(ordinal: u32) -> Result<driver::Device> {
     let d = driver::Device::open(ordinal)?;
     d.bind()?;
+    let mut pool = std::ptr::null_mut();
+    // SAFETY: a valid device; the attribute values are i32 booleans.
+    unsafe {
+        check(
+            sys::cuDeviceGetDefaultMemPool(&mut pool, d.dev),
+            "cuDeviceGetDefaultMemPool",
+        )?;
+        for attr in [
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+        ] {
+            let mut off: i32 = 0;
+            check(
+                sys::cuMemPoolSetAttribute(pool, attr, &mut off as *mut i32 as *mut c_void),
+                "cuMemPoolSetAttribute",
+            )?;
+        }
+        // Never hand freed memory back at a synchronisation: unmapping it can wait for the
+        // whole device, the same cycle as above.
+        let mut keep = u64::MAX;
+        check(
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut keep as *mut u64 as *mut c_void,
+            ),
+            "cuMemPoolSetAttribute",
+        )?;
+    }
     Ok(d)
 }
 
-/// Device memory on the bound device. Every transfer is ordered on a caller's stream: the
-/// synchronous driver copies and memsets run on the legacy stream, which does not order with
-/// the non-blocking streams ranks run on (and must not: a legacy-stream operation waits for
-/// every blocking stream, including ranks spinning on each other, and would deadlock them).
+/// Device memory on the bound device, allocated and freed in stream order.
+///
+/// Everything here is ordered on a caller's stream, never on the legacy stream, and nothing
+/// synchronises the whole device: ranks on one GPU spin on each other's flags, so a device-wide
+/// wait (cuMemFree, a synchronous memset or copy) issued by one rank's thread while a peer's
+/// kernel waits for that rank's next launch deadlocks them until the deadline.
 pub struct Buffer {
-    mem: DeviceMem,
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    stream: sys::CUstream,
 }
 
+unsafe impl Send for Buffer {}
+
 impl Buffer {
-    /// Uninitialised device memory.
-    pub fn alloc(bytes: usize) -> Result<Self> {
+    /// Uninitialised device memory, usable by work enqueued on `stream` from now on.
+    pub fn alloc(bytes: usize, stream: &OwnedStream) -> Result<Self> {
+        let mut ptr = 0;
+        // SAFETY: a context is bound and the stream is valid.
+        check(
+            unsafe { sys::cuMemAllocAsync(&mut ptr, bytes.max(1), stream.0) },
+            "cuMemAllocAsync",
+        )?;
         Ok(Buffer {
-            mem: DeviceMem::alloc(bytes)?,
+            ptr,
+            bytes,
+            stream: stream.0,
         })
     }
 
     /// Device memory holding `bytes`, copied on `stream`.
     pub fn from_host(bytes: &[u8], stream: &OwnedStream) -> Result<Self> {
-        let b = Self::alloc(bytes.len())?;
+        let b = Self::alloc(bytes.len(), stream)?;
         b.upload(bytes, stream)?;
         Ok(b)
     }
 
     /// Zeroed device memory, zeroed on `stream`.
     pub fn zeroed(bytes: usize, stream: &OwnedStream) -> Result<Self> {
-        let b = Self::alloc(bytes)?;
+        let b = Self::alloc(bytes, stream)?;
         if bytes > 0 {
             // SAFETY: the allocation holds `bytes`.
             check(
-                unsafe { sys::cuMemsetD8Async(b.mem.ptr, 0, bytes, stream.0) },
+                unsafe { sys::cuMemsetD8Async(b.ptr, 0, bytes, stream.0) },
                 "cuMemsetD8Async",
             )?;
         }
@@ -52,21 +100,21 @@ impl Buffer {
     }
 
     pub fn addr(&self) -> usize {
-        self.mem.ptr as usize
+        self.ptr as usize
     }
 
     pub fn len(&self) -> usize {
-        self.mem.bytes
+        self.bytes
     }
 
     pub fn is_empty(&self) -> bool {
-        self.mem.bytes == 0
+        self.bytes == 0
     }
 
     /// Copy `bytes` in on `stream`. The source may be dropped on return: the driver stages
     /// pageable memory before returning.
     pub fn upload(&self, bytes: &[u8], stream: &OwnedStream) -> Result<()> {
-        assert!(bytes.len() <= self.mem.bytes);
+        assert!(bytes.len() <= self.bytes);
         if bytes.is_empty() {
             return Ok(());
         }
@@ -74,7 +122,7 @@ impl Buffer {
         check(
             unsafe {
                 sys::cuMemcpyHtoDAsync_v2(
-                    self.mem.ptr,
+                    self.ptr,
                     bytes.as_ptr() as *const c_void,
                     bytes.len(),
                     stream.0,
@@ -86,7 +134,7 @@ impl Buffer {
 
     /// Copy out after everything enqueued on `stream` so far (waits for it).
     pub fn download(&self, out: &mut [u8], stream: &OwnedStream) -> Result<()> {
-        assert!(out.len() <= self.mem.bytes);
+        assert!(out.len() <= self.bytes);
         if out.is_empty() {
             return Ok(());
         }
@@ -95,7 +143,7 @@ impl Buffer {
             check(
                 sys::cuMemcpyDtoHAsync_v2(
                     out.as_mut_ptr() as *mut c_void,
-                    self.mem.ptr,
+                    self.ptr,
                     out.len(),
                     stream.0,
                 ),
@@ -103,6 +151,16 @@ impl Buffer {
             )?;
         }
         stream.synchronize()
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemAllocAsync; freed in the order of its stream, after the
+        // work already enqueued there. The stream must outlive the buffer.
+        unsafe {
+            let _ = sys::cuMemFreeAsync(self.ptr, self.stream);
+        }
     }
 }
 
@@ -118,6 +176,40 @@ impl OwnedStream {
         // SAFETY: a context is bound.
         check(unsafe { sys::cuStreamCreate(&mut s, 1) }, "cuStreamCreate")?;
         Ok(OwnedStream(s))
+    }
+
+    /// Run an empty kernel on the stream and wait for it. A stream's first kernel launch may
+    /// do lazy setup that waits for the device; make it here, before ranks on one GPU start
+    /// waiting for each other's launches on these streams.
+    pub fn warm(&self) -> Result<()> {
+        let k = CopyKernel::load()?;
+        let mut n: u64 = 0;
+        let mut null: u64 = 0;
+        let mut params = [
+            &mut null as *mut u64 as *mut c_void,
+            &mut null as *mut u64 as *mut c_void,
+            &mut n as *mut u64 as *mut c_void,
+        ];
+        // SAFETY: n_vec = 0: the copy kernel touches no memory.
+        check(
+            unsafe {
+                sys::cuLaunchKernel(
+                    k.f,
+                    1,
+                    1,
+                    1,
+                    32,
+                    1,
+                    1,
+                    0,
+                    self.0,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            },
+            "cuLaunchKernel",
+        )?;
+        self.synchronize()
     }
 
     pub fn handle(&self) -> Stream {
@@ -192,5 +284,70 @@ impl Drop for Graph {
             let _ = sys::cuGraphExecDestroy(self.exec);
             let _ = sys::cuGraphDestroy(self.graph);
         }
+    }
+}
+
+/// The roofline copy kernel (`ar_copy_f32x4`) from the same fatbin as the collectives, for
+/// baselines measured in the same run: a plain device copy, and a bare launch.
+pub struct CopyKernel {
+    f: sys::CUfunction,
+    _module: driver::Module,
+}
+
+unsafe impl Send for CopyKernel {}
+
+impl CopyKernel {
+    /// Load on the bound device.
+    pub fn load() -> Result<Self> {
+        let module = driver::Module::load(crate::comm::FATBIN)?;
+        let f = module.function(c"ar_copy_f32x4")?;
+        Ok(CopyKernel { f, _module: module })
+    }
+
+    /// Copy `bytes` (a multiple of 16) from `src` to `dst` on `stream` with `grid` x 512 threads.
+    pub fn copy(
+        &self,
+        src: &Buffer,
+        dst: &Buffer,
+        bytes: usize,
+        grid: u32,
+        stream: &OwnedStream,
+    ) -> Result<()> {
+        assert!(bytes % 16 == 0 && bytes <= src.len() && bytes <= dst.len());
+        #[repr(C)]
+        struct Args {
+            src: u64,
+            dst: u64,
+            n_vec: u64,
+        }
+        let args = Args {
+            src: src.ptr,
+            dst: dst.ptr,
+            n_vec: (bytes / 16) as u64,
+        };
+        let mut params = [
+            &args.src as *const u64 as *mut c_void,
+            &args.dst as *const u64 as *mut c_void,
+            &args.n_vec as *const u64 as *mut c_void,
+        ];
+        // SAFETY: three pointer-sized parameters as the kernel declares; bounds asserted.
+        check(
+            unsafe {
+                sys::cuLaunchKernel(
+                    self.f,
+                    grid,
+                    1,
+                    1,
+                    512,
+                    1,
+                    1,
+                    0,
+                    stream.0,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            },
+            "cuLaunchKernel",
+        )
     }
 }

@@ -425,7 +425,7 @@ impl BackendComm for HostComm {
         }
     }
 
-    fn reject(&self, reason: &Error) {
+    fn reject(&self, reason: &Error, _stream: Stream) {
         let ctx = self.begin();
         self.group.slots[self.rank].publish(
             ctx.parity,

@@ -3,7 +3,7 @@
 
 use allreduce::{
     AllReduceOptions, BackendKind, BufMut, BufRef, Communicator, DType, Error, HostBytes, Result,
-    Strategy,
+    Strategy, Stream,
 };
 
 /// One rank's buffers for one row.
@@ -17,6 +17,11 @@ pub trait BenchBuffers: Send {
 
     /// Views for one call: `(Some(input), output)` out of place, `(None, buffer)` in place.
     fn views(&mut self) -> (Option<BufRef<'_>>, BufMut<'_>);
+
+    /// The stream calls on these buffers are enqueued on (the null stream on the host).
+    fn stream(&self) -> Stream {
+        Stream::NULL
+    }
 }
 
 /// Allocates [`BenchBuffers`] for the ranks of a group.
@@ -35,6 +40,8 @@ pub trait BufferFactory: Sync {
 pub fn factory(backend: BackendKind) -> Result<Box<dyn BufferFactory>> {
     match backend {
         BackendKind::Host => Ok(Box::new(HostFactory)),
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda => Ok(Box::new(cuda::CudaFactory)),
         other => Err(Error::BackendNotBuilt(other.name())),
     }
 }
@@ -95,5 +102,84 @@ impl BenchBuffers for HostBuffers {
             self.input.as_ref().map(|b| b.view(self.dtype)),
             self.output.view_mut(self.dtype),
         )
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    //! Device buffers on the rank's GPU, and one non-blocking stream per rank.
+    use allreduce::cuda::driver;
+    use allreduce::cuda::testing::{bind, Buffer, OwnedStream};
+
+    use super::*;
+
+    pub struct CudaFactory;
+
+    struct CudaBuffers {
+        dtype: DType,
+        device: allreduce::Device,
+        input: Option<Buffer>,
+        output: Buffer,
+        // Dropped after the buffers, which are freed in its order.
+        stream: OwnedStream,
+        _ctx: driver::Device,
+    }
+
+    impl BufferFactory for CudaFactory {
+        fn alloc(
+            &self,
+            comm: &Communicator,
+            bytes: usize,
+            dtype: DType,
+            in_place: bool,
+        ) -> Result<Box<dyn BenchBuffers>> {
+            let allreduce::Device::Cuda(ordinal) = comm.device() else {
+                return Err(Error::InvalidConfig("not a CUDA rank".into()));
+            };
+            let ctx = bind(ordinal)?;
+            let stream = OwnedStream::new()?;
+            let input = if in_place {
+                None
+            } else {
+                Some(Buffer::zeroed(bytes, &stream)?)
+            };
+            let output = Buffer::zeroed(bytes, &stream)?;
+            Ok(Box::new(CudaBuffers {
+                dtype,
+                device: comm.device(),
+                input,
+                output,
+                stream,
+                _ctx: ctx,
+            }))
+        }
+    }
+
+    impl BenchBuffers for CudaBuffers {
+        fn upload(&mut self, host: &[u8]) -> Result<()> {
+            let dst = self.input.as_ref().unwrap_or(&self.output);
+            dst.upload(host, &self.stream)
+        }
+
+        fn download(&mut self, host: &mut [u8]) -> Result<()> {
+            self.output.download(host, &self.stream)
+        }
+
+        fn views(&mut self) -> (Option<BufRef<'_>>, BufMut<'_>) {
+            let n = self.output.len() / self.dtype.size();
+            // SAFETY: both buffers hold n elements of dtype and live as long as `self`.
+            unsafe {
+                (
+                    self.input
+                        .as_ref()
+                        .map(|b| BufRef::from_raw(b.addr(), n, self.dtype, self.device)),
+                    BufMut::from_raw(self.output.addr(), n, self.dtype, self.device),
+                )
+            }
+        }
+
+        fn stream(&self) -> Stream {
+            self.stream.handle()
+        }
     }
 }

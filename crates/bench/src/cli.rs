@@ -134,6 +134,11 @@ pub struct Args {
     /// Also draw bus bandwidth against size to this SVG file
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<PathBuf>,
+
+    /// CUDA only: after the sweep, measure in the same run the copy-kernel roofline over the
+    /// sweep's sizes and the host time per all_reduce call against a bare kernel launch
+    #[arg(long)]
+    pub baselines: bool,
 }
 
 /// Parse a byte count: digits with an optional 1024-based suffix K, M, G or T (also KB, KiB,

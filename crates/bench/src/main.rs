@@ -1,6 +1,8 @@
 //! `allreduce-bench`: an nccl-tests-like bandwidth and correctness sweep of the allreduce
 //! library. `--help` describes the flags and the measurements.
 
+#[cfg(feature = "cuda")]
+mod baselines;
 mod buffers;
 mod cli;
 mod data;
@@ -209,6 +211,9 @@ fn run(args: &Args) -> Result<ExitCode, BoxError> {
             writeln!(stdout, "# Plot written to {}", path.display())?;
         }
     }
+    if args.baselines {
+        baselines(args, &comms, &sizes, &mut stdout)?;
+    }
     if let Some(e) = sweep.error {
         return Err(format!(
             "the sweep stopped after {} of {} rows: {e}",
@@ -225,4 +230,41 @@ fn run(args: &Args) -> Result<ExitCode, BoxError> {
         return Ok(ExitCode::FAILURE);
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `--baselines`: the copy roofline and the per-call host overhead, same run, same GPU.
+#[cfg(feature = "cuda")]
+fn baselines(
+    args: &Args,
+    comms: &[Communicator],
+    sizes: &[usize],
+    out: &mut dyn Write,
+) -> Result<(), BoxError> {
+    if args.backend != allreduce::BackendKind::Cuda {
+        return Err("--baselines measures GPU baselines: use it with --backend cuda".into());
+    }
+    writeln!(
+        out,
+        "#\n# Copy-kernel roofline (same fatbin, whole GPU, read + write bytes)"
+    )?;
+    writeln!(out, "#       size       time     copy bw")?;
+    writeln!(out, "#        (B)       (us)      (GB/s)")?;
+    for (bytes, us, gbs) in baselines::copy_roofline(&comms[0], sizes)? {
+        writeln!(out, "{bytes:>12} {us:>10.2} {gbs:>11.1}")?;
+    }
+    let (call, launch) = baselines::launch_overhead(comms, 8192)?;
+    writeln!(
+        out,
+        "#\n# Host time per call, 8 KiB bf16 one-shot, mean over {} rank threads",
+        comms.len()
+    )?;
+    writeln!(out, "#   all_reduce enqueue : {call:.2} us")?;
+    writeln!(out, "#   bare kernel launch : {launch:.2} us")?;
+    writeln!(out, "#   ratio              : {:.2}x", call / launch)?;
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn baselines(_: &Args, _: &[Communicator], _: &[usize], _: &mut dyn Write) -> Result<(), BoxError> {
+    Err("--baselines needs a build with --features cuda".into())
 }

@@ -460,7 +460,7 @@ fn rank_row(
     };
     let inputs = Inputs::new(data, cfg.dtype, spec.bytes);
     let host = inputs.fill(rank);
-    let opts = AllReduceOptions::default()
+    let mut opts = AllReduceOptions::default()
         .precision(spec.precision)
         .strategy(spec.strategy);
 
@@ -490,6 +490,7 @@ fn rank_row(
     let bufs = bufs
         .as_deref_mut()
         .expect("every rank prepared its buffers");
+    opts.stream = bufs.stream();
 
     // Phase 1: warm-up, which also probes the combination and paces the timed loop.
     let mut ran = spec.strategy;

@@ -277,9 +277,11 @@ pub trait BackendComm: Send + Sync {
     /// Enqueue a validated call on `call.stream`.
     fn all_reduce(&self, call: &Call) -> Result<()>;
 
-    /// This rank's arguments were invalid. Backends that agree on every call between ranks
-    /// (the host backend) tell the peers, so they fail at once instead of timing out.
-    fn reject(&self, _reason: &Error) {}
+    /// This rank's arguments were invalid. Backends tell the peers, so they fail at once with
+    /// `Error::PeerRejected` instead of timing out: the host backend at its per-call agreement
+    /// step, GPU backends by launching the call's first barrier with a "rejected" descriptor.
+    /// `stream` is the caller's: GPU backends enqueue their part of the agreement there.
+    fn reject(&self, _reason: &Error, _stream: Stream) {}
 
     /// Wait until everything enqueued on `stream` has finished and report any device-side
     /// error (such as a spin-wait timeout) recorded since the last check.
