@@ -7,11 +7,24 @@ use crate::harness::Outcome;
 
 /// All ranks succeeded and hold identical bytes; returns rank 0's output.
 pub fn bitwise_equal<'a>(outcomes: &'a [Outcome], what: &str) -> Result<&'a HostBytes, String> {
+    // On failure, every rank's outcome: the rank whose error caused the others' is often not
+    // rank 0 (a peer's timeout is a consequence).
+    let all = || {
+        outcomes
+            .iter()
+            .enumerate()
+            .map(|(r, o)| match o {
+                Ok(_) => format!("rank {r}: ok"),
+                Err(e) => format!("rank {r}: {e}"),
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
     let mut first: Option<&HostBytes> = None;
     for (r, o) in outcomes.iter().enumerate() {
         let out = o
             .as_ref()
-            .map_err(|e| format!("{what}: rank {r} failed: {e}"))?;
+            .map_err(|_| format!("{what}: rank {r} failed [{}]", all()))?;
         match first {
             None => first = Some(out),
             Some(f) if f.as_slice() != out.as_slice() => {

@@ -117,6 +117,14 @@ impl Communicator {
         )
         .entered();
         config.validate()?;
+        let mut config = config;
+        if config.selection.is_none() {
+            if let Some(path) = std::env::var_os("ALLREDUCE_SELECTION_TABLE") {
+                // A tuned table (allreduce-bench --tune) without a code change.
+                config.selection = Some(SelectionTable::load(std::path::Path::new(&path))?);
+                tracing::debug!(path = ?path, "selection table from ALLREDUCE_SELECTION_TABLE");
+            }
+        }
         let comms = match backend {
             BackendKind::Host => boxed::<allreduce_backend_host::Host>(&config)?,
             #[cfg(feature = "cuda")]

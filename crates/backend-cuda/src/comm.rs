@@ -7,7 +7,7 @@
 //! arguments once, at creation, so nothing per call comes from the host but the caller's
 //! buffers.
 
-use std::ffi::CStr;
+use std::ffi::{c_void, CStr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -162,38 +162,6 @@ impl Group {
             workspaces.push(Some(ws));
             controls.push(Some(HostMapped::zeroed(size_of::<Control>())?));
         }
-        // Warm up: run every kernel once per rank, alone (world 1, nothing to move), before
-        // any rank waits on another. A context's first launches may do lazy work that waits
-        // for the whole device (loading code, growing the local-memory reservation for a kernel
-        // with a stack); done while a peer's kernel spins waiting for this rank's launch, that
-        // wait never ends. Every rank advances its epochs and call parities by the same
-        // amount, so the ranks stay in step.
-        for (rank, &d) in rank_device.iter().enumerate() {
-            devices[d].bind()?;
-            let k = kernels[d].as_ref().expect("loaded above");
-            let mut solo = [0u64; MAX_WORLD];
-            solo[0] = peers[rank];
-            let args = Args {
-                input: std::ptr::null(),
-                output: std::ptr::null_mut(),
-                n: 0,
-                peers: solo,
-                control: controls[rank].as_ref().expect("allocated above").dev,
-                max_bytes: max_bytes as u64,
-                timeout_ns: config.timeout.as_nanos().min(u64::MAX as u128) as u64,
-                rank: 0,
-                world: 1,
-                desc: Desc::new(0, 0, 0, 0).0,
-            };
-            for &f in k.oneshot.iter().chain(&k.twoshot) {
-                // SAFETY: n = 0 and world = 1: the kernel touches only this rank's workspace.
-                unsafe { driver::launch(f, grid, THREADS, std::ptr::null_mut(), &args)? };
-            }
-        }
-        for d in &devices {
-            d.bind()?;
-            driver::context_synchronize()?;
-        }
         tracing::debug!(
             ranks = ordinals.len(),
             devices = devices.len(),
@@ -201,7 +169,7 @@ impl Group {
             max_bytes,
             "cuda group"
         );
-        Ok(Group {
+        let group = Group {
             world: ordinals.len(),
             rank_device,
             devices,
@@ -212,7 +180,65 @@ impl Group {
             grid,
             max_bytes,
             timeout: config.timeout,
-        })
+        };
+        group.warm_up()?;
+        Ok(group)
+    }
+
+    /// Launch arguments for `rank`: everything but the call's buffers and descriptor is fixed
+    /// for the life of the group.
+    fn args(
+        &self,
+        rank: usize,
+        input: *const c_void,
+        output: *mut c_void,
+        n: usize,
+        desc: Desc,
+    ) -> Args {
+        Args {
+            input,
+            output,
+            n: n as u64,
+            peers: self.peers,
+            control: self.control(rank).dev,
+            max_bytes: self.max_bytes as u64,
+            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            rank: rank as u32,
+            world: self.world as u32,
+            desc: desc.0,
+        }
+    }
+
+    /// Run every kernel once per rank, alone (world 1, nothing to move), before any rank waits
+    /// on another. A context's first launches may do lazy work that waits for the whole device
+    /// (loading code, growing the local-memory reservation for a kernel with a stack); done
+    /// while a peer's kernel spins waiting for this rank's launch, that wait never ends. Every
+    /// rank advances its epochs and call parities by the same amount, so they stay in step.
+    fn warm_up(&self) -> Result<()> {
+        for (rank, &d) in self.rank_device.iter().enumerate() {
+            self.devices[d].bind()?;
+            let k = self.kernels[d].as_ref().expect("loaded");
+            let mut args = self.args(
+                rank,
+                std::ptr::null(),
+                std::ptr::null_mut(),
+                0,
+                Desc::new(0, 0, 0, 0),
+            );
+            args.peers = [0; MAX_WORLD];
+            args.peers[0] = self.peers[rank];
+            args.rank = 0;
+            args.world = 1;
+            for &f in k.oneshot.iter().chain(&k.twoshot) {
+                // SAFETY: n = 0 and world = 1: the kernel touches only this rank's workspace.
+                unsafe { driver::launch(f, self.grid, THREADS, std::ptr::null_mut(), &args)? };
+            }
+        }
+        for d in &self.devices {
+            d.bind()?;
+            driver::context_synchronize()?;
+        }
+        Ok(())
     }
 
     fn control(&self, rank: usize) -> &HostMapped {
@@ -414,18 +440,13 @@ impl BackendComm for CudaComm {
                 })
             }
         };
-        let args = Args {
-            input: call.input.addr as *const _,
-            output: call.output.addr as *mut _,
-            n: call.len() as u64,
-            peers: g.peers,
-            control: g.control(self.rank).dev,
-            max_bytes: g.max_bytes as u64,
-            timeout_ns: g.timeout.as_nanos().min(u64::MAX as u128) as u64,
-            rank: self.rank as u32,
-            world: g.world as u32,
-            desc: describe(call).0,
-        };
+        let args = g.args(
+            self.rank,
+            call.input.addr as *const c_void,
+            call.output.addr as *mut c_void,
+            call.len(),
+            describe(call),
+        );
         self.device().bind()?;
         // SAFETY: Args mirrors the kernel's parameter; the workspaces and controls live as long
         // as the group, and `prepare` validated the caller's buffers (device, size, alignment).
@@ -441,18 +462,13 @@ impl BackendComm for CudaComm {
         self.calls.fetch_add(1, Ordering::Relaxed);
         let g = &*self.group;
         let kernels = g.kernels[g.rank_device[self.rank]].as_ref().expect("alive");
-        let args = Args {
-            input: std::ptr::null(),
-            output: std::ptr::null_mut(),
-            n: 0,
-            peers: g.peers,
-            control: g.control(self.rank).dev,
-            max_bytes: g.max_bytes as u64,
-            timeout_ns: g.timeout.as_nanos().min(u64::MAX as u128) as u64,
-            rank: self.rank as u32,
-            world: g.world as u32,
-            desc: Desc::REJECTED.0,
-        };
+        let args = g.args(
+            self.rank,
+            std::ptr::null(),
+            std::ptr::null_mut(),
+            0,
+            Desc::REJECTED,
+        );
         // The caller already has its own error; a failed launch here surfaces to the peers as
         // a timeout.
         if self.device().bind().is_ok() {

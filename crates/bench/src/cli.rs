@@ -139,6 +139,13 @@ pub struct Args {
     /// sweep's sizes and the host time per all_reduce call against a bare kernel launch
     #[arg(long)]
     pub baselines: bool,
+
+    /// Write the measured winners into this selection-table file (read by `Auto` through
+    /// GroupConfig::selection or ALLREDUCE_SELECTION_TABLE): per size, the fastest strategy
+    /// among those swept, for this world size and dtype, exact and lossy separately. Rules
+    /// already in the file for other world sizes or dtypes are kept
+    #[arg(long, value_name = "FILE.json")]
+    pub tune: Option<PathBuf>,
 }
 
 /// Parse a byte count: digits with an optional 1024-based suffix K, M, G or T (also KB, KiB,

@@ -10,6 +10,7 @@ mod metrics;
 mod plot;
 mod report;
 mod runner;
+mod tune;
 
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
@@ -213,6 +214,31 @@ fn run(args: &Args) -> Result<ExitCode, BoxError> {
     }
     if args.baselines {
         baselines(args, &comms, &sizes, &mut stdout)?;
+    }
+    if let Some(path) = &args.tune {
+        let existing = if path.exists() {
+            allreduce::SelectionTable::load(path)?
+        } else {
+            allreduce::SelectionTable::default_table()
+        };
+        let new = tune::rules(&sweep.rows, world, dtype);
+        let count = new.len();
+        let table = tune::merge(existing, new);
+        let mut doc = table.to_json();
+        doc["tuned"] = serde_json::json!({
+            "world": world,
+            "dtype": dtype.name(),
+            "backend": args.backend.name(),
+            "command": std::env::args().collect::<Vec<_>>().join(" "),
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
+        if !args.json {
+            writeln!(
+                stdout,
+                "# Selection table written to {} ({count} rules for {world} ranks, {dtype})",
+                path.display()
+            )?;
+        }
     }
     if let Some(e) = sweep.error {
         return Err(format!(

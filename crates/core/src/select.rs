@@ -4,7 +4,9 @@
 //! cannot run for the call (no vendor library, a codec it lacks) is skipped, so one table
 //! serves every backend.
 
-use crate::{DType, Precision, Strategy};
+use serde_json::{json, Value};
+
+use crate::{DType, Error, Precision, Result, Strategy};
 
 /// One row: if every set condition holds, use `strategy`.
 #[derive(Clone, Debug, PartialEq)]
@@ -92,6 +94,117 @@ impl SelectionTable {
     }
 }
 
+/// The JSON form, version 1 (what `allreduce-bench --tune` writes and
+/// `ALLREDUCE_SELECTION_TABLE` / `GroupConfig::selection` read):
+///
+/// ```json
+/// { "version": 1, "fallback": "twoshot",
+///   "rules": [ { "world": [2, 8], "max_bytes": 262143, "dtype": "bf16", "lossy": false,
+///                "strategy": "oneshot" } ] }
+/// ```
+///
+/// `max_bytes` may be `null` (no limit); `dtype` and `lossy` may be absent or `null` (any).
+/// Extra fields (a tuner's measurements) are ignored.
+impl SelectionTable {
+    pub const JSON_VERSION: u64 = 1;
+
+    pub fn to_json(&self) -> Value {
+        let rules: Vec<Value> = self
+            .rules
+            .iter()
+            .map(|r| {
+                json!({
+                    "world": [r.world.0, r.world.1],
+                    "max_bytes": (r.max_bytes != usize::MAX).then_some(r.max_bytes),
+                    "dtype": r.dtype.map(|d| d.name()),
+                    "lossy": r.lossy,
+                    "strategy": r.strategy.name(),
+                })
+            })
+            .collect();
+        json!({ "version": Self::JSON_VERSION, "fallback": self.fallback.name(), "rules": rules })
+    }
+
+    pub fn from_json(text: &str) -> Result<Self> {
+        let bad = |what: String| Error::InvalidConfig(format!("selection table: {what}"));
+        let v: Value = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+        match v.get("version").and_then(Value::as_u64) {
+            Some(Self::JSON_VERSION) => {}
+            other => {
+                return Err(bad(format!(
+                    "version {other:?}, expected {}",
+                    Self::JSON_VERSION
+                )))
+            }
+        }
+        let strategy = |v: Option<&Value>, what: &str| -> Result<Strategy> {
+            let s = v
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad(format!("{what} must be a string")))?;
+            match s.parse::<Strategy>().map_err(bad)? {
+                Strategy::Auto => Err(bad(format!("{what} cannot be auto"))),
+                s => Ok(s),
+            }
+        };
+        let fallback = strategy(v.get("fallback"), "fallback")?;
+        let list = v
+            .get("rules")
+            .and_then(Value::as_array)
+            .ok_or_else(|| bad("rules must be a list".into()))?;
+        let mut rules = Vec::with_capacity(list.len());
+        for (i, r) in list.iter().enumerate() {
+            let at = |what: &str| format!("rule {i}: {what}");
+            let world = r
+                .get("world")
+                .and_then(Value::as_array)
+                .filter(|w| w.len() == 2)
+                .and_then(|w| Some((w[0].as_u64()? as usize, w[1].as_u64()? as usize)))
+                .filter(|(lo, hi)| lo <= hi)
+                .ok_or_else(|| bad(at("world must be [min, max] with min <= max")))?;
+            let max_bytes = match r.get("max_bytes") {
+                None | Some(Value::Null) => usize::MAX,
+                Some(b) => b
+                    .as_u64()
+                    .ok_or_else(|| bad(at("max_bytes must be a number or null")))?
+                    as usize,
+            };
+            let dtype = match r.get("dtype") {
+                None | Some(Value::Null) => None,
+                Some(d) => Some(
+                    d.as_str()
+                        .ok_or_else(|| bad(at("dtype must be a string")))?
+                        .parse::<DType>()
+                        .map_err(|e| bad(at(&e)))?,
+                ),
+            };
+            let lossy = match r.get("lossy") {
+                None | Some(Value::Null) => None,
+                Some(l) => Some(
+                    l.as_bool()
+                        .ok_or_else(|| bad(at("lossy must be true, false or null")))?,
+                ),
+            };
+            let strategy = strategy(r.get("strategy"), &at("strategy"))?;
+            rules.push(Rule {
+                world,
+                max_bytes,
+                dtype,
+                lossy,
+                strategy,
+            });
+        }
+        Ok(SelectionTable { rules, fallback })
+    }
+
+    /// Read a table from a JSON file.
+    pub fn load(path: &std::path::Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            Error::InvalidConfig(format!("selection table {}: {e}", path.display()))
+        })?;
+        Self::from_json(&text)
+    }
+}
+
 impl Default for SelectionTable {
     fn default() -> Self {
         Self::default_table()
@@ -101,6 +214,47 @@ impl Default for SelectionTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn json_round_trip_and_errors() {
+        let t = SelectionTable::default_table();
+        let text = t.to_json().to_string();
+        assert_eq!(SelectionTable::from_json(&text).unwrap(), t);
+        let mut custom = t.clone();
+        custom.rules.insert(
+            0,
+            Rule {
+                world: (4, 4),
+                max_bytes: 4096,
+                dtype: Some(DType::BF16),
+                lossy: Some(false),
+                strategy: Strategy::TwoShot,
+            },
+        );
+        let back = SelectionTable::from_json(&custom.to_json().to_string()).unwrap();
+        assert_eq!(back, custom);
+        assert_eq!(
+            back.choose(4096, 4, DType::BF16, Precision::Exact, |_| true),
+            Strategy::TwoShot
+        );
+        assert_eq!(
+            back.choose(4096, 4, DType::F16, Precision::Exact, |_| true),
+            Strategy::OneShot
+        );
+        for bad in [
+            "{",
+            r#"{"version": 2, "fallback": "twoshot", "rules": []}"#,
+            r#"{"version": 1, "fallback": "auto", "rules": []}"#,
+            r#"{"version": 1, "fallback": "twoshot", "rules": [{"world": [4, 2], "strategy": "oneshot"}]}"#,
+            r#"{"version": 1, "fallback": "twoshot", "rules": [{"world": [2, 4], "strategy": "fastest"}]}"#,
+            r#"{"version": 1, "fallback": "twoshot", "rules": [{"world": [2, 4], "dtype": "f64", "strategy": "oneshot"}]}"#,
+        ] {
+            assert!(
+                matches!(SelectionTable::from_json(bad), Err(Error::InvalidConfig(_))),
+                "{bad}"
+            );
+        }
+    }
 
     #[test]
     fn default_table_follows_public_thresholds() {
