@@ -19,6 +19,7 @@ use allreduce_core::{
 
 use crate::abi::{self, Args, Control, Desc, MAX_BLOCKS, MAX_WORLD, THREADS};
 use crate::driver::{self, CUfunction, DeviceMem, HostMapped, Module};
+use crate::nccl;
 
 pub(crate) static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/allreduce.fatbin"));
 
@@ -98,6 +99,8 @@ struct Group {
     workspaces: Vec<Option<DeviceMem>>,
     controls: Vec<Option<HostMapped>>,
     peers: [u64; MAX_WORLD],
+    /// One NCCL communicator per rank, or why there is none.
+    nccl: std::result::Result<Vec<nccl::Comm>, String>,
     grid: u32,
     max_bytes: usize,
     timeout: Duration,
@@ -169,6 +172,17 @@ impl Group {
             max_bytes,
             "cuda group"
         );
+        let nccl = match nccl::unavailable(ordinals) {
+            Some(why) => Err(why),
+            None => {
+                let per_rank: Vec<&driver::Device> =
+                    rank_device.iter().map(|&d| &devices[d]).collect();
+                nccl::init(&per_rank).map_err(|e| format!("NCCL initialisation failed: {e}"))
+            }
+        };
+        if let Err(why) = &nccl {
+            tracing::debug!(reason = %why, "no NCCL for this group");
+        }
         let group = Group {
             world: ordinals.len(),
             rank_device,
@@ -177,6 +191,7 @@ impl Group {
             workspaces,
             controls,
             peers,
+            nccl,
             grid,
             max_bytes,
             timeout: config.timeout,
@@ -256,6 +271,10 @@ impl Group {
 
 impl Drop for Group {
     fn drop(&mut self) {
+        // NCCL first: its communicators may hold references into the contexts below.
+        if let Ok(comms) = &mut self.nccl {
+            comms.clear();
+        }
         // Free each allocation with its own device's context current.
         for (rank, &d) in self.rank_device.iter().enumerate() {
             let _ = self.devices[d].bind();
@@ -418,7 +437,7 @@ impl BackendComm for CudaComm {
         match strategy {
             Strategy::OneShot | Strategy::TwoShot => Ok(()),
             Strategy::QuantizedTwoShot => Err("the quantized GPU kernels are not built yet".into()),
-            Strategy::Vendor => Err("NCCL is not wired into the CUDA backend yet".into()),
+            Strategy::Vendor => self.group.nccl.as_ref().map(|_| ()).map_err(Clone::clone),
             Strategy::Auto => Err("Auto is resolved before the backend is called".into()),
         }
     }
@@ -433,6 +452,27 @@ impl BackendComm for CudaComm {
         let f = match call.strategy {
             Strategy::OneShot => kernels.oneshot[dtype_index(call.dtype())],
             Strategy::TwoShot => kernels.twoshot[dtype_index(call.dtype())],
+            Strategy::Vendor => {
+                let comms = g
+                    .nccl
+                    .as_ref()
+                    .map_err(|reason| Error::StrategyUnavailable {
+                        strategy: Strategy::Vendor,
+                        reason: reason.clone(),
+                    })?;
+                self.device().bind()?;
+                // SAFETY: `prepare` validated the buffers (device, size, alignment).
+                return unsafe {
+                    nccl::all_reduce(
+                        &comms[self.rank],
+                        call.input.addr,
+                        call.output.addr,
+                        call.len(),
+                        call.dtype(),
+                        call.stream,
+                    )
+                };
+            }
             s => {
                 return Err(Error::StrategyUnavailable {
                     strategy: s,
