@@ -1,5 +1,6 @@
-//! Build-script helpers for the GPU backends: find `nvcc`, and compile one `.cu` file into one
-//! fatbin that the crate embeds.
+//! Build-script helpers for the GPU backends: find `nvcc` and compile one `.cu` file into one
+//! fatbin that the crate embeds; find a HIP clang and compile one `.hip` file into one AMDGPU
+//! code object per gfx target ([`compile_hip_code_objects`], module docs in `hip.rs`).
 //!
 //! A consumer's `build.rs`:
 //!
@@ -29,6 +30,13 @@ use std::ffi::OsString;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+
+mod hip;
+
+pub use hip::{
+    compile_hip_code_objects, find_hip_compiler, CodeObject, HipOptions, DEFAULT_HIP_ARCHS,
+    HIP_ARCHS_ENV, HIP_VENV_DIR, OPTIONAL_HIP_ARCHS,
+};
 
 /// Architectures compiled when neither [`FatbinOptions::archs`] nor `ALLREDUCE_CUDA_ARCHS`
 /// says otherwise: A100, H100/H200, B200.
@@ -204,41 +212,13 @@ impl FatbinOptions {
 /// that multiplies and must match the host bit for bit (the codecs) spells its rounding out
 /// with `__fmul_rn`/`__fdiv_rn`/`__fadd_rn`, which are never contracted.
 pub fn compile_fatbin(opts: &FatbinOptions) -> Result<PathBuf, String> {
-    if opts.cargo_directives {
-        for key in WATCHED_ENV {
-            println!("cargo:rerun-if-env-changed={key}");
-        }
-        println!("cargo:rerun-if-changed={}", opts.source.display());
-    }
-    let mut watched = Vec::new();
-    for dir in &opts.include_dirs {
-        if !dir.is_dir() {
-            return Err(format!(
-                "include directory {} does not exist",
-                dir.display()
-            ));
-        }
-        walk_files(dir, &mut watched).map_err(|e| format!("reading {}: {e}", dir.display()))?;
-    }
-    if opts.cargo_directives {
-        watched.sort();
-        for f in &watched {
-            println!("cargo:rerun-if-changed={}", f.display());
-        }
-    }
-
-    if opts.name.is_empty() || opts.name.contains(['/', '\\']) {
-        return Err(format!(
-            "fatbin name {:?} must be a plain file stem",
-            opts.name
-        ));
-    }
-    if !opts.source.is_file() {
-        return Err(format!(
-            "kernel source {} does not exist",
-            opts.source.display()
-        ));
-    }
+    check_inputs(
+        &opts.name,
+        &opts.source,
+        &opts.include_dirs,
+        WATCHED_ENV,
+        opts.cargo_directives,
+    )?;
     let archs = match &opts.archs {
         Some(list) => list.clone(),
         None => match env::var(ARCHS_ENV) {
@@ -247,12 +227,7 @@ pub fn compile_fatbin(opts: &FatbinOptions) -> Result<PathBuf, String> {
         },
     };
     let gencodes = gencode_args(&archs)?;
-    let out_dir = match &opts.out_dir {
-        Some(d) => d.clone(),
-        None => PathBuf::from(
-            env::var_os("OUT_DIR").ok_or("OUT_DIR is not set (not in a build script?)")?,
-        ),
-    };
+    let out_dir = resolve_out_dir(opts.out_dir.as_deref())?;
     let nvcc = match &opts.nvcc {
         Some(p) => p.clone(),
         None => find_nvcc()?,
@@ -294,6 +269,58 @@ pub fn compile_fatbin(opts: &FatbinOptions) -> Result<PathBuf, String> {
             "nvcc succeeded but wrote no {}: {cmd:?}",
             out.display()
         )),
+    }
+}
+
+/// What every compile does first: prints the `cargo:rerun-if-*` lines for the source, every
+/// file under the include directories and `watched_env`; checks that the include directories
+/// and the source exist and that `name` is a plain file stem.
+fn check_inputs(
+    name: &str,
+    source: &Path,
+    include_dirs: &[PathBuf],
+    watched_env: &[&str],
+    cargo_directives: bool,
+) -> Result<(), String> {
+    if cargo_directives {
+        for key in watched_env {
+            println!("cargo:rerun-if-env-changed={key}");
+        }
+        println!("cargo:rerun-if-changed={}", source.display());
+    }
+    let mut watched = Vec::new();
+    for dir in include_dirs {
+        if !dir.is_dir() {
+            return Err(format!(
+                "include directory {} does not exist",
+                dir.display()
+            ));
+        }
+        walk_files(dir, &mut watched).map_err(|e| format!("reading {}: {e}", dir.display()))?;
+    }
+    if cargo_directives {
+        watched.sort();
+        for f in &watched {
+            println!("cargo:rerun-if-changed={}", f.display());
+        }
+    }
+
+    if name.is_empty() || name.contains(['/', '\\']) {
+        return Err(format!("output name {name:?} must be a plain file stem"));
+    }
+    if !source.is_file() {
+        return Err(format!("kernel source {} does not exist", source.display()));
+    }
+    Ok(())
+}
+
+/// `out_dir`, else `OUT_DIR` (set by cargo for build scripts).
+fn resolve_out_dir(out_dir: Option<&Path>) -> Result<PathBuf, String> {
+    match out_dir {
+        Some(d) => Ok(d.to_path_buf()),
+        None => env::var_os("OUT_DIR")
+            .map(PathBuf::from)
+            .ok_or_else(|| "OUT_DIR is not set (not in a build script?)".to_string()),
     }
 }
 
@@ -347,10 +374,10 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     /// A fresh directory under the system temp dir, removed on drop.
-    struct TempDir(PathBuf);
+    pub(crate) struct TempDir(pub(crate) PathBuf);
 
     impl TempDir {
-        fn new() -> Self {
+        pub(crate) fn new() -> Self {
             static N: AtomicUsize = AtomicUsize::new(0);
             let n = N.fetch_add(1, Ordering::Relaxed);
             let p = env::temp_dir().join(format!("ar-build-support-{}-{n}", std::process::id()));
@@ -360,7 +387,7 @@ mod tests {
         }
 
         /// Creates an empty file at `rel` (and its parents) and returns its path.
-        fn touch(&self, rel: &str) -> PathBuf {
+        pub(crate) fn touch(&self, rel: &str) -> PathBuf {
             let p = self.0.join(rel);
             fs::create_dir_all(p.parent().unwrap()).unwrap();
             fs::write(&p, b"").unwrap();

@@ -1,5 +1,5 @@
-//! The host side of kernels-cuda's ABI. Every struct and offset here mirrors one in
-//! `kernels-cuda/allreduce.cu` (which `static_assert`s the same sizes); change both or neither.
+//! The host side of the kernels' ABI. Every struct and offset here mirrors one in
+//! `kernels-common/include/allreduce/abi.h` (which `static_assert`s the same sizes); change both or neither.
 
 use std::ffi::c_void;
 

@@ -27,6 +27,9 @@ rank) run warm-up calls, then a timed loop, then a correctness check, and one ro
          dtype-rounded inputs, and the largest absolute error (maxerr). A lossy row that ran
          an exact path (auto picks oneshot for small sizes) shows the dtype's own rounding
          floor: about 55 dB for bf16, 73 dB for f16 on gauss data
+  eqsnr  lossy rows: the channel-equalized SNR, -10*log10 of the mean over hidden channels
+         (element index mod --hidden) of each channel's sum (out-ref)^2 / sum ref^2, so a
+         few massive channels cannot hide the error of the rest (--data channels)
 
 Exact rows always use the integer pattern ((rank*7 + i*3) % 23) - 11, whose sums are exact;
 lossy rows use --data. Sizes are bytes per rank, rounded down to whole elements.
@@ -106,7 +109,7 @@ pub struct Args {
     )]
     pub strategy: Vec<Strategy>,
 
-    /// Precisions, comma-separated: exact, fp8, q8, q6, q4
+    /// Precisions, comma-separated: exact, fp8, q8, q6, q4, q8a, q6a, q4a (adaptive)
     #[arg(
         long,
         value_delimiter = ',',
@@ -122,6 +125,19 @@ pub struct Args {
     /// Input data of lossy rows (exact rows always use the integer pattern)
     #[arg(long, value_enum, default_value_t = DataSet::Gauss, value_name = "SET")]
     pub data: DataSet,
+
+    /// Hidden size: the row length of --data channels, and the channels (element index mod N)
+    /// of the channel-equalized SNR (eqsnr)
+    #[arg(
+        long,
+        default_value_t = crate::data::DEFAULT_HIDDEN,
+        value_parser = clap::builder::TypedValueParser::map(
+            clap::value_parser!(u32).range(1..=1 << 24),
+            |n| n as usize
+        ),
+        value_name = "N"
+    )]
+    pub hidden: usize,
 
     /// Deadline, in seconds, of every wait for a peer inside the library
     #[arg(long, default_value_t = 60.0, value_name = "SECONDS")]

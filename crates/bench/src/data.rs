@@ -14,6 +14,13 @@ pub enum DataSet {
     Gauss,
     /// The integer pattern ((rank*7 + i*3) % 23) - 11: exact in every dtype
     Ints,
+    /// gauss with 0.1% of the elements (picked by a hash of rank, size and index) x30:
+    /// heavy-tailed partial sums
+    Outliers,
+    /// gauss in rows of --hidden elements where 4 fixed channels (611, 1415, 2533, 3701 for
+    /// 4096; c*hidden/4096 otherwise) are x50 on every 8th row (rows 0, 8, 16, ...), on every
+    /// rank: LLMs' massive activations
+    Channels,
 }
 
 impl DataSet {
@@ -21,8 +28,28 @@ impl DataSet {
         match self {
             DataSet::Gauss => "gauss",
             DataSet::Ints => "ints",
+            DataSet::Outliers => "outliers",
+            DataSet::Channels => "channels",
         }
     }
+}
+
+/// Default hidden size: the row length of `channels` and of the channel-equalized SNR.
+pub const DEFAULT_HIDDEN: usize = 4096;
+
+/// `outliers`: one element in this many is multiplied by [`OUTLIER_FACTOR`].
+pub const OUTLIER_EVERY: u64 = 1000;
+pub const OUTLIER_FACTOR: f64 = 30.0;
+/// `channels`: the massive channels for a hidden size of 4096 (LLaMA-2-7B's massive
+/// activations sit in 1415 and 2533), scaled as `c * hidden / 4096` for other sizes.
+pub const MASSIVE_CHANNELS_4096: [usize; 4] = [611, 1415, 2533, 3701];
+/// `channels`: rows `0, k, 2k, ...` carry the massive values.
+pub const MASSIVE_ROW_EVERY: usize = 8;
+pub const MASSIVE_FACTOR: f64 = 50.0;
+
+/// The massive channels of `channels` for a hidden size.
+pub fn massive_channels(hidden: usize) -> [usize; 4] {
+    MASSIVE_CHANNELS_4096.map(|c| c * hidden / 4096)
 }
 
 /// The exact rows' pattern: integers in -11..=11, so any f32 sum of up to 64 ranks is exact.
@@ -82,11 +109,43 @@ pub struct Inputs {
     pub dtype: DType,
     /// Bytes per rank (part of the seed, so each size sees fresh data).
     pub bytes: usize,
+    /// Row length: element `i` is channel `i % hidden` of row `i / hidden`.
+    pub hidden: usize,
 }
 
 impl Inputs {
     pub fn new(set: DataSet, dtype: DType, bytes: usize) -> Self {
-        Inputs { set, dtype, bytes }
+        Inputs {
+            set,
+            dtype,
+            bytes,
+            hidden: DEFAULT_HIDDEN,
+        }
+    }
+
+    /// The same inputs with another hidden size (at least 1).
+    pub fn hidden(mut self, hidden: usize) -> Self {
+        self.hidden = hidden.max(1);
+        self
+    }
+
+    /// The factor element `i` of the stream `seed` gets on top of its N(0,1) value.
+    #[inline]
+    fn factor(&self, seed: u64, massive: &[usize; 4], i: usize) -> f64 {
+        match self.set {
+            // A stream of its own (the seed with its bits flipped), so the outliers do not
+            // depend on the Gaussian values.
+            DataSet::Outliers if splitmix64_at(!seed, i as u64) % OUTLIER_EVERY == 0 => {
+                OUTLIER_FACTOR
+            }
+            DataSet::Channels
+                if (i / self.hidden) % MASSIVE_ROW_EVERY == 0
+                    && massive.contains(&(i % self.hidden)) =>
+            {
+                MASSIVE_FACTOR
+            }
+            _ => 1.0,
+        }
     }
 
     pub fn count(&self) -> usize {
@@ -101,20 +160,24 @@ impl Inputs {
                     *o = int_pattern(rank, start + j);
                 }
             }
-            DataSet::Gauss => {
+            DataSet::Gauss | DataSet::Outliers | DataSet::Channels => {
                 let seed = seed(rank, self.bytes);
+                let massive = massive_channels(self.hidden);
+                let value = |i: usize, g: f64| {
+                    round_to(self.dtype, (g * self.factor(seed, &massive, i)) as f32)
+                };
                 let end = start + out.len();
                 let mut i = start;
                 while i < end {
                     let (even, odd) = gauss_pair(seed, (i / 2) as u64);
                     if i % 2 == 0 {
-                        out[i - start] = round_to(self.dtype, even as f32);
+                        out[i - start] = value(i, even);
                         if i + 1 < end {
-                            out[i + 1 - start] = round_to(self.dtype, odd as f32);
+                            out[i + 1 - start] = value(i + 1, odd);
                         }
                         i += 2;
                     } else {
-                        out[i - start] = round_to(self.dtype, odd as f32);
+                        out[i - start] = value(i, odd);
                         i += 1;
                     }
                 }
@@ -205,6 +268,46 @@ mod tests {
             / n;
         assert!(mean.abs() < 0.01, "mean {mean}");
         assert!((var - 1.0).abs() < 0.02, "var {var}");
+    }
+
+    #[test]
+    fn outliers_and_channels_scale_gauss() {
+        let n = 1 << 16;
+        let gauss = Inputs::new(DataSet::Gauss, DType::F32, 4 * n);
+        let mut g = vec![0f32; n];
+        gauss.values(2, 0, &mut g);
+        // Outliers: about 0.1% of the elements are x30, the rest unchanged.
+        let mut o = vec![0f32; n];
+        Inputs::new(DataSet::Outliers, DType::F32, 4 * n).values(2, 0, &mut o);
+        let mut big = 0;
+        for (a, b) in g.iter().zip(&o) {
+            if a != b {
+                // (g * 30) rounded once to f32, `a` is g rounded: equal up to two roundings.
+                assert!((f64::from(*b) / f64::from(*a) - 30.0).abs() < 1e-5);
+                big += 1;
+            }
+        }
+        assert!((40..100).contains(&big), "{big} outliers in {n}");
+        // Channels (hidden 1024: channels 152, 353, 633, 925): x50 on rows 0, 8, ...
+        let ch = Inputs::new(DataSet::Channels, DType::F32, 4 * n).hidden(1024);
+        assert_eq!(massive_channels(1024), [152, 353, 633, 925]);
+        assert_eq!(massive_channels(4096), MASSIVE_CHANNELS_4096);
+        let mut c = vec![0f32; n];
+        ch.values(2, 0, &mut c);
+        for (i, (a, b)) in g.iter().zip(&c).enumerate() {
+            let massive = (i / 1024) % 8 == 0 && [152, 353, 633, 925].contains(&(i % 1024));
+            if massive {
+                assert!((f64::from(*b) / f64::from(*a) - 50.0).abs() < 1e-5, "{i}");
+            } else {
+                assert_eq!(a, b, "element {i}");
+            }
+        }
+        // Chunking does not matter for the new sets either.
+        let mut part = vec![0f32; n - 4097];
+        ch.values(2, 4097, &mut part);
+        assert_eq!(&c[4097..], &part[..]);
+        Inputs::new(DataSet::Outliers, DType::F32, 4 * n).values(2, 4097, &mut part);
+        assert_eq!(&o[4097..], &part[..]);
     }
 
     #[test]

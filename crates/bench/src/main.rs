@@ -119,6 +119,7 @@ fn run(args: &Args) -> Result<ExitCode, BoxError> {
         dtype,
         in_place: args.inplace,
         data: args.data,
+        hidden: args.hidden,
         warmup: args.warmup,
         iters: match args.iters {
             Some(n) => Iters::Fixed(n),

@@ -33,6 +33,10 @@ pub struct ErrorStats {
     pub max_abs_err: f64,
     /// Outputs that are NaN or infinite (where the reference is finite).
     pub non_finite: u64,
+    /// Per hidden channel (element `i` is channel `i % hidden`): sum ref^2 and sum err^2 of
+    /// the elements added with [`ErrorStats::add_in_channel`]. Empty when none were.
+    pub channel_ref2: Vec<f64>,
+    pub channel_err2: Vec<f64>,
 }
 
 impl ErrorStats {
@@ -51,18 +55,64 @@ impl ErrorStats {
         }
     }
 
+    /// [`ErrorStats::add`], and the same element into channel `channel`'s sums.
+    #[inline]
+    pub fn add_in_channel(&mut self, channel: usize, reference: f64, got: f64) {
+        self.add(reference, got);
+        if channel >= self.channel_ref2.len() {
+            self.channel_ref2.resize(channel + 1, 0.0);
+            self.channel_err2.resize(channel + 1, 0.0);
+        }
+        let err = got - reference;
+        self.channel_ref2[channel] += reference * reference;
+        // A NaN error counts as infinite, as in `add`.
+        self.channel_err2[channel] += if err.is_finite() {
+            err * err
+        } else {
+            f64::INFINITY
+        };
+    }
+
     pub fn merge(&mut self, other: &ErrorStats) {
         self.elements += other.elements;
         self.sum_ref2 += other.sum_ref2;
         self.sum_err2 += other.sum_err2;
         self.max_abs_err = self.max_abs_err.max(other.max_abs_err);
         self.non_finite += other.non_finite;
+        if self.channel_ref2.len() < other.channel_ref2.len() {
+            self.channel_ref2.resize(other.channel_ref2.len(), 0.0);
+            self.channel_err2.resize(other.channel_err2.len(), 0.0);
+        }
+        for (a, b) in self.channel_ref2.iter_mut().zip(&other.channel_ref2) {
+            *a += b;
+        }
+        for (a, b) in self.channel_err2.iter_mut().zip(&other.channel_err2) {
+            *a += b;
+        }
     }
 
     /// Signal-to-noise ratio in dB: `10 log10(sum ref^2 / sum err^2)`; +inf when the output is
     /// exact, NaN when there are no elements.
     pub fn snr_db(&self) -> f64 {
         snr_db(self.sum_ref2, self.sum_err2, self.elements)
+    }
+
+    /// Channel-equalized SNR in dB: `-10 log10(mean over channels of err^2 / ref^2)`, each
+    /// channel's energies summed over its rows. Every channel weighs the same, so a few
+    /// massive channels (whose large values the codecs keep well) cannot hide the error the
+    /// rest of their blocks take. Channels with no signal and no error are left out; one
+    /// with error but no signal makes it -inf. +inf when exact, NaN with no channels.
+    pub fn channel_snr_db(&self) -> f64 {
+        let (mut sum, mut channels) = (0.0f64, 0u64);
+        for (&r, &e) in self.channel_ref2.iter().zip(&self.channel_err2) {
+            if r > 0.0 {
+                sum += e / r;
+                channels += 1;
+            } else if e > 0.0 {
+                return f64::NEG_INFINITY;
+            }
+        }
+        snr_db(channels as f64, sum, channels)
     }
 }
 
@@ -162,7 +212,8 @@ pub fn check_range(inputs: &Inputs, exact: bool, outputs: &[&[u8]], range: Range
         inputs.reference(world, start, reference, &mut scratch);
         for (j, &want) in reference.iter().enumerate() {
             let i = start + j;
-            check.stats.add(want, f64::from(dtype.load_f32(out0, i)));
+            let got = f64::from(dtype.load_f32(out0, i));
+            check.stats.add_in_channel(i % inputs.hidden, want, got);
         }
         if exact {
             for (j, &want) in reference.iter().enumerate() {
@@ -216,6 +267,32 @@ mod tests {
         nan.add(1.0, f64::NAN);
         assert_eq!(nan.snr_db(), f64::NEG_INFINITY);
         assert_eq!(nan.non_finite, 1);
+    }
+
+    #[test]
+    fn channel_equalized_snr() {
+        // Two channels: channel 0 has signal 100 and error 1 (ratio 0.01), channel 1 signal
+        // 1 and error 0.1 (ratio 0.1). Plain SNR: 101 / 1.1 = 19.6 dB; equalized: the mean
+        // ratio is 0.055: 12.6 dB.
+        let mut s = ErrorStats::default();
+        s.add_in_channel(0, 10.0, 11.0);
+        s.add_in_channel(1, 1.0, 1.0 + 0.1f64.sqrt());
+        assert!((s.snr_db() - 10.0 * (101.0f64 / 1.1).log10()).abs() < 1e-9);
+        assert!((s.channel_snr_db() + 10.0 * 0.055f64.log10()).abs() < 1e-9);
+        // Merging per-rank shards adds the channels' sums.
+        let (mut a, mut b) = (ErrorStats::default(), ErrorStats::default());
+        a.add_in_channel(0, 10.0, 11.0);
+        b.add_in_channel(1, 1.0, 1.0 + 0.1f64.sqrt());
+        a.merge(&b);
+        assert_eq!(a, s);
+        // Exact: +inf; nothing: NaN; error without signal: -inf.
+        let mut e = ErrorStats::default();
+        assert!(e.channel_snr_db().is_nan());
+        e.add_in_channel(3, 2.0, 2.0);
+        e.add_in_channel(5, 0.0, 0.0);
+        assert_eq!(e.channel_snr_db(), f64::INFINITY);
+        e.add_in_channel(5, 0.0, 1.0);
+        assert_eq!(e.channel_snr_db(), f64::NEG_INFINITY);
     }
 
     fn encoded(dtype: DType, vals: &[f32]) -> Vec<u8> {

@@ -146,10 +146,11 @@ pub fn header(info: &RunInfo) -> String {
         info.sizes
     );
     s += &format!(
-        "# Strategies : {}   precisions: {}   lossy data: {}\n",
+        "# Strategies : {}   precisions: {}   lossy data: {}   hidden: {}\n",
         info.strategies.join(","),
         info.precisions.join(","),
-        cfg.data.name()
+        cfg.data.name(),
+        cfg.hidden
     );
     s += &format!(
         "# Iterations : {}   warm-up: {}\n",
@@ -174,7 +175,7 @@ pub fn header(info: &RunInfo) -> String {
     }
     s += "#\n";
     s += &format!(
-        "#{:>11} {:>12} {:>5} {:>15} {:>6} {:>5} {:>6} {:>10} {:>9} {:>9} {:>7} {:>8} {:>9}\n",
+        "#{:>11} {:>12} {:>5} {:>15} {:>6} {:>5} {:>6} {:>10} {:>9} {:>9} {:>7} {:>8} {:>8} {:>9}\n",
         "size",
         "count",
         "type",
@@ -187,11 +188,12 @@ pub fn header(info: &RunInfo) -> String {
         "busbw",
         "#wrong",
         "snr",
+        "eqsnr",
         "maxerr"
     );
     s += &format!(
-        "#{:>11} {:>12} {:>5} {:>15} {:>6} {:>5} {:>6} {:>10} {:>9} {:>9} {:>7} {:>8} {:>9}",
-        "(B)", "(elements)", "", "", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(dB)", ""
+        "#{:>11} {:>12} {:>5} {:>15} {:>6} {:>5} {:>6} {:>10} {:>9} {:>9} {:>7} {:>8} {:>8} {:>9}",
+        "(B)", "(elements)", "", "", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(dB)", "(dB)", ""
     );
     s
 }
@@ -250,12 +252,18 @@ pub fn row_line(row: &RowResult, world: usize, cfg: &Config) -> String {
         Outcome::Done(m) => {
             let algbw = algbw_gbps(spec.bytes, m.seconds);
             let busbw = algbw * bus_factor(world);
-            let (wrong, snr, maxerr) = if spec.exact() {
-                (m.check.wrong_elements.to_string(), "-".into(), "-".into())
+            let (wrong, snr, eqsnr, maxerr) = if spec.exact() {
+                (
+                    m.check.wrong_elements.to_string(),
+                    "-".into(),
+                    "-".into(),
+                    "-".into(),
+                )
             } else {
                 (
                     m.check.ranks_differing().to_string(),
                     snr_text(m.check.stats.snr_db()),
+                    snr_text(m.check.stats.channel_snr_db()),
                     if m.check.stats.elements == 0 {
                         "-".into()
                     } else {
@@ -264,13 +272,14 @@ pub fn row_line(row: &RowResult, world: usize, cfg: &Config) -> String {
                 )
             };
             format!(
-                "{lead} {:>6} {:>10.2} {:>9.3} {:>9.3} {:>7} {:>8} {:>9}",
+                "{lead} {:>6} {:>10.2} {:>9.3} {:>9.3} {:>7} {:>8} {:>8} {:>9}",
                 m.iters,
                 m.seconds * 1e6,
                 algbw,
                 busbw,
                 wrong,
                 snr,
+                eqsnr,
                 maxerr
             )
         }
@@ -360,6 +369,9 @@ fn row_json(row: &RowResult, world: usize, cfg: &Config) -> Value {
                 "wrong_elements": m.check.wrong_elements,
                 "ranks_differing": m.check.ranks_differing(),
                 "snr_db": num(snr),
+                // Mean over hidden channels (index % hidden) of each channel's error-to-signal
+                // ratio, in dB: massive channels cannot hide the rest.
+                "snr_eq_db": num(m.check.stats.channel_snr_db()),
                 "exact_result": snr == f64::INFINITY,
                 "max_abs_err": num(m.check.stats.max_abs_err),
                 "non_finite": m.check.stats.non_finite,
@@ -402,6 +414,7 @@ pub fn json_document(
             "strategies": info.strategies,
             "precisions": info.precisions,
             "data": cfg.data.name(),
+            "hidden": cfg.hidden,
             "warmup": cfg.warmup.max(1),
             "iters": iters,
             "timeout_s": info.timeout_s,

@@ -50,6 +50,9 @@ pub struct Config {
     pub in_place: bool,
     /// Data of lossy rows; exact rows use [`DataSet::Ints`].
     pub data: DataSet,
+    /// Hidden size: the rows of [`DataSet::Channels`] and the channels of the
+    /// channel-equalized SNR.
+    pub hidden: usize,
     /// Warm-up calls per row (at least one runs).
     pub warmup: u32,
     pub iters: Iters,
@@ -458,7 +461,7 @@ fn rank_row(
     } else {
         cfg.data
     };
-    let inputs = Inputs::new(data, cfg.dtype, spec.bytes);
+    let inputs = Inputs::new(data, cfg.dtype, spec.bytes).hidden(cfg.hidden);
     let host = inputs.fill(rank);
     let mut opts = AllReduceOptions::default()
         .precision(spec.precision)
@@ -649,6 +652,7 @@ mod tests {
                 dtype: DType::BF16,
                 in_place,
                 data: DataSet::Gauss,
+                hidden: 4096,
                 warmup: 1,
                 iters: Iters::Fixed(3),
             };
@@ -695,6 +699,7 @@ mod tests {
             dtype: DType::F32,
             in_place: false,
             data: DataSet::Ints,
+            hidden: 4096,
             warmup: 2,
             iters: Iters::Fixed(1),
         };
@@ -761,6 +766,7 @@ mod tests {
             dtype: DType::BF16,
             in_place: false,
             data: DataSet::Gauss,
+            hidden: 4096,
             warmup: 1,
             iters: Iters::Fixed(1),
         };

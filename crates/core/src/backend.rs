@@ -290,10 +290,39 @@ pub trait BackendComm: Send + Sync {
 
 /// Exchanges small byte messages among the ranks of a multi-process group (like NCCL's
 /// bootstrap): users plug in MPI, torch.distributed or a store; a TCP rendezvous is built in
-/// with the multi-process constructor.
+/// (`allreduce-bootstrap`'s `TcpBootstrap`). NCCL unique ids travel over it with
+/// [`Bootstrap::broadcast`].
+///
+/// Both methods are collectives: every rank calls them, in the same order, with the same
+/// `root`. An implementation fails (rather than hanging past its deadline or returning another
+/// call's bytes) when the ranks do not.
 pub trait Bootstrap: Send {
     fn rank(&self) -> usize;
     fn world_size(&self) -> usize;
     /// Every rank contributes `data`; all receive every rank's bytes, in rank order.
     fn all_gather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>>;
+
+    /// Rank `root`'s `data` reaches every rank; other ranks' `data` is ignored. The default
+    /// runs an all-gather in which only the root contributes bytes; implementations may do
+    /// better.
+    fn broadcast(&mut self, root: usize, data: &[u8]) -> Result<Vec<u8>> {
+        if root >= self.world_size() {
+            return Err(Error::InvalidConfig(format!(
+                "broadcast root {root} is outside the group of {} ranks",
+                self.world_size()
+            )));
+        }
+        let mine = if self.rank() == root { data } else { &[] };
+        let mut all = self.all_gather(mine)?;
+        if all.len() != self.world_size() {
+            return Err(Error::Bootstrap {
+                detail: format!(
+                    "all_gather returned {} messages for {} ranks",
+                    all.len(),
+                    self.world_size()
+                ),
+            });
+        }
+        Ok(std::mem::take(&mut all[root]))
+    }
 }

@@ -81,6 +81,12 @@ pub enum Error {
     /// An error returned by the device runtime or vendor library.
     #[error("{api} failed: {detail}")]
     Device { api: &'static str, detail: String },
+
+    /// The multi-process rendezvous (a `Bootstrap`) failed: a peer was refused or lost, a
+    /// message was malformed, or the network failed. Not a rejection: the group must be
+    /// rebuilt.
+    #[error("bootstrap failed: {detail}")]
+    Bootstrap { detail: String },
 }
 
 impl Error {

@@ -23,10 +23,27 @@ pub enum Codec {
     Int6,
     /// Symmetric 4-bit integers, one scale per block: 4.5 bits per element.
     Int4,
+    /// Q8 with a per-block choice between plain coding and coding after a fixed randomized
+    /// Hadamard transform, flagged in the scale's spare bit: 8.5 bits per element.
+    Int8Adaptive,
+    /// Adaptive Q6 (see `Int8Adaptive`): 6.5 bits per element.
+    Int6Adaptive,
+    /// Adaptive Q4 (see `Int8Adaptive`): 4.5 bits per element.
+    Int4Adaptive,
 }
 
 impl Codec {
-    pub const ALL: [Codec; 4] = [Codec::Fp8E4M3, Codec::Int8, Codec::Int6, Codec::Int4];
+    /// Every codec. The plain ones come first, in their original order: the CUDA backend's
+    /// call descriptor numbers codecs by their position here.
+    pub const ALL: [Codec; 7] = [
+        Codec::Fp8E4M3,
+        Codec::Int8,
+        Codec::Int6,
+        Codec::Int4,
+        Codec::Int8Adaptive,
+        Codec::Int6Adaptive,
+        Codec::Int4Adaptive,
+    ];
 
     pub const fn name(self) -> &'static str {
         match self {
@@ -34,6 +51,9 @@ impl Codec {
             Codec::Int8 => "q8",
             Codec::Int6 => "q6",
             Codec::Int4 => "q4",
+            Codec::Int8Adaptive => "q8a",
+            Codec::Int6Adaptive => "q6a",
+            Codec::Int4Adaptive => "q4a",
         }
     }
 
@@ -58,7 +78,12 @@ impl FromStr for Codec {
             "q8" | "int8" => Ok(Codec::Int8),
             "q6" | "int6" => Ok(Codec::Int6),
             "q4" | "int4" => Ok(Codec::Int4),
-            _ => Err(format!("unknown codec `{s}` (expected fp8, q8, q6 or q4)")),
+            "q8a" | "int8a" => Ok(Codec::Int8Adaptive),
+            "q6a" | "int6a" => Ok(Codec::Int6Adaptive),
+            "q4a" | "int4a" => Ok(Codec::Int4Adaptive),
+            _ => Err(format!(
+                "unknown codec `{s}` (expected fp8, q8, q6, q4, q8a, q6a or q4a)"
+            )),
         }
     }
 }

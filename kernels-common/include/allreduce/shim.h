@@ -1,31 +1,64 @@
 // Portability shim: the only place that knows whether nvcc or HIP clang is compiling.
 // Everything else in kernels-common is written against what is defined here.
 //
-// Provides: AR_DEVICE, AR_HIP, kWarpSize, ar_half / ar_bf16 (16-bit storage types) and their
-// f32 conversions, global_timer_ns(), and the three u32 flag accesses the barrier needs:
-// st_release_sys, ld_acquire_sys, ld_relaxed_sys, plus load_peer for bulk data.
+// Provides: AR_DEVICE, AR_HIP, AR_GRID_CONSTANT, kWarpSize, ar_half / ar_bf16 (16-bit storage
+// types) and their f32 conversions, the index accessors (thread_x, block_x, block_dim_x,
+// grid_dim_x), block barriers (sync_block, sync_block_or), uint4 / make_uint4, as_float /
+// as_uint, min_u64, fence_system, cas_sys, global_timer_ns(), and the three u32 flag accesses
+// the barrier needs: st_release_sys, ld_acquire_sys, ld_relaxed_sys, plus load_peer for bulk
+// data. On CUDA each is the CUDA built-in of the same meaning, so the generated code is what
+// the CUDA spelling would give.
+//
+// HIP is header-free: kernels-hip is compiled with -nogpuinc -nogpulib -nostdinc (build-support
+// passes them), so nothing below may come from hip_runtime.h, the ROCm device libraries or
+// libc; it is clang builtins only. The compilers that know gfx942/gfx950 without a ROCm
+// install (scripts/setup-hip.sh) ship none of those, and the kernels need only a dozen things.
+// hiprtc and hipcc's implicit hip_runtime.h are therefore not supported: the guard below says
+// so instead of failing on a redefinition deep inside a vendor header.
 #pragma once
 
-#if defined(__HIPCC__) || defined(__HIP_DEVICE_COMPILE__) || defined(__HIPCC_RTC__)
+#if defined(__HIPCC__) || defined(__HIP_DEVICE_COMPILE__) || defined(__HIPCC_RTC__) || \
+    defined(__HIP__)
 #define AR_HIP 1
 #else
 #define AR_HIP 0
 #endif
 
-#if AR_HIP && !defined(__HIPCC_RTC__)  // hiprtc pre-includes both; again would redefine __half
-#include <hip/hip_runtime.h>
-#include <hip/hip_fp16.h>
+#if AR_HIP
+#if defined(__HIPCC_RTC__) || defined(HIP_INCLUDE_HIP_HIP_RUNTIME_H) || \
+    defined(__CLANG_HIP_RUNTIME_WRAPPER_H__)
+#error "kernels-common is header-free on HIP: compile with -nogpuinc -nogpulib (build-support does)"
 #endif
+#if !defined(__AMDGCN__) && defined(__HIP_DEVICE_COMPILE__)
+#error "HIP device code is only written for AMDGPU (amdgcn) targets"
+#endif
+// What hip_runtime.h would define, the way clang's own HIP wrapper spells it.
+#define __device__ __attribute__((device))
+#define __global__ __attribute__((global))
+#define __shared__ __attribute__((shared))
+#define __forceinline__ inline __attribute__((always_inline))
+typedef __UINT8_TYPE__ uint8_t;
+typedef __UINT16_TYPE__ uint16_t;
+typedef __UINT32_TYPE__ uint32_t;
+typedef __INT32_TYPE__ int32_t;
+typedef __UINT64_TYPE__ uint64_t;
+typedef __SIZE_TYPE__ size_t;
+#ifndef offsetof
+#define offsetof(type, member) __builtin_offsetof(type, member)
+#endif
+#else
 // CUDA: no cuda_fp16.h / cuda_bf16.h. They include CCCL's <nv/target>, which the pinned pip
 // nvcc lacks (scripts/setup-cuda.sh), and all we need from them is two conversions: single
 // PTX instructions, the very ones __float2half_rn and __float2bfloat16_rn emit, written below.
-
 #include <stddef.h>
 #include <stdint.h>
+#endif
 
 #define AR_DEVICE __device__ __forceinline__
 
 // Lets a kernel take the address of a by-value parameter without a per-thread local copy.
+// HIP needs nothing: clang passes a by-value struct to an AMDGPU kernel by reference into the
+// kernarg segment, so run-time indexing (a.peers[peer]) reads it in place.
 #if AR_HIP
 #define AR_GRID_CONSTANT
 #else
@@ -37,19 +70,88 @@ namespace ar {
 typedef unsigned long long u64;
 
 #if AR_HIP
-constexpr int kWarpSize = 64;  // CDNA wavefronts; nothing in the exact kernels depends on it
+// CDNA wavefronts. Nothing in the exact kernels depends on it: their only per-lane logic is
+// "threads 0..world-1 talk to one peer each" (world <= 8, always inside the first wave), and
+// block-wide agreement goes through sync_block_or, not through warp votes or shuffles.
+constexpr int kWarpSize = 64;
 #else
 constexpr int kWarpSize = 32;
 #endif
 
+// ---- Indices and block barriers --------------------------------------------------------------
+
+#if AR_HIP
+AR_DEVICE unsigned thread_x() { return __builtin_amdgcn_workitem_id_x(); }
+AR_DEVICE unsigned block_x() { return __builtin_amdgcn_workgroup_id_x(); }
+AR_DEVICE unsigned block_dim_x() { return __builtin_amdgcn_workgroup_size_x(); }
+// The dispatch packet holds the grid in work-items, not blocks; HIP launches whole blocks, so
+// the division is exact. Computed once per kernel (the compiler hoists it out of the loops).
+// (Not hidden_block_count_x from the implicit kernel arguments: that layout depends on the
+// code object version, the dispatch packet's does not.)
+AR_DEVICE unsigned grid_dim_x() { return __builtin_amdgcn_grid_size_x() / block_dim_x(); }
+
+// __syncthreads as HIP spells it: the barrier alone does not order memory on AMDGPU, so it is
+// wrapped in workgroup-scope release/acquire fences.
+AR_DEVICE void sync_block() {
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
+  __builtin_amdgcn_s_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
+}
+
+// __syncthreads_or without the device libraries: one LDS word, three barriers (clear; vote;
+// read; the last keeps the next call's clear from overtaking a slow reader). Only spin-free
+// barrier paths use it, a few times per kernel, so the two extra barriers cost nothing that
+// matters. The first barrier orders memory like sync_block, as __syncthreads_or does.
+AR_DEVICE int sync_block_or(int pred) {
+  __shared__ uint32_t any;  // one word per kernel: every inlined copy names the same variable
+  if (thread_x() == 0) any = 0;
+  sync_block();
+  if (pred) __hip_atomic_store(&any, 1u, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP);
+  sync_block();
+  const int r = any != 0;
+  sync_block();
+  return r;
+}
+#else
+AR_DEVICE unsigned thread_x() { return threadIdx.x; }
+AR_DEVICE unsigned block_x() { return blockIdx.x; }
+AR_DEVICE unsigned block_dim_x() { return blockDim.x; }
+AR_DEVICE unsigned grid_dim_x() { return gridDim.x; }
+AR_DEVICE void sync_block() { __syncthreads(); }
+AR_DEVICE int sync_block_or(int pred) { return __syncthreads_or(pred); }
+#endif
+
+// ---- 16-byte vectors and bit casts -----------------------------------------------------------
+
+#if AR_HIP
+// A native 4 x u32 vector: one global_load/store_dwordx4 per access, and .x/.y/.z/.w like
+// CUDA's struct.
+typedef uint32_t uint4 __attribute__((ext_vector_type(4)));
+AR_DEVICE uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) {
+  return uint4{x, y, z, w};
+}
+AR_DEVICE float as_float(uint32_t u) { return __builtin_bit_cast(float, u); }
+AR_DEVICE uint32_t as_uint(float f) { return __builtin_bit_cast(uint32_t, f); }
+AR_DEVICE u64 min_u64(u64 a, u64 b) { return a < b ? a : b; }
+#else
+using ::make_uint4;
+using ::uint4;
+AR_DEVICE float as_float(uint32_t u) { return __uint_as_float(u); }
+AR_DEVICE uint32_t as_uint(float f) { return __float_as_uint(f); }
+AR_DEVICE u64 min_u64(u64 a, u64 b) { return ::min(a, b); }
+#endif
+static_assert(sizeof(uint4) == 16 && alignof(uint4) == 16, "uint4 is the 16-byte I/O unit");
+
+// ---- 16-bit element types --------------------------------------------------------------------
+
 // 16-bit element types as storage only: kernels compute in f32, so nothing needs the vendor
-// classes' arithmetic, and the same tag types work with nvcc, NVRTC, hipcc and hiprtc.
+// classes' arithmetic, and the same tag types work with nvcc, NVRTC and header-free HIP clang.
 struct ar_half { uint16_t bits; };
 struct ar_bf16 { uint16_t bits; };
 
 AR_DEVICE float f16_to_f32(uint16_t h) {
 #if AR_HIP
-  return __half2float(__ushort_as_half(h));
+  return static_cast<float>(__builtin_bit_cast(_Float16, h));  // v_cvt_f32_f16: exact
 #else
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -60,7 +162,9 @@ AR_DEVICE float f16_to_f32(uint16_t h) {
 // Round to nearest even; subnormal results are kept (no .ftz).
 AR_DEVICE uint16_t f32_to_f16_rn(float f) {
 #if AR_HIP
-  return __half_as_ushort(__float2half_rn(f));
+  // v_cvt_f16_f32 under the default mode: nearest even, f16 denormals kept. build-support
+  // passes -fno-gpu-flush-denormals-to-zero so f32 denormal inputs are not flushed either.
+  return __builtin_bit_cast(uint16_t, static_cast<_Float16>(f));
 #else
   uint16_t h;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
@@ -69,15 +173,16 @@ AR_DEVICE uint16_t f32_to_f16_rn(float f) {
 }
 
 // bf16 is the top half of an f32: widening is exact by construction.
-AR_DEVICE float bf16_to_f32(uint16_t h) { return __uint_as_float(uint32_t(h) << 16); }
+AR_DEVICE float bf16_to_f32(uint16_t h) { return as_float(uint32_t(h) << 16); }
 
 // Round to nearest even. NaN becomes a quiet NaN (CUDA: the canonical 0x7fff; HIP: the
 // payload's top bits with the quiet bit set, as the Rust `half` crate does).
 AR_DEVICE uint16_t f32_to_bf16_rn(float f) {
 #if AR_HIP
-  // No bf16 conversion on ROCm 5.2: add half an ulp of the result, plus one more if the kept
-  // part is odd, then truncate. A NaN must not carry into infinity, so it is quieted instead.
-  const uint32_t u = __float_as_uint(f);
+  // Integer rounding, so it is the same on every gfx target (gfx950 has a bf16 convert,
+  // gfx90a/gfx942 do not): add half an ulp of the result, plus one more if the kept part is
+  // odd, then truncate. A NaN must not carry into infinity, so it is quieted instead.
+  const uint32_t u = as_uint(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 #else
@@ -87,12 +192,16 @@ AR_DEVICE uint16_t f32_to_bf16_rn(float f) {
 #endif
 }
 
+// ---- Clock, fences, atomics ------------------------------------------------------------------
+
 // Nanoseconds from a clock that ticks the same on every SM, for spin deadlines only.
 AR_DEVICE u64 global_timer_ns() {
 #if AR_HIP
-  // wall_clock64() runs at a fixed 100 MHz on CDNA2/CDNA3 (hipDeviceAttributeWallClockRate);
-  // if a part differs, deadlines scale by the same factor, which only stretches a timeout.
-  return wall_clock64() * 10ull;
+  // s_memrealtime (what HIP's wall_clock64() is on gfx9) runs at a fixed 100 MHz on
+  // CDNA2/CDNA3 (hipDeviceAttributeWallClockRate); if a part differs, deadlines scale by the
+  // same factor, which only stretches a timeout. volatile in effect: the builtin is not
+  // hoisted out of the spin loop.
+  return __builtin_amdgcn_s_memrealtime() * 10ull;
 #else
   u64 t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -100,12 +209,34 @@ AR_DEVICE u64 global_timer_ns() {
 #endif
 }
 
+// __threadfence_system: orders this thread's earlier writes before its later ones for every
+// observer, host and peer GPUs included.
+AR_DEVICE void fence_system() {
+#if AR_HIP
+  __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "");  // "" is the system scope
+#else
+  __threadfence_system();
+#endif
+}
+
+// atomicCAS_system: relaxed compare-and-swap visible to the host and peers; returns the old
+// value.
+AR_DEVICE uint32_t cas_sys(uint32_t* p, uint32_t expected, uint32_t desired) {
+#if AR_HIP
+  __hip_atomic_compare_exchange_strong(p, &expected, desired, __ATOMIC_RELAXED, __ATOMIC_RELAXED,
+                                       __HIP_MEMORY_SCOPE_SYSTEM);
+  return expected;  // on failure the builtin wrote the value it found; on success it is unchanged
+#else
+  return atomicCAS_system(p, expected, desired);
+#endif
+}
+
 // Flags are only ever touched through these. System scope because the writer may be another
-// GPU (NVLink/PCIe peer memory) and the control words live in host memory.
+// GPU (NVLink/PCIe/xGMI peer memory) and the control words live in host memory.
 AR_DEVICE void st_release_sys(uint32_t* p, uint32_t v) {
 #if AR_HIP
   // The scoped builtin states the scope at the access instead of relying on a separate
-  // __threadfence_system; both compile with Debian's hipcc 5.2 (references/toolchain.md).
+  // fence_system.
   __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
 #else
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");

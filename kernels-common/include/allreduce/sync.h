@@ -16,12 +16,16 @@
 //   __syncthreads, which extends the acquire to the whole block before anyone reads peer data.
 //   Reads also count: a peer's reads of our buffer before its release happen-before our
 //   writes after we acquire it, which is what lets buffers be reused without a closing barrier.
+//   (__syncthreads is shim.h's sync_block/sync_block_or. On HIP the same argument holds in
+//   the scoped model clang's AMDGPU backend implements: the block barrier is wrapped in
+//   workgroup release/acquire fences, and a system-scope release after an acquire is
+//   cumulative over what that acquire saw.)
 // - No spin without a way out (NCCL's checkAbort): every kSpinsBeforeCheck spins a waiter
 //   looks at the group's abort word and at the clock. Past the deadline it reports (once per
 //   block, through Flags::on_timeout) and the whole block leaves; so does every block of
 //   every rank that then sees the abort word set. A block that left never touches the flags
 //   again: after a timeout the group's workspaces are garbage and must be rebuilt.
-// - All threads of the block must call it (it contains __syncthreads), with blockDim.x >= world.
+// - All threads of the block must call it (it contains block barriers), with blockDim.x >= world.
 #pragma once
 
 #include "allreduce/shim.h"
@@ -42,10 +46,10 @@ template <typename Flags>
 AR_DEVICE bool flag_barrier(const Flags& f, uint32_t* epoch, int world, const uint32_t* abort,
                             u64 timeout_ns, bool leave_now) {
   // Orders this block's writes (and reads) before the release stores below.
-  if (__syncthreads_or(leave_now)) return false;
+  if (sync_block_or(leave_now)) return false;
   const uint32_t e = *epoch + 1;
   bool leave = false;
-  const int peer = threadIdx.x;
+  const int peer = thread_x();
   if (peer < world) {
     st_release_sys(f.to_peer(peer), e);
     const uint32_t* slot = f.from_peer(peer);
@@ -66,10 +70,10 @@ AR_DEVICE bool flag_barrier(const Flags& f, uint32_t* epoch, int world, const ui
   }
   // Extends the acquires to the block; also the point where one thread's failure becomes
   // everyone's.
-  if (__syncthreads_or(leave)) return false;
-  // Read above by threads < world before the __syncthreads_or, rewritten only after it; the
+  if (sync_block_or(leave)) return false;
+  // Read above by threads < world before the sync_block_or, rewritten only after it; the
   // next barrier's leading __syncthreads orders this write before its reads.
-  if (threadIdx.x == 0) *epoch = e;
+  if (thread_x() == 0) *epoch = e;
   return true;
 }
 

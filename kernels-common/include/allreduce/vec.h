@@ -24,14 +24,13 @@ struct Packed<float> {
   static constexpr int kElems = kVecBytes / sizeof(float);
 
   static AR_DEVICE void to_f32(const uint4& v, float (&out)[kElems]) {
-    out[0] = __uint_as_float(v.x);
-    out[1] = __uint_as_float(v.y);
-    out[2] = __uint_as_float(v.z);
-    out[3] = __uint_as_float(v.w);
+    out[0] = as_float(v.x);
+    out[1] = as_float(v.y);
+    out[2] = as_float(v.z);
+    out[3] = as_float(v.w);
   }
   static AR_DEVICE uint4 from_f32(const float (&in)[kElems]) {
-    return make_uint4(__float_as_uint(in[0]), __float_as_uint(in[1]), __float_as_uint(in[2]),
-                      __float_as_uint(in[3]));
+    return make_uint4(as_uint(in[0]), as_uint(in[1]), as_uint(in[2]), as_uint(in[3]));
   }
 };
 

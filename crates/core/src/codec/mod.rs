@@ -6,12 +6,18 @@
 //! * Blocks of [`BLOCK`] = 32 elements, one 16-bit scale per block, symmetric.
 //! * Encoder input is f32, decoder output is f32.
 //! * Scale field: a bf16 bit pattern whose mantissa LSB (bit 0, [`FLAG_BIT`]) is not part of
-//!   the value; it is reserved for an adaptive variant, written 0 and masked on decode.
+//!   the value. Plain codecs write it 0 and ignore it; the adaptive codecs (Q8a/Q6a/Q4a) set
+//!   it on blocks coded in the Hadamard domain ([`hadamard_forward`], [`hadamard_inverse`]).
 //! * Integer codecs (Q8/Q6/Q4, `H = 2^(b-1)`): the element of largest magnitude `m` maps to
 //!   code `-H` (scale `s = round_scale(-m / H)`), codes are `clamp(rne(x / s), -H, H-1) + H`.
 //! * FP8: `s = round_scale(amax / 448)`, codes are `f32_to_e4m3(x / s)`.
 //! * A block with any Inf or NaN is poisoned: scale [`POISON_SCALE`], zero codes; it decodes
 //!   to 32 NaNs.
+//! * Adaptive integer codecs: each block is coded both plain and after the transform
+//!   `y = H32 * (D * x)` (unnormalized; the inverse divides by 32), and the candidate whose
+//!   decoded block has the smaller f32 squared error against `x` is kept (plain on ties),
+//!   the choice recorded in [`FLAG_BIT`]. Only blocks with `amax` in
+//!   [[`ADAPTIVE_MIN_AMAX`], [`ADAPTIVE_MAX_AMAX`]] try the transform.
 //!
 //! Every division is the IEEE correctly rounded f32 division (`div.rn.f32` / `__fdiv_rn`,
 //! never a reciprocal multiply or fast-math division) and every product a single correctly
@@ -28,9 +34,29 @@ use crate::Codec;
 /// Elements per block.
 pub const BLOCK: usize = 32;
 
-/// Bit 0 of the scale field: the reserved "adaptive" flag. The plain codecs write 0 and
-/// [`scale_value`] ignores it.
+/// Bit 0 of the scale field: the "adaptive" flag. The plain codecs write 0 and ignore it;
+/// the adaptive codecs set it on a block coded in the Hadamard domain. [`scale_value`]
+/// masks it off.
 pub const FLAG_BIT: u16 = 1;
+
+/// The diagonal `D` of the adaptive codecs' transform: element `i` of a block is negated
+/// before the Walsh-Hadamard transform (and after the inverse) when bit `i` is set.
+/// 0x6A09E667 (the first 32 fraction bits of sqrt(2), SHA-256's first IV word): 16 of the
+/// 32 bits set. The signs keep structured blocks (constant, smooth, alternating) from
+/// collapsing onto one Hadamard row, which would turn them into a spike.
+pub const HADAMARD_SIGNS: u32 = 0x6A09_E667;
+
+/// 2^-48: below this block maximum the adaptive codecs code the block plain.
+pub const ADAPTIVE_MIN_AMAX: f32 = f32::from_bits((127 - 48) << 23);
+/// 2^48: above this block maximum the adaptive codecs code the block plain.
+///
+/// Why a range: inside it, every step of the Hadamard candidate stays in the f32 normal range
+/// with room to spare (the transformed block is at most 32 x larger, its decode at most
+/// 32 x 129/128 x larger again, the squared errors at most 2^25 amax^2 < 2^121), so the
+/// inverse transform is exact, no scale is subnormal and the f32 error sums cannot overflow.
+/// Outside it (f32 extremes no f16/bf16 activation reaches in practice) plain coding keeps
+/// the plain codec's documented behaviour.
+pub const ADAPTIVE_MAX_AMAX: f32 = f32::from_bits((127 + 48) << 23);
 
 /// Scale field of a block that held an Inf or a NaN: a bf16 quiet NaN, flag bit clear.
 pub const POISON_SCALE: u16 = 0x7FC0;
@@ -47,32 +73,50 @@ const fn align16(n: usize) -> usize {
 }
 
 impl Codec {
+    /// The plain codec whose codes and scales an adaptive codec uses (itself for a plain one).
+    pub const fn plain(self) -> Codec {
+        match self {
+            Codec::Int8Adaptive => Codec::Int8,
+            Codec::Int6Adaptive => Codec::Int6,
+            Codec::Int4Adaptive => Codec::Int4,
+            c => c,
+        }
+    }
+
+    /// Whether blocks may be coded in the Hadamard domain (flagged by [`FLAG_BIT`]).
+    pub const fn is_adaptive(self) -> bool {
+        matches!(
+            self,
+            Codec::Int8Adaptive | Codec::Int6Adaptive | Codec::Int4Adaptive
+        )
+    }
+
     /// Bytes of codes per 32-element block (the scale travels separately).
     pub const fn code_bytes(self) -> usize {
-        match self {
+        match self.plain() {
             Codec::Fp8E4M3 | Codec::Int8 => 32,
             Codec::Int6 => 24,
-            Codec::Int4 => 16,
+            _ => 16,
         }
     }
 
     /// Wire bits per element, the 16-bit block scale included.
     pub const fn bits_per_element(self) -> f64 {
-        match self {
+        match self.plain() {
             Codec::Fp8E4M3 | Codec::Int8 => 8.5,
             Codec::Int6 => 6.5,
-            Codec::Int4 => 4.5,
+            _ => 4.5,
         }
     }
 
     /// `H = 2^(bits-1)` of an integer codec: codes span `[-H, H-1]`, stored biased by `H`.
     /// `None` for FP8.
     pub const fn half_range(self) -> Option<u32> {
-        match self {
-            Codec::Fp8E4M3 => None,
+        match self.plain() {
             Codec::Int8 => Some(128),
             Codec::Int6 => Some(32),
             Codec::Int4 => Some(8),
+            _ => None,
         }
     }
 
@@ -109,13 +153,23 @@ impl Codec {
     /// cover blocks whose scale rounds to zero and that decode to all zeros. A relative slack
     /// of 2^-16 and an absolute 2^-149 cover the f32 division and (FP8) the decode multiply.
     ///
+    /// Adaptive codecs: `sqrt(32)` times the plain codec's bound. A block coded plain is
+    /// within the plain bound. A block coded in the Hadamard domain was chosen because its
+    /// squared error `E_h` is at most the plain candidate's `E_p <= 32 * plain_bound^2`, and
+    /// one element's error is at most `sqrt(E_h)`. (The f32 error sums are within a relative
+    /// 2^-20 of the exact ones and the inverse transform is exact, so the 2^-16 slack covers
+    /// the selection's own rounding.) For normal scales: Q8a `amax / 11.4`, Q6a
+    /// `amax / 4.55`, Q4a `amax / 1.34`. Random blocks use at most about half of it, blocks
+    /// searched for the worst case about three quarters (docs/codecs.md): an adaptive
+    /// codec's largest error can exceed the plain codec's, its squared error cannot.
+    ///
     /// Valid for `amax <= 2^127`; above that the decode (`-H * S` or `448 * S`) may overflow
     /// to ±Inf. Returns NaN/Inf for a NaN/Inf `amax`.
     pub fn step_bound(self, amax: f32) -> f32 {
         let a = f64::from(amax.abs());
         // Bound on |S - s0|; F32_TINY also covers an inexact (subnormal) `amax / levels`.
         let scale_err = |s0: f64| (s0 / 128.0).max(SCALE_HALF_GRID_MIN) + F32_TINY;
-        let b = match self.half_range() {
+        let mut b = match self.half_range() {
             Some(h) => {
                 let h = f64::from(h);
                 let s0 = a / h;
@@ -128,6 +182,10 @@ impl Codec {
                 (16.0 * (s0 + r)).max(448.0 * r)
             }
         };
+        if self.is_adaptive() {
+            // sqrt(E_h) <= sqrt(E_p) <= sqrt(32 * b^2). f64's sqrt(32) is within 2^-53.
+            b *= 32f64.sqrt();
+        }
         (b * (1.0 + 1.0 / 65536.0) + F32_TINY) as f32
     }
 }
@@ -167,8 +225,7 @@ fn rne_small(y: f32) -> f32 {
 /// Packs 32 biased integer codes (each `< 2^bits`) into `codes`.
 #[inline]
 fn pack(codec: Codec, u: &[u8; BLOCK], codes: &mut [u8]) {
-    match codec {
-        Codec::Fp8E4M3 | Codec::Int8 => codes.copy_from_slice(u),
+    match codec.plain() {
         Codec::Int4 => {
             for (c, p) in codes.iter_mut().zip(u.chunks_exact(2)) {
                 *c = p[0] | (p[1] << 4);
@@ -183,14 +240,14 @@ fn pack(codec: Codec, u: &[u8; BLOCK], codes: &mut [u8]) {
                 *c = (p[0] >> 4) | ((p[1] >> 4) << 2) | ((p[2] >> 4) << 4) | ((p[3] >> 4) << 6);
             }
         }
+        _ => codes.copy_from_slice(u), // fp8, q8: one byte per code
     }
 }
 
 /// Inverse of [`pack`].
 #[inline]
 fn unpack(codec: Codec, codes: &[u8], u: &mut [u8; BLOCK]) {
-    match codec {
-        Codec::Fp8E4M3 | Codec::Int8 => u.copy_from_slice(codes),
+    match codec.plain() {
         Codec::Int4 => {
             for (c, p) in codes.iter().zip(u.chunks_exact_mut(2)) {
                 p[0] = c & 0xF;
@@ -209,29 +266,44 @@ fn unpack(codec: Codec, codes: &[u8], u: &mut [u8; BLOCK]) {
                 }
             }
         }
+        _ => u.copy_from_slice(codes), // fp8, q8
     }
 }
 
-/// Encodes one block. `codes.len()` must be `codec.code_bytes()`.
-pub fn encode_block(codec: Codec, x: &[f32; BLOCK], codes: &mut [u8], scale: &mut u16) {
-    assert_eq!(
-        codes.len(),
-        codec.code_bytes(),
-        "codes must hold one {codec} block"
-    );
-    // One pass: finiteness, and the first element of largest magnitude. NaN compares false,
-    // so it never becomes `m`; `finite` catches it.
-    let mut finite = true;
-    let mut m = 0.0f32;
-    let mut amax = 0.0f32;
+/// What the encoder needs to know about a block before choosing its scale.
+struct Scan {
+    /// No Inf or NaN.
+    finite: bool,
+    /// The first element of largest magnitude, signed (0.0 for an all-zero block).
+    m: f32,
+    /// `|m|`.
+    amax: f32,
+}
+
+/// One pass: finiteness, and the first element of largest magnitude. NaN compares false, so
+/// it never becomes `m`; `finite` catches it.
+#[inline]
+fn scan(x: &[f32; BLOCK]) -> Scan {
+    let mut sc = Scan {
+        finite: true,
+        m: 0.0,
+        amax: 0.0,
+    };
     for &v in x {
-        finite &= v.is_finite();
-        if v.abs() > amax {
-            amax = v.abs();
-            m = v;
+        sc.finite &= v.is_finite();
+        if v.abs() > sc.amax {
+            sc.amax = v.abs();
+            sc.m = v;
         }
     }
-    let mut u = [0u8; BLOCK];
+    sc
+}
+
+/// Plain coding of one block by `codec.plain()` into 32 biased codes; returns the scale
+/// field (flag clear). Poisoned and zero blocks included.
+#[inline]
+fn encode_plain(codec: Codec, x: &[f32; BLOCK], sc: &Scan, u: &mut [u8; BLOCK]) -> u16 {
+    let Scan { finite, m, amax } = *sc;
     let field = match codec.half_range() {
         Some(h) => {
             let hf = h as f32;
@@ -242,7 +314,7 @@ pub fn encode_block(codec: Codec, x: &[f32; BLOCK], codes: &mut [u8], scale: &mu
             };
             let s = scale_value(field);
             if s == 0.0 {
-                u = [h as u8; BLOCK];
+                *u = [h as u8; BLOCK];
             } else {
                 for (c, &v) in u.iter_mut().zip(x) {
                     *c = (rne_small(v / s).clamp(-hf, hf - 1.0) + hf) as u8;
@@ -257,7 +329,9 @@ pub fn encode_block(codec: Codec, x: &[f32; BLOCK], codes: &mut [u8], scale: &mu
                 0
             };
             let s = scale_value(field);
-            if s != 0.0 {
+            if s == 0.0 {
+                *u = [0; BLOCK];
+            } else {
                 for (c, &v) in u.iter_mut().zip(x) {
                     *c = f32_to_e4m3(v / s);
                 }
@@ -266,19 +340,164 @@ pub fn encode_block(codec: Codec, x: &[f32; BLOCK], codes: &mut [u8], scale: &mu
         }
     };
     // A scale that rounded to (signed) zero leaves a zero block: field 0, zero codes.
-    let field = if !finite {
+    if !finite {
         POISON_SCALE
     } else if scale_value(field) == 0.0 {
         0
     } else {
         field
-    };
+    }
+}
+
+/// Decodes 32 biased integer codes with scale `s`: `(u - H) * s`, exact for finite results.
+#[inline]
+fn decode_int(h: u32, u: &[u8; BLOCK], s: f32, out: &mut [f32; BLOCK]) {
+    let h = h as i32;
+    for (o, &c) in out.iter_mut().zip(u) {
+        *o = (i32::from(c) - h) as f32 * s;
+    }
+}
+
+/// The in-place, unnormalized fast Walsh-Hadamard transform of one block, Sylvester
+/// (natural) order: `v <- H32 v` with `H32[i][j] = (-1)^popcount(i & j)`.
+///
+/// Stages `h = 1, 2, 4, 8, 16`; in each, every pair `(i, i + h)` with `i & h == 0` becomes
+/// `(a + b, a - b)` with `a = v[i]`, `b = v[i + h]`: correctly rounded f32 additions and
+/// subtractions, no other operation. The pairs of one stage are independent (a GPU lane `i`
+/// computes `v + partner` when bit `h` of `i` is clear and `partner - v` when it is set); the
+/// order of the stages is part of the format, because the encoder's forward transform
+/// rounds.
+#[inline]
+fn wht32(v: &mut [f32; BLOCK]) {
+    let mut h = 1;
+    while h < BLOCK {
+        for i in 0..BLOCK {
+            if i & h == 0 {
+                let (a, b) = (v[i], v[i + h]);
+                v[i] = a + b;
+                v[i + h] = a - b;
+            }
+        }
+        h *= 2;
+    }
+}
+
+/// The adaptive codecs' forward transform: `v_i <- -v_i` where bit `i` of
+/// [`HADAMARD_SIGNS`] is set (exact), then the in-place Walsh-Hadamard transform `wht32`
+/// (stages `h = 1, 2, 4, 8, 16`, pairs `(a + b, a - b)`). Unnormalized: `|y| <= 32 amax`, and
+/// `||y||_2 = sqrt(32) ||x||_2`. Leaving out the `1/sqrt(32)` costs nothing (the block scale
+/// absorbs any factor) and keeps the only rounding in the additions.
+#[inline]
+pub fn hadamard_forward(v: &mut [f32; BLOCK]) {
+    for (i, x) in v.iter_mut().enumerate() {
+        if (HADAMARD_SIGNS >> i) & 1 != 0 {
+            *x = -*x;
+        }
+    }
+    wht32(v);
+}
+
+/// The inverse of [`hadamard_forward`]: the same `wht32`, then `v_i <- v_i * 0.03125`
+/// (2^-5, one f32 multiply), then the signs of [`HADAMARD_SIGNS`].
+///
+/// On a decoded block (`v_j = q_j * S`, `|q_j| <= 128`, `S` a scale with 7 significant
+/// bits) every operation is exact: each intermediate is `S` times an integer of magnitude at
+/// most 32 * 128 = 2^12, which needs at most 19 significant bits, and the final product by
+/// 2^-5 stays on the scale's grid (a multiple of 2^-137). So a decoder may evaluate it in any
+/// order, with or without FMA, or in integers, and still match bit for bit (no overflow for
+/// blocks in the adaptive range).
+#[inline]
+pub fn hadamard_inverse(v: &mut [f32; BLOCK]) {
+    wht32(v);
+    for (i, x) in v.iter_mut().enumerate() {
+        let y = *x * 0.031_25;
+        *x = if (HADAMARD_SIGNS >> i) & 1 != 0 {
+            -y
+        } else {
+            y
+        };
+    }
+}
+
+/// The adaptive codecs' selection metric: `sum_i (a_i - b_i)^2` in f32, each difference and
+/// square one correctly rounded f32 operation (no FMA), summed as a tree:
+/// for `h = 16, 8, 4, 2, 1`: `e[i] <- e[i] + e[i + h]` for `i < h`; the result is `e[0]`.
+/// (The order a warp's xor-shuffle reduction produces: lane `i` adds lane `i ^ h`, and f32
+/// addition is commutative, so every lane ends with the same value.)
+#[inline]
+fn squared_error(a: &[f32; BLOCK], b: &[f32; BLOCK]) -> f32 {
+    let mut e = [0.0f32; BLOCK];
+    for ((e, &a), &b) in e.iter_mut().zip(a).zip(b) {
+        let d = a - b;
+        *e = d * d;
+    }
+    let mut h = BLOCK / 2;
+    while h > 0 {
+        for i in 0..h {
+            e[i] += e[i + h];
+        }
+        h /= 2;
+    }
+    e[0]
+}
+
+/// The adaptive choice for a finite block with `amax` in the adaptive range, already coded
+/// plain in `u`/`field`: code it again in the Hadamard domain and keep that instead when its
+/// decoded block (inverse-transformed) has a strictly smaller squared error against `x`.
+fn choose_adaptive(codec: Codec, x: &[f32; BLOCK], u: &mut [u8; BLOCK], field: &mut u16) {
+    let h = codec
+        .half_range()
+        .expect("adaptive codecs are integer codecs");
+    let mut dec = [0.0f32; BLOCK];
+    decode_int(h, u, scale_value(*field), &mut dec);
+    let err_plain = squared_error(&dec, x);
+    if err_plain == 0.0 {
+        return; // the Hadamard candidate cannot be strictly better
+    }
+    let mut y = *x;
+    hadamard_forward(&mut y);
+    let mut uh = [0u8; BLOCK];
+    // In the adaptive range `y` is finite and its scale normal (|y|_max >= ||x||_2 >= amax),
+    // so this is an ordinary block: never poisoned, never a zero block.
+    let fh = encode_plain(codec, &y, &scan(&y), &mut uh);
+    debug_assert!(fh != 0 && fh != POISON_SCALE && fh & FLAG_BIT == 0);
+    decode_int(h, &uh, scale_value(fh), &mut dec);
+    hadamard_inverse(&mut dec);
+    if squared_error(&dec, x) < err_plain {
+        *u = uh;
+        *field = fh | FLAG_BIT;
+    }
+}
+
+/// Encodes one block. `codes.len()` must be `codec.code_bytes()`.
+///
+/// Adaptive codecs: a block whose largest magnitude lies in
+/// [[`ADAPTIVE_MIN_AMAX`], [`ADAPTIVE_MAX_AMAX`]] (finite, hence neither poisoned nor zero)
+/// is coded plain and in the Hadamard domain; the Hadamard candidate is kept, with
+/// [`FLAG_BIT`] set, only when its squared error (in the original domain, summed in f32 in a
+/// fixed tree order: docs/codecs.md) is strictly smaller. Every other block is coded plain.
+pub fn encode_block(codec: Codec, x: &[f32; BLOCK], codes: &mut [u8], scale: &mut u16) {
+    assert_eq!(
+        codes.len(),
+        codec.code_bytes(),
+        "codes must hold one {codec} block"
+    );
+    let sc = scan(x);
+    let mut u = [0u8; BLOCK];
+    let mut field = encode_plain(codec, x, &sc, &mut u);
+    if codec.is_adaptive()
+        && sc.finite
+        && (ADAPTIVE_MIN_AMAX..=ADAPTIVE_MAX_AMAX).contains(&sc.amax)
+    {
+        choose_adaptive(codec, x, &mut u, &mut field);
+    }
     pack(codec, &u, codes);
     *scale = field;
 }
 
 /// Decodes one block. `codes.len()` must be `codec.code_bytes()`. A NaN scale (a poisoned
-/// block) decodes to 32 NaNs.
+/// block) decodes to 32 NaNs. Adaptive codecs apply [`hadamard_inverse`] to a block whose
+/// scale has [`FLAG_BIT`] set; plain codecs ignore the bit.
 pub fn decode_block(codec: Codec, codes: &[u8], scale: u16, out: &mut [f32; BLOCK]) {
     assert_eq!(
         codes.len(),
@@ -290,9 +509,9 @@ pub fn decode_block(codec: Codec, codes: &[u8], scale: u16, out: &mut [f32; BLOC
         Some(h) => {
             let mut u = [0u8; BLOCK];
             unpack(codec, codes, &mut u);
-            let h = h as i32;
-            for (o, &c) in out.iter_mut().zip(&u) {
-                *o = (i32::from(c) - h) as f32 * s;
+            decode_int(h, &u, s, out);
+            if codec.is_adaptive() && scale & FLAG_BIT != 0 {
+                hadamard_inverse(out);
             }
         }
         None => {

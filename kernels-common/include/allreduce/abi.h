@@ -1,0 +1,100 @@
+// The ABI between the exact kernels (exact.h) and the host: launch shape, workspace layout,
+// the Control block and the kernel arguments. The same on every vendor: the structs hold only
+// fixed-width integers and 64-bit pointers, which x86_64/aarch64 hosts, NVPTX and AMDGCN lay
+// out identically, and the asserts below check it on each compiler.
+//
+// The host side is crates/backend-cuda/src/abi.rs (and the ROCm backend's, when it exists):
+// every struct and offset below is mirrored there with the same asserts. Change both or
+// neither.
+//
+// Launch contract (every kernel but the copy): grid = G blocks, G <= kMaxBlocks and the SAME
+// on every rank and for every call of a communicator; block = kThreads threads; one rank's
+// calls are ordered on one stream (the header below is not safe against two concurrent
+// calls of the same rank). Input and output are 16-byte aligned and n * sizeof(T) <= max_bytes.
+#pragma once
+
+#include "allreduce/shim.h"
+
+namespace ar {
+
+constexpr int kMaxWorld = 8;
+constexpr int kMaxBlocks = 64;
+constexpr int kThreads = 512;
+// 16 CUDA warps or 8 AMD wavefronts. Threads 0..kMaxWorld-1 are the barrier's talkers (one
+// peer each), and they all sit in the first warp/wave on both.
+static_assert(kThreads % kWarpSize == 0 && kMaxWorld <= kWarpSize, "launch shape");
+
+// Per-rank workspace, one device allocation:
+//   [0, 4096)            Header (zeroed at creation; only this rank's own kernels touch it)
+//   [kFlagsOffset, ..)   uint32_t flags[kMaxBlocks][kMaxWorld]; flags[b][src] is written by
+//                        rank src's block b (zeroed at creation)
+//   [kDescOffset, ..)    uint64_t desc[2][kMaxBlocks][kMaxWorld]: what rank src's block b
+//                        says this call is (length, dtype, strategy), by call parity
+//   kStagingOffset:      staging[2][max_bytes], indexed by call parity
+//   +2*max_bytes:        reduced[max_bytes], two-shot owners' rounded shards, indexed by the
+//                        global byte offset
+// max_bytes is a multiple of 256 (the host rounds it), so every region is 256-byte aligned.
+struct Header {
+  uint32_t epoch[kMaxBlocks];  // last barrier epoch of block b (see sync.h)
+  uint32_t calls[kMaxBlocks];  // calls block b has completed; its parity picks the staging
+  // Non-zero once any rank of the group timed out: set by that rank in every peer's header.
+  // In device memory, not host memory, because every kernel reads it: a host-mapped word is a
+  // PCIe round trip per block (and, behind a virtualised IOMMU, a slow one).
+  uint32_t abort;
+};
+constexpr unsigned long long kHeaderBytes = 4096;
+constexpr unsigned long long kFlagsOffset = 4096;
+constexpr unsigned long long kDescOffset = 8192;
+constexpr unsigned long long kStagingOffset = 16384;
+static_assert(sizeof(Header) == 516 && sizeof(Header) <= kHeaderBytes, "Header");
+static_assert(offsetof(Header, abort) == 512, "Header");
+static_assert(kFlagsOffset + kMaxBlocks * kMaxWorld * sizeof(uint32_t) <= kDescOffset, "flags");
+static_assert(kDescOffset + 2 * kMaxBlocks * kMaxWorld * sizeof(uint64_t) <= kStagingOffset, "desc");
+
+// Call descriptors. The host encodes (n << 16 | dtype << 12 | strategy << 8 | precision << 4
+// | 1); a rank whose arguments were refused on the host still launches, with kDescRejected
+// and n = 0, so its peers learn of it at the first barrier instead of timing out.
+constexpr unsigned long long kDescRejected = 2;
+
+struct Control {        // host-mapped pinned memory, zeroed at creation
+  unsigned int error;   // 0 ok, kErrorTimeout, kErrorMismatch; set once by cas_sys from 0
+  unsigned int rank;    // timeout: the rank whose wait timed out; mismatch: the peer that differs
+  unsigned int block;   // its block
+  unsigned int epoch;   // the epoch it waited for / of the call
+  unsigned long long waited_ns;
+  unsigned long long mine;    // mismatch: this rank's descriptor
+  unsigned long long theirs;  // mismatch: the peer's
+};
+constexpr unsigned int kErrorTimeout = 1;
+// Not fatal: every rank of the call saw the same descriptors and skipped it. The host clears
+// it once reported; a timeout (which leaves ranks out of step) is never cleared.
+constexpr unsigned int kErrorMismatch = 2;
+static_assert(sizeof(Control) == 40, "Control");
+static_assert(offsetof(Control, error) == 0 && offsetof(Control, rank) == 4, "Control");
+static_assert(offsetof(Control, block) == 8 && offsetof(Control, epoch) == 12, "Control");
+static_assert(offsetof(Control, waited_ns) == 16 && offsetof(Control, mine) == 24, "Control");
+static_assert(offsetof(Control, theirs) == 32, "Control");
+
+// Passed by value. Only input, output and n change between calls, so a captured graph stays
+// valid: everything per-call that must change (epochs, parity) is in device memory.
+struct Args {
+  const void* input;
+  void* output;
+  unsigned long long n;         // elements
+  char* peers[kMaxWorld];       // every rank's workspace base, rank order; peers[rank] is ours
+  Control* control;             // this rank's
+  unsigned long long max_bytes;
+  unsigned long long timeout_ns;
+  unsigned int rank;
+  unsigned int world;           // 1..kMaxWorld
+  unsigned long long desc;      // this call's descriptor (see kDescRejected)
+};
+static_assert(sizeof(Args) == 128, "Args");
+static_assert(offsetof(Args, input) == 0 && offsetof(Args, output) == 8, "Args");
+static_assert(offsetof(Args, n) == 16 && offsetof(Args, peers) == 24, "Args");
+static_assert(offsetof(Args, control) == 88, "Args");
+static_assert(offsetof(Args, max_bytes) == 96 && offsetof(Args, timeout_ns) == 104, "Args");
+static_assert(offsetof(Args, rank) == 112 && offsetof(Args, world) == 116, "Args");
+static_assert(offsetof(Args, desc) == 120, "Args");
+
+}  // namespace ar

@@ -1,0 +1,240 @@
+// Exact one-shot and two-shot all-reduce (f32, f16, bf16) and the roofline copy: the kernel
+// bodies, written once for every vendor. kernels-cuda/allreduce.cu and
+// kernels-hip/allreduce.hip only wrap them in extern "C" kernels with their launch bounds.
+//
+// ABI, launch contract and workspace layout: abi.h.
+//
+// Arithmetic (shared with the host reference, docs/architecture.md): f32 accumulation in rank
+// order 0..world-1 starting from rank 0's value, one round-to-nearest-even into T. Every rank
+// therefore produces the same bits, and one-shot and two-shot produce the same bits.
+#pragma once
+
+#include "allreduce/abi.h"
+#include "allreduce/shim.h"
+#include "allreduce/sync.h"
+#include "allreduce/vec.h"
+
+namespace ar {
+
+// ---- Workspace addressing and the barrier ----------------------------------------------------
+
+AR_DEVICE Header* header_of(char* ws) { return reinterpret_cast<Header*>(ws); }
+AR_DEVICE uint32_t* flags_of(char* ws, unsigned b) {
+  return reinterpret_cast<uint32_t*>(ws + kFlagsOffset) + b * kMaxWorld;
+}
+AR_DEVICE unsigned long long* desc_of(char* ws, unsigned parity, unsigned b) {
+  return reinterpret_cast<unsigned long long*>(ws + kDescOffset) + (parity * kMaxBlocks + b) * kMaxWorld;
+}
+AR_DEVICE char* staging_of(char* ws, const Args& a, unsigned parity) {
+  return ws + kStagingOffset + parity * a.max_bytes;
+}
+AR_DEVICE char* reduced_of(char* ws, const Args& a) {
+  return ws + kStagingOffset + 2 * a.max_bytes;
+}
+
+AR_DEVICE void record_timeout(Control* c, const Args& a, unsigned b, uint32_t epoch, u64 waited) {
+  if (cas_sys(&c->error, 0u, kErrorTimeout) != 0u) return;  // keep the first report
+  c->rank = a.rank;
+  c->block = b;
+  c->epoch = epoch;
+  c->waited_ns = waited;
+}
+
+struct RankFlags {
+  const Args& a;
+  unsigned b;
+  unsigned parity;
+  // Our descriptor travels with the flag: this plain store is ordered before the release.
+  AR_DEVICE uint32_t* to_peer(int peer) const {
+    desc_of(a.peers[peer], parity, b)[a.rank] = a.desc;
+    return flags_of(a.peers[peer], b) + a.rank;
+  }
+  AR_DEVICE const uint32_t* from_peer(int peer) const {
+    return flags_of(a.peers[a.rank], b) + peer;
+  }
+  AR_DEVICE void on_timeout(int, uint32_t epoch, u64 waited) const {
+    record_timeout(a.control, a, b, epoch, waited);
+    // Every rank's kernels leave at their next check; the host learns it from our Control.
+    for (int r = 0; r < int(a.world); ++r) st_release_sys(&header_of(a.peers[r])->abort, 1u);
+    fence_system();
+  }
+};
+
+// Why a per-block barrier is enough even when n changes between calls: vector v is always
+// handled by block (v / kThreads) % G, a function of v and the fixed G only, so block b of
+// every rank reads and writes the same addresses ("class b") of every buffer in every call.
+// Whatever block b of a peer touches of ours, only our block b also touches.
+AR_DEVICE bool barrier(const Args& a, Header* h, unsigned b, unsigned parity, bool aborted_at_entry = false) {
+  return flag_barrier(RankFlags{a, b, parity}, &h->epoch[b], a.world, &h->abort, a.timeout_ns,
+                      aborted_at_entry);
+}
+
+// After the first barrier: do all ranks describe the same call? Every rank sees the same
+// descriptors, so either all go on or all skip the call, and skipping together keeps their
+// barriers and parities in step; the group stays usable. The descriptors were written before
+// the flags we acquired. Desc slots alternate by parity for the same reason staging does.
+AR_DEVICE bool agree(const Args& a, Header* h, unsigned b, unsigned parity) {
+  const unsigned long long* slots = desc_of(a.peers[a.rank], parity, b);
+  const int peer = thread_x();
+  unsigned long long theirs = a.desc;
+  if (peer < int(a.world)) theirs = *reinterpret_cast<const volatile unsigned long long*>(&slots[peer]);
+  const bool differs = theirs != a.desc;
+  if (!sync_block_or(differs)) return true;
+  // A rank that was itself refused has already told its caller; it reports nothing more.
+  if (differs && a.desc != kDescRejected && cas_sys(&a.control->error, 0u, kErrorMismatch) == 0u) {
+    a.control->rank = peer;
+    a.control->block = b;
+    a.control->epoch = h->epoch[b];
+    a.control->mine = a.desc;
+    a.control->theirs = theirs;
+    fence_system();
+  }
+  if (thread_x() == 0) h->calls[b] += 1;
+  return false;
+}
+
+// ---- Kernel bodies ---------------------------------------------------------------------------
+
+// Vector geometry of one call: nvec 16-byte vectors, the last one holding `tail` elements
+// when n * sizeof(T) is not a multiple of 16 (tail == 0: all full).
+template <typename T>
+struct Geometry {
+  static constexpr int kElems = Packed<T>::kElems;
+  u64 nvec, full;
+  int tail;
+  AR_DEVICE explicit Geometry(u64 n)
+      : nvec((n + kElems - 1) / kElems), full(n / kElems), tail(int(n % kElems)) {}
+};
+
+// Phase 1 of both kernels: our input vectors of class b into our staging. The workspace side
+// always gets whole vectors (a partial one is zero-padded), so later phases read whole vectors.
+template <typename T>
+AR_DEVICE void stage_input(const Args& a, const Geometry<T>& g, char* staging) {
+  const uint4* in = static_cast<const uint4*>(a.input);
+  uint4* st = reinterpret_cast<uint4*>(staging);
+  const u64 stride = (u64)grid_dim_x() * kThreads;
+  for (u64 v = (u64)block_x() * kThreads + thread_x(); v < g.nvec; v += stride)
+    st[v] = v < g.full ? in[v] : load_partial<T>(in + v, g.tail);
+}
+
+// sum over ranks of vector v of each rank's `region(ws)`, rounded once to T.
+template <typename T, typename Region>
+AR_DEVICE uint4 reduce_vector(const Args& a, Region region, u64 v) {
+  constexpr int E = Packed<T>::kElems;
+  // All loads first, so the world's worth of remote reads are in flight together.
+  uint4 raw[kMaxWorld];
+#pragma unroll
+  for (int r = 0; r < kMaxWorld; ++r)
+    if (r < int(a.world))
+      raw[r] = load_peer(reinterpret_cast<const uint4*>(region(a.peers[r])) + v);
+  // Rank order, from rank 0's value: not reordered by our own rank, so every rank computes
+  // the same bits (and -0.0 + -0.0 stays -0.0, which starting from 0.0 would not).
+  float acc[E], x[E];
+  Packed<T>::to_f32(raw[0], acc);
+#pragma unroll
+  for (int r = 1; r < kMaxWorld; ++r) {
+    if (r < int(a.world)) {
+      Packed<T>::to_f32(raw[r], x);
+#pragma unroll
+      for (int k = 0; k < E; ++k) acc[k] += x[k];
+    }
+  }
+  return Packed<T>::from_f32(acc);
+}
+
+template <typename T>
+AR_DEVICE void store_output(const Args& a, const Geometry<T>& g, u64 v, const uint4& val) {
+  uint4* out = static_cast<uint4*>(a.output);
+  if (v < g.full)
+    out[v] = val;
+  else
+    store_partial<T>(out + v, val, g.tail);
+}
+
+// One barrier: everyone stages, then everyone reduces everything. No closing barrier: the
+// staging buffer alternates by call parity, so a rank may start call k+1 while a peer still
+// reads its call-k staging, and it cannot reach call k+2 (same buffer again) before passing
+// call k+1's barrier, which the peer only enters once done reading call k.
+template <typename T>
+__device__ void oneshot(const Args& a) {
+  const unsigned b = block_x();
+  char* self = a.peers[a.rank];
+  Header* h = header_of(self);
+  // Read now, used at the barrier: phase 1 only touches our own workspace, so doing it
+  // regardless costs nothing.
+  const bool aborted = thread_x() == 0 && ld_relaxed_sys(&h->abort) != 0;
+  const unsigned parity = h->calls[b] & 1;
+  const Geometry<T> g(a.n);
+
+  // ---- Phase 1: stage our input.
+  stage_input<T>(a, g, staging_of(self, a, parity));
+  if (!barrier(a, h, b, parity, aborted)) return;
+  if (!agree(a, h, b, parity)) return;
+
+  // ---- Phase 2: reduce every rank's staged input into our output.
+  auto staging = [&](char* ws) { return staging_of(ws, a, parity); };
+  const u64 stride = (u64)grid_dim_x() * kThreads;
+  for (u64 v = (u64)b * kThreads + thread_x(); v < g.nvec; v += stride)
+    store_output<T>(a, g, v, reduce_vector<T>(a, staging, v));
+
+  // Every thread read calls[b] before the barrier; only this write follows it.
+  if (thread_x() == 0) h->calls[b] += 1;
+}
+
+// Two barriers: stage; each rank reduces its shard and rounds it once; everyone gathers the
+// rounded shards. Shards are whole 16-byte granules (allreduce_core::layout with granule
+// 16 / sizeof(T)): rank r owns vectors [r * sv, (r + 1) * sv), sv = ceil(nvec / world).
+template <typename T>
+__device__ void twoshot(const Args& a) {
+  const unsigned b = block_x();
+  char* self = a.peers[a.rank];
+  Header* h = header_of(self);
+  const bool aborted = thread_x() == 0 && ld_relaxed_sys(&h->abort) != 0;
+  // Parity-indexed staging like one-shot, though two-shot alone could use one buffer: a
+  // one-shot call has no closing barrier, so right after one a peer may still be reading the
+  // staging of that call's parity.
+  const unsigned parity = h->calls[b] & 1;
+  const Geometry<T> g(a.n);
+  const u64 stride = (u64)grid_dim_x() * kThreads;
+  const u64 first = (u64)b * kThreads + thread_x();  // this thread's first vector
+  const u64 sv = (g.nvec + a.world - 1) / a.world;
+
+  // ---- Phase 1: stage our input.
+  stage_input<T>(a, g, staging_of(self, a, parity));
+  if (!barrier(a, h, b, parity, aborted)) return;
+  if (!agree(a, h, b, parity)) return;
+
+  // ---- Phase 2: reduce-scatter. Our shard, rounded once, into our `reduced` at the same
+  // offsets. Start at the grid-stride step that reaches our shard instead of scanning from 0.
+  auto staging = [&](char* ws) { return staging_of(ws, a, parity); };
+  const u64 lo = (u64)a.rank * sv, hi = min_u64(lo + sv, g.nvec);
+  uint4* reduced = reinterpret_cast<uint4*>(reduced_of(self, a));
+  for (u64 v = lo / stride * stride + first; v < hi; v += stride)
+    if (v >= lo) reduced[v] = reduce_vector<T>(a, staging, v);
+  // Every owner's shard is complete past this point. (`reduced` needs no parity: a peer reads
+  // ours in phase 3 and only then enters the next call's first barrier, which we must pass
+  // before our next phase 2 writes it.)
+  if (!barrier(a, h, b, parity)) return;
+
+  // ---- Phase 3: all-gather. Every vector from its owner's `reduced`, bit for bit. The owner
+  // is tracked incrementally: a 64-bit division per vector costs registers we do not have to
+  // spare at two blocks per SM.
+  unsigned owner = 0;
+  for (u64 v = first; v < g.nvec; v += stride) {
+    while (v >= (owner + 1ull) * sv) ++owner;
+    const uint4* src = reinterpret_cast<const uint4*>(reduced_of(a.peers[owner], a));
+    store_output<T>(a, g, v, load_peer(src + v));
+  }
+
+  if (thread_x() == 0) h->calls[b] += 1;
+}
+
+// The roofline a measurement is compared against: the plain copy the hardware can do, in the
+// same run and on the same buffers' sizes. Any launch shape.
+AR_DEVICE void copy_vectors(const uint4* src, uint4* dst, u64 n_vec) {
+  const u64 stride = (u64)grid_dim_x() * block_dim_x();
+  for (u64 i = block_x() * (u64)block_dim_x() + thread_x(); i < n_vec; i += stride)
+    dst[i] = src[i];
+}
+
+}  // namespace ar
