@@ -26,3 +26,33 @@ AR_KERNELS(bf16, ar_bf16)
 extern "C" __global__ void ar_copy_f32x4(const uint4* src, uint4* dst, u64 n_vec) {
   copy_vectors(src, dst, n_vec);
 }
+
+// ---- Quantized two-shot and the codec segment kernels (kernels-common quantized.h) ----------
+// One instantiation per (element type, codec): the codec is a template parameter, so each
+// kernel holds only its own arithmetic. f16 and bf16 only: the codecs carry 16-bit data.
+
+#include "allreduce/quantized.h"
+
+#define AR_QUANTIZED(CODEC, C)                                                                  \
+  AR_KERNEL ar_quantized_f16_##CODEC(AR_GRID_CONSTANT const Args a) {                           \
+    quantized_twoshot<ar_half, C>(a);                                                           \
+  }                                                                                             \
+  AR_KERNEL ar_quantized_bf16_##CODEC(AR_GRID_CONSTANT const Args a) {                          \
+    quantized_twoshot<ar_bf16, C>(a);                                                           \
+  }                                                                                             \
+  extern "C" __global__ void __launch_bounds__(kThreads)                                        \
+      ar_encode_f32_##CODEC(const CodecArgs a) { encode_segment<float, C>(a); }                 \
+  extern "C" __global__ void __launch_bounds__(kThreads)                                        \
+      ar_decode_f32_##CODEC(const CodecArgs a) { decode_segment<float, C>(a); }                 \
+  extern "C" __global__ void __launch_bounds__(kThreads)                                        \
+      ar_encode_bf16_##CODEC(const CodecArgs a) { encode_segment<ar_bf16, C>(a); }              \
+  extern "C" __global__ void __launch_bounds__(kThreads)                                        \
+      ar_decode_bf16_##CODEC(const CodecArgs a) { decode_segment<ar_bf16, C>(a); }
+
+AR_QUANTIZED(fp8, CodecFp8)
+AR_QUANTIZED(q8, CodecQ8)
+AR_QUANTIZED(q6, CodecQ6)
+AR_QUANTIZED(q4, CodecQ4)
+AR_QUANTIZED(q8a, CodecQ8a)
+AR_QUANTIZED(q6a, CodecQ6a)
+AR_QUANTIZED(q4a, CodecQ4a)

@@ -36,3 +36,31 @@ AR_KERNELS(bf16, ar_bf16)
 extern "C" __global__ void ar_copy_f32x4(const uint4* src, uint4* dst, u64 n_vec) {
   copy_vectors(src, dst, n_vec);
 }
+
+// ---- Quantized two-shot and the codec segment kernels (kernels-common quantized.h) ----------
+// The same instantiations as kernels-cuda/allreduce.cu. The codecs' quad shuffles are DPP
+// quad_perm moves here (shim: quad_xor), so a 64-lane wave runs 16 codec blocks at once.
+
+#include "allreduce/quantized.h"
+
+#define AR_SEGMENT_KERNEL \
+  extern "C" __global__ void __attribute__((amdgpu_flat_work_group_size(1, kThreads)))
+#define AR_QUANTIZED(CODEC, C)                                                                  \
+  AR_KERNEL ar_quantized_f16_##CODEC(AR_GRID_CONSTANT const Args a) {                           \
+    quantized_twoshot<ar_half, C>(a);                                                           \
+  }                                                                                             \
+  AR_KERNEL ar_quantized_bf16_##CODEC(AR_GRID_CONSTANT const Args a) {                          \
+    quantized_twoshot<ar_bf16, C>(a);                                                           \
+  }                                                                                             \
+  AR_SEGMENT_KERNEL ar_encode_f32_##CODEC(const CodecArgs a) { encode_segment<float, C>(a); }   \
+  AR_SEGMENT_KERNEL ar_decode_f32_##CODEC(const CodecArgs a) { decode_segment<float, C>(a); }   \
+  AR_SEGMENT_KERNEL ar_encode_bf16_##CODEC(const CodecArgs a) { encode_segment<ar_bf16, C>(a); } \
+  AR_SEGMENT_KERNEL ar_decode_bf16_##CODEC(const CodecArgs a) { decode_segment<ar_bf16, C>(a); }
+
+AR_QUANTIZED(fp8, CodecFp8)
+AR_QUANTIZED(q8, CodecQ8)
+AR_QUANTIZED(q6, CodecQ6)
+AR_QUANTIZED(q4, CodecQ4)
+AR_QUANTIZED(q8a, CodecQ8a)
+AR_QUANTIZED(q6a, CodecQ6a)
+AR_QUANTIZED(q4a, CodecQ4a)

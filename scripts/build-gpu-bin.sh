@@ -17,30 +17,38 @@ import json, shutil, sys
 for line in open(sys.argv[1]):
     try: m = json.loads(line)
     except ValueError: continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("conformance", "cuda_graphs"):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("conformance", "cuda_graphs", "cuda_codecs"):
         shutil.copy2(m["executable"], "gpu-bin/" + m["target"]["name"])
 PY
 rm -f "$json"
 cargo build --release -p allreduce-bench --features cuda
 cp target/release/allreduce-bench gpu-bin/
-strip gpu-bin/conformance gpu-bin/cuda_graphs gpu-bin/allreduce-bench
+strip gpu-bin/conformance gpu-bin/cuda_graphs gpu-bin/cuda_codecs gpu-bin/allreduce-bench
 cat >gpu-bin/run.sh <<'RUN'
 #!/usr/bin/env bash
-# On the GPU machine: OUT=$OUT gpu-bin/run.sh (at most 8 log files come back).
+# On the GPU machine: OUT=$OUT gpu-bin/run.sh (at most 8 files come back; this writes 7).
 cd "$(dirname "$0")"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 NCCL_LIB=$(python3 -c "import nvidia.nccl, os; print(os.path.join(os.path.dirname(nvidia.nccl.__file__), 'lib'))" 2>/dev/null || true)
 export LD_LIBRARY_PATH=${NCCL_LIB}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>&1
-timeout 300 ./conformance "[cuda" >"$OUT/conformance.log" 2>&1; echo "conformance rc=$?" >>"$OUT/conformance.log"
-timeout 120 ./cuda_graphs >"$OUT/graphs.log" 2>&1; echo "graphs rc=$?" >>"$OUT/graphs.log"
+C="$OUT/conformance.log"; T="$OUT/tests.log"; Q="$OUT/bench_quantized.txt"; B="$OUT/bench_exact.txt"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$C" 2>&1
+timeout 400 ./conformance "[cuda" >>"$C" 2>&1; echo "conformance rc=$?" >>"$C"
+timeout 60 ./cuda_codecs >"$T" 2>&1; echo "codecs rc=$?" >>"$T"
+timeout 200 ./cuda_graphs >>"$T" 2>&1; echo "graphs rc=$?" >>"$T"
 for r in 2 4 8; do
-  timeout 90 ./allreduce-bench --backend cuda --ranks $r -b 8 -e 4M -f 4 --strategy oneshot,twoshot -d bf16 \
-    --baselines --row-time 0.05 >"$OUT/bench_r$r.txt" 2>&1; echo "bench $r rc=$?" >>"$OUT/bench_r$r.txt"
+  timeout 120 ./allreduce-bench --backend cuda --ranks $r -b 64K -e 64M -f 4 --strategy twoshot,quantized \
+    --precision exact,fp8,q8,q6,q4,q8a,q6a,q4a -d bf16 --data gauss --row-time 0.05 >>"$Q" 2>&1; echo "quantized $r rc=$?" >>"$Q"
+done
+timeout 120 ./allreduce-bench --backend cuda --ranks 1 -b 64K -e 64K --strategy quantized --precision q8 -d bf16 \
+  --row-time 0.01 --codec-bench 256M >"$OUT/codec_bench.txt" 2>&1; echo "codec bench rc=$?" >>"$OUT/codec_bench.txt"
+for r in 2 4 8; do
+  timeout 90 ./allreduce-bench --backend cuda --ranks $r -b 8 -e 16M -f 4 --strategy oneshot,twoshot -d bf16 \
+    --row-time 0.03 --tune "$OUT/tuned_virtual_ranks.json" >>"$B" 2>&1; echo "tune $r rc=$?" >>"$B"
 done
 timeout 60 ./allreduce-bench --backend cuda --ranks 1 -b 8 -e 4M -f 4 --strategy oneshot,vendor -d bf16 \
-  --row-time 0.05 >"$OUT/bench_r1_nccl.txt" 2>&1; echo "bench 1 rc=$?" >>"$OUT/bench_r1_nccl.txt"
-tail -12 "$OUT/conformance.log"; tail -3 "$OUT/graphs.log"; tail -2 "$OUT"/bench_r*.txt
+  --row-time 0.03 >>"$B" 2>&1; echo "nccl 1 rc=$?" >>"$B"
+tail -14 "$C"; grep -E "rc=|FAIL|mismatch|panick" "$T" | head; tail -12 "$OUT/codec_bench.txt"; grep rc= "$Q" "$B"
 RUN
 chmod +x gpu-bin/run.sh
 du -sh gpu-bin

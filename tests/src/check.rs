@@ -134,6 +134,76 @@ pub fn lossy(out: &HostBytes, r: &Reference, codec: Codec, what: &str) -> Result
     Ok(())
 }
 
+/// The quantized two-shot's result computed in one place from the format's definition
+/// (docs/codecs.md, "Composition in the all-reduce"): shards of whole 32-element blocks; each
+/// owner sums, in rank order from rank 0, every peer's encoded-then-decoded piece and its own
+/// piece unquantized, in f32; encodes the sum once; every rank decodes those bytes and rounds
+/// once into the dtype. Every backend's output must equal this bit for bit.
+pub fn quantized_expected(inputs: &[HostBytes], dtype: DType, codec: Codec) -> HostBytes {
+    use allreduce::{codec as c, layout};
+    let world = inputs.len();
+    let n = inputs[0].len() / dtype.size();
+    let f32s: Vec<Vec<f32>> = inputs
+        .iter()
+        .map(|b| (0..n).map(|i| dtype.load_f32(b.as_slice(), i)).collect())
+        .collect();
+    let mut out = HostBytes::zeroed(n * dtype.size());
+    for owner in 0..world {
+        let range = layout::shard_range(n, world, owner, layout::QUANT_GRANULE);
+        let len = range.len();
+        if len == 0 {
+            continue;
+        }
+        let mut acc = vec![0f32; len];
+        let mut piece = vec![0f32; len];
+        let mut bytes = vec![0u8; codec.encoded_len(len)];
+        for (r, x) in f32s.iter().enumerate() {
+            if r == owner {
+                piece.copy_from_slice(&x[range.clone()]);
+            } else {
+                c::encode(codec, &x[range.clone()], &mut bytes);
+                c::decode(codec, &bytes, &mut piece);
+            }
+            for (a, p) in acc.iter_mut().zip(&piece) {
+                *a = if r == 0 { *p } else { *a + *p };
+            }
+        }
+        c::encode(codec, &acc, &mut bytes);
+        c::decode(codec, &bytes, &mut piece);
+        for (i, v) in range.zip(&piece) {
+            dtype.store_f32(out.as_mut_slice(), i, *v);
+        }
+    }
+    out
+}
+
+/// `out` equals [`quantized_expected`] bit for bit (NaNs compare by being NaN: a GPU's f32
+/// arithmetic returns its own canonical NaN).
+pub fn quantized_bitwise(
+    out: &HostBytes,
+    inputs: &[HostBytes],
+    dtype: DType,
+    codec: Codec,
+    what: &str,
+) -> Result<(), String> {
+    let want = quantized_expected(inputs, dtype, codec);
+    let n = want.len() / dtype.size();
+    for i in 0..n {
+        let (g, w) = (
+            dtype.load_f32(out.as_slice(), i),
+            dtype.load_f32(want.as_slice(), i),
+        );
+        if g.to_bits() != w.to_bits() && !(g.is_nan() && w.is_nan()) {
+            return Err(format!(
+                "{what}: element {i} is {g:e} ({:#x}), the format's definition gives {w:e} ({:#x})",
+                g.to_bits(),
+                w.to_bits()
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// SNR in dB of `out` against the exact sum.
 pub fn snr_db(out: &HostBytes, r: &Reference) -> f64 {
     let got = to_f64(out, r.dtype);

@@ -155,7 +155,8 @@ fn exact_integers_are_exact(h: &dyn Harness) -> Result<(), String> {
 }
 
 /// Every world size, length, 16-bit dtype and codec through the quantized two-shot: within
-/// the codec's documented bound, bitwise equal across ranks. `Auto` with a lossy precision
+/// the codec's documented bound, bitwise equal across ranks, and bit for bit the format's
+/// definition (`check::quantized_expected`), so every backend gives the same bytes. `Auto` with a lossy precision
 /// allowed is within the same bound.
 fn lossy_all_shapes(h: &dyn Harness) -> Result<(), String> {
     for world in 1..=h.max_world() {
@@ -199,6 +200,9 @@ fn lossy_all_shapes(h: &dyn Harness) -> Result<(), String> {
                     }
                     let out = check::bitwise_equal(outcomes, what)?;
                     check::lossy(out, &reference, *codec, what)?;
+                    if step[0].options.strategy == Strategy::QuantizedTwoShot {
+                        check::quantized_bitwise(out, &inputs, dtype, *codec, what)?;
+                    }
                 }
             }
         }

@@ -1,6 +1,7 @@
-//! CUDA graph safety on virtual ranks: graphs holding 1, 2 and 3 all-reduces (odd counts
-//! matter: a host-side ping-pong flag would be frozen at the wrong parity), each replayed 1000
-//! times with new input between replays, must give the eager results; eager calls between
+//! CUDA graph safety on virtual ranks: graphs holding 1, 2, 3 and 4 all-reduces (odd counts
+//! matter: a host-side ping-pong flag would be frozen at the wrong parity; QuickReduce's was,
+//! and replays silently returned stale data), exact and quantized, each replayed 1000 times
+//! with new input between replays, must give the expected results; eager calls between
 //! replays must stay in step with them. Skips with the reason when no GPU is usable.
 
 #[cfg(not(feature = "cuda"))]
@@ -17,8 +18,8 @@ fn main() {
 mod graphs {
     use allreduce::cuda::testing::{bind, Buffer, Graph, OwnedStream};
     use allreduce::{
-        AllReduceOptions, BackendKind, BufMut, BufRef, Communicator, DType, Device, GroupConfig,
-        HostBytes, Strategy,
+        AllReduceOptions, BackendKind, BufMut, BufRef, Codec, Communicator, DType, Device,
+        GroupConfig, HostBytes, Precision, Strategy,
     };
 
     const REPLAYS: usize = 1000;
@@ -57,14 +58,45 @@ mod graphs {
             .collect()
     }
 
-    /// The calls a graph holds: (length, dtype, strategy).
-    fn calls(k: usize) -> Vec<(usize, DType, Strategy)> {
+    /// The calls a graph holds: (length, dtype, strategy, precision).
+    fn calls(k: usize) -> Vec<(usize, DType, Strategy, Precision)> {
         let all = [
-            (70_001, DType::BF16, Strategy::TwoShot),
-            (1000, DType::F16, Strategy::OneShot),
-            (5, DType::F32, Strategy::Auto),
+            (70_001, DType::BF16, Strategy::TwoShot, Precision::Exact),
+            (
+                4097,
+                DType::F16,
+                Strategy::QuantizedTwoShot,
+                Precision::Lossy(Codec::Int6Adaptive),
+            ),
+            (5, DType::F32, Strategy::Auto, Precision::Exact),
+            (1000, DType::F16, Strategy::OneShot, Precision::Exact),
         ];
         all[..k].to_vec()
+    }
+
+    /// What a call must produce: the exact integer sums, or for the quantized path the
+    /// format's definition over every rank's input (allreduce_conformance::check).
+    fn expected_bytes(
+        n: usize,
+        dtype: DType,
+        precision: Precision,
+        world: usize,
+        iteration: usize,
+    ) -> HostBytes {
+        match precision {
+            Precision::Exact => {
+                let mut b = HostBytes::zeroed(n * dtype.size());
+                for (i, v) in expected(n, world, iteration).into_iter().enumerate() {
+                    dtype.store_f32(b.as_mut_slice(), i, v);
+                }
+                b
+            }
+            Precision::Lossy(codec) => {
+                let inputs: Vec<HostBytes> =
+                    (0..world).map(|r| input(n, dtype, r, iteration)).collect();
+                allreduce_conformance::check::quantized_expected(&inputs, dtype, codec)
+            }
+        }
     }
 
     fn run_rank(comm: &Communicator, k: usize) -> Result<(), String> {
@@ -78,7 +110,7 @@ mod graphs {
         let world = comm.world_size();
         let shapes = calls(k);
         let mut bufs = Vec::new();
-        for &(n, dtype, _) in &shapes {
+        for &(n, dtype, _, _) in &shapes {
             let bytes = n * dtype.size();
             bufs.push((
                 Buffer::zeroed(bytes, &stream).map_err(e)?,
@@ -86,7 +118,7 @@ mod graphs {
             ));
         }
         let enqueue = || -> allreduce::Result<()> {
-            for (&(n, dtype, strategy), (inp, out)) in shapes.iter().zip(&bufs) {
+            for (&(n, dtype, strategy, precision), (inp, out)) in shapes.iter().zip(&bufs) {
                 // SAFETY: the buffers hold n elements and outlive the graph.
                 let (iv, ov) = unsafe {
                     (
@@ -99,28 +131,31 @@ mod graphs {
                     ov,
                     &AllReduceOptions::default()
                         .strategy(strategy)
+                        .precision(precision)
                         .stream(stream.handle()),
                 )?;
             }
             Ok(())
         };
         let check = |iteration: usize, what: &str| -> Result<(), String> {
-            for (&(n, dtype, _), (_, out)) in shapes.iter().zip(&bufs) {
+            for (&(n, dtype, _, precision), (_, out)) in shapes.iter().zip(&bufs) {
                 let mut h = HostBytes::zeroed(n * dtype.size());
                 out.download(h.as_mut_slice(), &stream).map_err(e)?;
-                let want = expected(n, world, iteration);
-                if let Some(i) = (0..n).find(|&i| dtype.load_f32(h.as_slice(), i) != want[i]) {
+                let want = expected_bytes(n, dtype, precision, world, iteration);
+                if let Some(i) = (0..n).find(|&i| {
+                    dtype.load_f32(h.as_slice(), i) != dtype.load_f32(want.as_slice(), i)
+                }) {
                     return Err(format!(
-                    "rank {rank}, {k} calls, {what} {iteration}: element {i} of {n} {dtype} is {} not {}",
+                    "rank {rank}, {k} calls, {what} {iteration}: element {i} of {n} {dtype} ({precision}) is {} not {}",
                     dtype.load_f32(h.as_slice(), i),
-                    want[i]
+                    dtype.load_f32(want.as_slice(), i)
                 ));
                 }
             }
             Ok(())
         };
         let upload = |iteration: usize| -> Result<(), String> {
-            for (&(n, dtype, _), (inp, _)) in shapes.iter().zip(&bufs) {
+            for (&(n, dtype, _, _), (inp, _)) in shapes.iter().zip(&bufs) {
                 inp.upload(input(n, dtype, rank, iteration).as_slice(), &stream)
                     .map_err(e)?;
             }
@@ -155,7 +190,7 @@ mod graphs {
             return;
         }
         for world in [2usize, 4, 8] {
-            for k in 1..=3 {
+            for k in 1..=4 {
                 let comms = Communicator::new_group(
                     BackendKind::Cuda,
                     GroupConfig::new(world).max_bytes(1 << 20),

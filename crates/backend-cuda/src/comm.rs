@@ -7,14 +7,14 @@
 //! arguments once, at creation, so nothing per call comes from the host but the caller's
 //! buffers.
 
-use std::ffi::{c_void, CStr};
+use std::ffi::{c_void, CStr, CString};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use allreduce_core::{
-    Backend, BackendComm, Call, DType, Device, Error, GroupConfig, Limits, Precision, Result,
-    SelectionTable, Strategy, Stream,
+    Backend, BackendComm, Call, Codec, DType, Device, Error, GroupConfig, Limits, Precision,
+    Result, SelectionTable, Strategy, Stream,
 };
 
 use crate::abi::{self, Args, Control, Desc, MAX_BLOCKS, MAX_WORLD, THREADS};
@@ -62,6 +62,8 @@ impl Backend for Cuda {
 struct Kernels {
     oneshot: [CUfunction; 3],
     twoshot: [CUfunction; 3],
+    /// `[f16, bf16][codec index in Codec::ALL]`.
+    quantized: [[CUfunction; Codec::ALL.len()]; 2],
     _module: Module,
 }
 
@@ -84,9 +86,38 @@ impl Kernels {
                 f(c"ar_twoshot_f16")?,
                 f(c"ar_twoshot_bf16")?,
             ],
+            quantized: [
+                quantized_functions(&module, "f16")?,
+                quantized_functions(&module, "bf16")?,
+            ],
             _module: module,
         })
     }
+}
+
+fn quantized_functions(module: &Module, dtype: &str) -> Result<[CUfunction; Codec::ALL.len()]> {
+    let mut out = [std::ptr::null_mut(); Codec::ALL.len()];
+    for (f, codec) in out.iter_mut().zip(Codec::ALL) {
+        let name = CString::new(format!("ar_quantized_{dtype}_{}", codec.name()))
+            .expect("no NUL in kernel names");
+        *f = module.function(&name)?;
+    }
+    Ok(out)
+}
+
+/// Bytes of each staging buffer (and of `reduced`): `max_bytes` plus room for the quantized
+/// path's per-slot padding, so every call within `max_bytes` fits whatever the codec
+/// (`quantized_fits`, tested below).
+fn stage_bytes(max_bytes: usize) -> usize {
+    abi::round_max_bytes(max_bytes + QUANT_SLACK)
+}
+const QUANT_SLACK: usize = 64 * MAX_WORLD + 256;
+
+/// Whether the quantized kernel's slots for `n` elements fit a staging buffer:
+/// `world * encoded_len(shard)` bytes (kernels-common quantized.h).
+fn quantized_fits(codec: Codec, n: usize, world: usize, stage: usize) -> bool {
+    let shard = allreduce_core::layout::shard_len(n, world, allreduce_core::layout::QUANT_GRANULE);
+    world * codec.encoded_len(shard) <= stage
 }
 
 /// Everything the ranks of a group share. Freed when the last rank is dropped.
@@ -103,6 +134,8 @@ struct Group {
     nccl: std::result::Result<Vec<nccl::Comm>, String>,
     grid: u32,
     max_bytes: usize,
+    /// Size of each staging buffer, the stride the kernels see as `Args::max_bytes`.
+    stage_bytes: usize,
     timeout: Duration,
 }
 
@@ -150,6 +183,7 @@ impl Group {
             .clamp(1, MAX_BLOCKS as u32);
 
         let max_bytes = abi::round_max_bytes(config.max_bytes);
+        let stage = stage_bytes(max_bytes);
         let mut kernels = Vec::new();
         for d in &devices {
             d.bind()?;
@@ -160,7 +194,7 @@ impl Group {
         let mut peers = [0u64; MAX_WORLD];
         for (rank, &d) in rank_device.iter().enumerate() {
             devices[d].bind()?;
-            let ws = DeviceMem::zeroed(abi::workspace_bytes(max_bytes))?;
+            let ws = DeviceMem::zeroed(abi::workspace_bytes(stage))?;
             peers[rank] = ws.ptr;
             workspaces.push(Some(ws));
             controls.push(Some(HostMapped::zeroed(size_of::<Control>())?));
@@ -194,6 +228,7 @@ impl Group {
             nccl,
             grid,
             max_bytes,
+            stage_bytes: stage,
             timeout: config.timeout,
         };
         group.warm_up()?;
@@ -216,7 +251,7 @@ impl Group {
             n: n as u64,
             peers: self.peers,
             control: self.control(rank).dev,
-            max_bytes: self.max_bytes as u64,
+            max_bytes: self.stage_bytes as u64,
             timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
             rank: rank as u32,
             world: self.world as u32,
@@ -244,7 +279,12 @@ impl Group {
             args.peers[0] = self.peers[rank];
             args.rank = 0;
             args.world = 1;
-            for &f in k.oneshot.iter().chain(&k.twoshot) {
+            for &f in k
+                .oneshot
+                .iter()
+                .chain(&k.twoshot)
+                .chain(k.quantized.iter().flatten())
+            {
                 // SAFETY: n = 0 and world = 1: the kernel touches only this rank's workspace.
                 unsafe { driver::launch(f, self.grid, THREADS, std::ptr::null_mut(), &args)? };
             }
@@ -349,7 +389,9 @@ fn mismatch_error(me: usize, peer: usize, call: u64, mine: Desc, theirs: Desc) -
         |table: &[&str], code: u64| table.get(code as usize).copied().unwrap_or("?").to_string();
     let dtypes = ["?", "f32", "f16", "bf16"];
     let strategies = ["?", "oneshot", "twoshot", "quantized", "vendor"];
-    let precisions = ["exact", "fp8", "q8", "q6", "q4"];
+    let precisions: Vec<&str> = std::iter::once("exact")
+        .chain(Codec::ALL.iter().map(|c| c.name()))
+        .collect();
     let (what, a, b) = if mine.len() != theirs.len() {
         ("length", mine.len().to_string(), theirs.len().to_string())
     } else if mine.dtype() != theirs.dtype() {
@@ -431,12 +473,16 @@ impl BackendComm for CudaComm {
     fn strategy_available(
         &self,
         strategy: Strategy,
-        _dtype: DType,
-        _precision: Precision,
+        dtype: DType,
+        precision: Precision,
     ) -> Result<(), String> {
         match strategy {
             Strategy::OneShot | Strategy::TwoShot => Ok(()),
-            Strategy::QuantizedTwoShot => Err("the quantized GPU kernels are not built yet".into()),
+            Strategy::QuantizedTwoShot => match (dtype, precision) {
+                (DType::F16 | DType::BF16, Precision::Lossy(_)) => Ok(()),
+                (_, Precision::Exact) => Err("it needs Precision::Lossy(codec)".into()),
+                (d, _) => Err(format!("the codecs carry f16 and bf16, not {d}")),
+            },
             Strategy::Vendor => self.group.nccl.as_ref().map(|_| ()).map_err(Clone::clone),
             Strategy::Auto => Err("Auto is resolved before the backend is called".into()),
         }
@@ -452,6 +498,29 @@ impl BackendComm for CudaComm {
         let f = match call.strategy {
             Strategy::OneShot => kernels.oneshot[dtype_index(call.dtype())],
             Strategy::TwoShot => kernels.twoshot[dtype_index(call.dtype())],
+            Strategy::QuantizedTwoShot => {
+                let (Precision::Lossy(codec), Some(d)) =
+                    (call.precision, dtype_index(call.dtype()).checked_sub(1))
+                else {
+                    return Err(Error::StrategyUnavailable {
+                        strategy: Strategy::QuantizedTwoShot,
+                        reason: "needs a lossy precision and f16 or bf16".into(),
+                    });
+                };
+                // Cannot fail for calls within max_bytes (stage_bytes has the room); checked
+                // anyway, and the peers told, rather than trust arithmetic with memory safety.
+                if !quantized_fits(codec, call.len(), g.world, g.stage_bytes) {
+                    let e = Error::TooLarge {
+                        bytes: call.output.bytes(),
+                        max: g.max_bytes,
+                    };
+                    self.calls.fetch_sub(1, Ordering::Relaxed);
+                    self.reject(&e, call.stream);
+                    return Err(e);
+                }
+                let c = Codec::ALL.iter().position(|&x| x == codec).expect("listed");
+                kernels.quantized[d][c]
+            }
             Strategy::Vendor => {
                 let comms = g
                     .nccl
@@ -555,6 +624,31 @@ impl BackendComm for CudaComm {
         match self.aborted() {
             Some(reason) => Err(Error::Aborted { reason }),
             None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every call the limits admit fits the quantized slots, for every codec and world size.
+    #[test]
+    fn quantized_slots_fit_every_admitted_call() {
+        for max_bytes in [0usize, 1, 2, 16, 100, 256, 1000, 4096, 65536, 1 << 20] {
+            let max = abi::round_max_bytes(max_bytes);
+            let stage = stage_bytes(max);
+            for world in 1..=MAX_WORLD {
+                for codec in Codec::ALL {
+                    // 16-bit elements: the codecs carry f16/bf16 only.
+                    for n in (0..=max / 2).rev().take(200).chain(0..200.min(max / 2 + 1)) {
+                        assert!(
+                            quantized_fits(codec, n, world, stage),
+                            "{codec} n={n} world={world} max={max}"
+                        );
+                    }
+                }
+            }
         }
     }
 }

@@ -351,3 +351,114 @@ impl CopyKernel {
         )
     }
 }
+
+/// The codec segment kernels (`ar_encode_*` / `ar_decode_*`, kernels-common quantized.h): one
+/// buffer encoded into one segment of the codec format (docs/codecs.md) and back, for the
+/// bit-exactness tests against the Rust reference and the codec benchmark.
+pub struct CodecKernels {
+    /// `[f32, bf16][codec index in Codec::ALL][encode, decode]`.
+    f: [[[sys::CUfunction; 2]; 7]; 2],
+    _module: driver::Module,
+}
+
+unsafe impl Send for CodecKernels {}
+
+/// Element types the segment kernels are built for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CodecInput {
+    F32,
+    Bf16,
+}
+
+impl CodecInput {
+    pub fn size(self) -> usize {
+        match self {
+            CodecInput::F32 => 4,
+            CodecInput::Bf16 => 2,
+        }
+    }
+}
+
+/// One segment kernel launch: `n` elements of `input` through `codec`, `grid` blocks of 512.
+#[derive(Clone, Copy, Debug)]
+pub struct Segment {
+    pub input: CodecInput,
+    pub codec: allreduce_core::Codec,
+    pub n: usize,
+    pub grid: u32,
+}
+
+impl CodecKernels {
+    /// Load on the bound device.
+    pub fn load() -> Result<Self> {
+        let module = driver::Module::load(crate::comm::FATBIN)?;
+        let mut f = [[[std::ptr::null_mut(); 2]; 7]; 2];
+        for (t, ty) in ["f32", "bf16"].iter().enumerate() {
+            for (c, codec) in allreduce_core::Codec::ALL.iter().enumerate() {
+                for (d, dir) in ["encode", "decode"].iter().enumerate() {
+                    let name = std::ffi::CString::new(format!("ar_{dir}_{ty}_{}", codec.name()))
+                        .expect("no NUL");
+                    f[t][c][d] = module.function(&name)?;
+                }
+            }
+        }
+        Ok(CodecKernels { f, _module: module })
+    }
+
+    fn launch(
+        &self,
+        job: Segment,
+        dir: usize,
+        src: usize,
+        dst: usize,
+        stream: &OwnedStream,
+    ) -> Result<()> {
+        let c = allreduce_core::Codec::ALL
+            .iter()
+            .position(|&x| x == job.codec)
+            .expect("listed");
+        let t = match job.input {
+            CodecInput::F32 => 0,
+            CodecInput::Bf16 => 1,
+        };
+        #[repr(C)]
+        struct Args {
+            src: u64,
+            dst: u64,
+            n: u64,
+        }
+        let args = Args {
+            src: src as u64,
+            dst: dst as u64,
+            n: job.n as u64,
+        };
+        // SAFETY: one 24-byte parameter, kernels-common's CodecArgs; the callers checked the
+        // buffer sizes.
+        unsafe { driver::launch(self.f[t][c][dir], job.grid, 512, stream.0 as _, &args) }
+    }
+
+    /// Encode `job.n` elements of `src` into one segment at `dst`, which must hold
+    /// `codec.encoded_len(n)` bytes (padding bytes are left as they were).
+    pub fn encode(
+        &self,
+        job: Segment,
+        src: &Buffer,
+        dst: &Buffer,
+        stream: &OwnedStream,
+    ) -> Result<()> {
+        assert!(job.n * job.input.size() <= src.len() && job.codec.encoded_len(job.n) <= dst.len());
+        self.launch(job, 0, src.addr(), dst.addr(), stream)
+    }
+
+    /// Decode one segment of `job.n` elements at `src` into `dst`.
+    pub fn decode(
+        &self,
+        job: Segment,
+        src: &Buffer,
+        dst: &Buffer,
+        stream: &OwnedStream,
+    ) -> Result<()> {
+        assert!(job.n * job.input.size() <= dst.len() && job.codec.encoded_len(job.n) <= src.len());
+        self.launch(job, 1, src.addr(), dst.addr(), stream)
+    }
+}

@@ -3,13 +3,17 @@
 //! - the copy roofline: the plain 16-byte-vector copy kernel from the same fatbin, over the
 //!   same sizes, with the whole GPU (SMs x 4 blocks of 512), read + write bytes per second;
 //! - host CPU time per `all_reduce` call against a bare kernel launch: every rank thread
-//!   enqueues `CALLS` calls back to back, timed without the final synchronisation.
+//!   enqueues `CALLS` calls back to back, timed without the final synchronisation;
+//! - the codec kernels alone (`--codec-bench`): encode then decode of one bf16 buffer per
+//!   codec, bytes read + written per second, against the copy kernel on the same bytes.
 
 use std::time::Instant;
 
 use allreduce::cuda::driver;
-use allreduce::cuda::testing::{bind, Buffer, CopyKernel, OwnedStream};
-use allreduce::{AllReduceOptions, BufMut, BufRef, Communicator, DType, Device, Strategy};
+use allreduce::cuda::testing::{
+    bind, Buffer, CodecInput, CodecKernels, CopyKernel, OwnedStream, Segment,
+};
+use allreduce::{AllReduceOptions, BufMut, BufRef, Codec, Communicator, DType, Device, Strategy};
 
 const CALLS: usize = 200;
 
@@ -143,4 +147,100 @@ fn rank_overhead(
     let per_launch = t.elapsed().as_secs_f64() / CALLS as f64;
     stream.synchronize()?;
     Ok((per_call * 1e6, per_launch * 1e6))
+}
+
+/// One codec's encode and decode times (`--codec-bench`).
+pub struct CodecSpeed {
+    pub codec: Codec,
+    pub encode_us: f64,
+    pub decode_us: f64,
+    /// (read + written bytes of encode and decode) / (encode + decode time).
+    pub gbs: f64,
+}
+
+pub struct CodecReport {
+    pub bytes: usize,
+    pub copy_us: f64,
+    pub copy_gbs: f64,
+    pub codecs: Vec<CodecSpeed>,
+}
+
+/// Mean seconds per launch of `f` over `iters` launches after 3 warm-up ones.
+fn time_launches(
+    stream: &OwnedStream,
+    iters: usize,
+    mut f: impl FnMut() -> allreduce::Result<()>,
+) -> Result<f64, BoxError> {
+    for _ in 0..3 {
+        f()?;
+    }
+    stream.synchronize()?;
+    let t = Instant::now();
+    for _ in 0..iters {
+        f()?;
+    }
+    stream.synchronize()?;
+    Ok(t.elapsed().as_secs_f64() / iters as f64)
+}
+
+/// Encode + decode of `bytes` of bf16 N(0,1) per codec, and the copy kernel on the same
+/// bytes, on the first rank's GPU with the whole GPU's worth of blocks.
+pub fn codec_speed(comm: &Communicator, bytes: usize) -> Result<CodecReport, BoxError> {
+    let dev = bind(ordinal(comm)?)?;
+    let grid = dev.sm_count * 4;
+    let stream = OwnedStream::new()?;
+    let n = (bytes / 2).div_ceil(32) * 32;
+    let bytes = n * 2;
+    let mut host = vec![0u8; bytes];
+    let mut rng = 0x2545_F491_4F6C_DD1Du64;
+    for i in 0..n {
+        // xorshift + a sum of uniforms: roughly N(0,1), enough to exercise every code.
+        let mut s = 0.0f32;
+        for _ in 0..4 {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            s += (rng >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+        }
+        DType::BF16.store_f32(&mut host, i, s * 1.732);
+    }
+    let src = Buffer::from_host(&host, &stream)?;
+    let back = Buffer::zeroed(bytes, &stream)?;
+    let enc = Buffer::zeroed(
+        Codec::Int8
+            .encoded_len(n)
+            .max(Codec::Fp8E4M3.encoded_len(n)),
+        &stream,
+    )?;
+    let copy = CopyKernel::load()?;
+    let kernels = CodecKernels::load()?;
+    let iters = (8_000_000_000 / bytes.max(1)).clamp(5, 200);
+    let copy_s = time_launches(&stream, iters, || {
+        copy.copy(&src, &back, bytes, grid, &stream)
+    })?;
+    let mut codecs = Vec::new();
+    for codec in Codec::ALL {
+        let job = Segment {
+            input: CodecInput::Bf16,
+            codec,
+            n,
+            grid,
+        };
+        let e = time_launches(&stream, iters, || kernels.encode(job, &src, &enc, &stream))?;
+        let d = time_launches(&stream, iters, || kernels.decode(job, &enc, &back, &stream))?;
+        let moved = 2.0 * (bytes + codec.encoded_len(n)) as f64;
+        codecs.push(CodecSpeed {
+            codec,
+            encode_us: e * 1e6,
+            decode_us: d * 1e6,
+            gbs: moved / (e + d) / 1e9,
+        });
+    }
+    drop(dev);
+    Ok(CodecReport {
+        bytes,
+        copy_us: copy_s * 1e6,
+        copy_gbs: 2.0 * bytes as f64 / copy_s / 1e9,
+        codecs,
+    })
 }

@@ -156,6 +156,12 @@ pub struct Args {
     #[arg(long)]
     pub baselines: bool,
 
+    /// CUDA only: after the sweep, time the codec kernels alone in the same run: encode then
+    /// decode of this many bytes of bf16 (e.g. 256M) per codec, as bytes read + written per
+    /// second and as a fraction of the copy kernel's, measured on the same buffers
+    #[arg(long, value_parser = parse_size, value_name = "BYTES")]
+    pub codec_bench: Option<usize>,
+
     /// Write the measured winners into this selection-table file (read by `Auto` through
     /// GroupConfig::selection or ALLREDUCE_SELECTION_TABLE): per size, the fastest strategy
     /// among those swept, for this world size and dtype, exact and lossy separately. Rules

@@ -216,6 +216,9 @@ fn run(args: &Args) -> Result<ExitCode, BoxError> {
     if args.baselines {
         baselines(args, &comms, &sizes, &mut stdout)?;
     }
+    if let Some(bytes) = args.codec_bench {
+        codec_bench(args, &comms, bytes, &mut stdout)?;
+    }
     if let Some(path) = &args.tune {
         let existing = if path.exists() {
             allreduce::SelectionTable::load(path)?
@@ -289,6 +292,51 @@ fn baselines(
     writeln!(out, "#   bare kernel launch : {launch:.2} us")?;
     writeln!(out, "#   ratio              : {:.2}x", call / launch)?;
     Ok(())
+}
+
+/// `--codec-bench`: encode + decode throughput per codec against the copy kernel.
+#[cfg(feature = "cuda")]
+fn codec_bench(
+    args: &Args,
+    comms: &[Communicator],
+    bytes: usize,
+    out: &mut dyn Write,
+) -> Result<(), BoxError> {
+    if args.backend != allreduce::BackendKind::Cuda {
+        return Err("--codec-bench times GPU kernels: use it with --backend cuda".into());
+    }
+    let r = baselines::codec_speed(&comms[0], bytes)?;
+    writeln!(
+        out,
+        "#\n# Codec kernels, {} MiB of bf16 (N(0,1)), whole GPU; bandwidth = bytes read + written",
+        r.bytes >> 20
+    )?;
+    writeln!(
+        out,
+        "#   copy kernel          : {:>9.1} us {:>8.1} GB/s",
+        r.copy_us, r.copy_gbs
+    )?;
+    writeln!(
+        out,
+        "#   codec  encode (us)  decode (us)  enc+dec (GB/s)  fraction of copy"
+    )?;
+    for c in &r.codecs {
+        writeln!(
+            out,
+            "#   {:<5} {:>12.1} {:>12.1} {:>15.1} {:>17.3}",
+            c.codec.name(),
+            c.encode_us,
+            c.decode_us,
+            c.gbs,
+            c.gbs / r.copy_gbs
+        )?;
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn codec_bench(_: &Args, _: &[Communicator], _: usize, _: &mut dyn Write) -> Result<(), BoxError> {
+    Err("--codec-bench needs a build with --features cuda".into())
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -127,14 +127,18 @@ AR_DEVICE int sync_block_or(int pred) { return __syncthreads_or(pred); }
 // A native 4 x u32 vector: one global_load/store_dwordx4 per access, and .x/.y/.z/.w like
 // CUDA's struct.
 typedef uint32_t uint4 __attribute__((ext_vector_type(4)));
+typedef uint32_t uint2 __attribute__((ext_vector_type(2)));
 AR_DEVICE uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) {
   return uint4{x, y, z, w};
 }
+AR_DEVICE uint2 make_uint2(uint32_t x, uint32_t y) { return uint2{x, y}; }
 AR_DEVICE float as_float(uint32_t u) { return __builtin_bit_cast(float, u); }
 AR_DEVICE uint32_t as_uint(float f) { return __builtin_bit_cast(uint32_t, f); }
 AR_DEVICE u64 min_u64(u64 a, u64 b) { return a < b ? a : b; }
 #else
+using ::make_uint2;
 using ::make_uint4;
+using ::uint2;
 using ::uint4;
 AR_DEVICE float as_float(uint32_t u) { return __uint_as_float(u); }
 AR_DEVICE uint32_t as_uint(float f) { return __float_as_uint(f); }
@@ -270,14 +274,19 @@ AR_DEVICE uint32_t ld_relaxed_sys(const uint32_t* p) {
 // CTA barrier), so a plain load would be correct; .cg (L2 only) costs nothing because nothing
 // is re-read, and keeps peers' data out of L1 so correctness does not also lean on the
 // acquire invalidating L1 for lines another GPU wrote.
-AR_DEVICE uint4 load_peer(const uint4* p) {
+// HIP: peer workspaces must be fine-grained (hipDeviceMallocUncached / IPC of such): then a
+// plain load after the acquire is coherent. The allocation side must say so too.
+// The narrower overloads serve the codecs' packed codes and scales.
 #if AR_HIP
-  // HIP: peer workspaces must be fine-grained (hipDeviceMallocUncached / IPC of such): then
-  // a plain load after the acquire is coherent. The allocation side must say so too.
+template <typename V>
+AR_DEVICE V load_peer(const V* p) {
   return *p;
-#else
-  return __ldcg(p);
-#endif
 }
+#else
+AR_DEVICE uint4 load_peer(const uint4* p) { return __ldcg(p); }
+AR_DEVICE uint2 load_peer(const uint2* p) { return __ldcg(p); }
+AR_DEVICE uint32_t load_peer(const uint32_t* p) { return __ldcg(p); }
+AR_DEVICE uint16_t load_peer(const uint16_t* p) { return __ldcg(p); }
+#endif
 
 }  // namespace ar

@@ -420,10 +420,11 @@ pub fn hadamard_inverse(v: &mut [f32; BLOCK]) {
 }
 
 /// The adaptive codecs' selection metric: `sum_i (a_i - b_i)^2` in f32, each difference and
-/// square one correctly rounded f32 operation (no FMA), summed as a tree:
-/// for `h = 16, 8, 4, 2, 1`: `e[i] <- e[i] + e[i + h]` for `i < h`; the result is `e[0]`.
-/// (The order a warp's xor-shuffle reduction produces: lane `i` adds lane `i ^ h`, and f32
-/// addition is commutative, so every lane ends with the same value.)
+/// square one correctly rounded f32 operation (no FMA), summed as a tree: inside each group
+/// of 8 consecutive elements `for h = 4, 2, 1: e[i] <- e[i] + e[i + h] for i < h` (group
+/// sums `g0..g3`), then `(g0 + g1) + (g2 + g3)`. (The order a GPU holding 8 elements per lane
+/// in 4 lanes gets with two xor-shuffles, and 4 shuffles per block instead of the 32 a
+/// lane-per-element order would cost there.)
 #[inline]
 fn squared_error(a: &[f32; BLOCK], b: &[f32; BLOCK]) -> f32 {
     let mut e = [0.0f32; BLOCK];
@@ -431,14 +432,18 @@ fn squared_error(a: &[f32; BLOCK], b: &[f32; BLOCK]) -> f32 {
         let d = a - b;
         *e = d * d;
     }
-    let mut h = BLOCK / 2;
-    while h > 0 {
-        for i in 0..h {
-            e[i] += e[i + h];
+    let mut g = [0.0f32; 4];
+    for (g, e) in g.iter_mut().zip(e.chunks_exact_mut(8)) {
+        let mut h = 4;
+        while h > 0 {
+            for i in 0..h {
+                e[i] += e[i + h];
+            }
+            h /= 2;
         }
-        h /= 2;
+        *g = e[0];
     }
-    e[0]
+    (g[0] + g[1]) + (g[2] + g[3])
 }
 
 /// The adaptive choice for a finite block with `amax` in the adaptive range, already coded

@@ -1,0 +1,406 @@
+// The block codecs of the quantized all-reduce on the GPU: FP8 E4M3, Q8, Q6, Q4 and the adaptive
+// Q8a/Q6a/Q4a, written once for nvcc and HIP clang. The format is docs/codecs.md; the
+// specification is the Rust reference (crates/core/src/codec), and every function here says
+// which reference function it must match bit for bit.
+//
+// Work shape: a "quad" of 4 consecutive lanes codes one 32-element block, 8 elements per lane
+// (one 16-byte vector of f16/bf16). Block-wide steps (the max, the Hadamard stages h = 8 and
+// 16, the squared-error tree) cross lanes with xor-1 / xor-2 shuffles, which stay inside the
+// quad on 32- and 64-lane warps alike. Lane q of a quad holds block elements 8q..8q+7.
+//
+// Every lane of a warp must call the quad functions together (they shuffle), so nothing here
+// branches around a shuffle: the adaptive candidate is always computed and then selected.
+#pragma once
+
+#include "allreduce/shim.h"
+
+namespace ar {
+
+constexpr int kBlock = 32;
+constexpr int kQuad = 4;
+constexpr int kPerLane = kBlock / kQuad;  // 8
+constexpr uint16_t kFlagBit = 1;
+constexpr uint16_t kPoisonScale = 0x7FC0;
+constexpr uint32_t kHadamardSigns = 0x6A09E667u;
+
+// ---- Arithmetic the format pins down (docs/codecs.md, "Arithmetic rules") -------------------
+
+// One correctly rounded f32 operation each, never fused with a neighbour into an FMA: the
+// adaptive encoder's squared error and forward transform round in a specified order.
+#if AR_HIP
+AR_DEVICE float add_rn(float a, float b) {
+#pragma clang fp contract(off)
+  return a + b;
+}
+AR_DEVICE float sub_rn(float a, float b) {
+#pragma clang fp contract(off)
+  return a - b;
+}
+AR_DEVICE float mul_rn(float a, float b) {
+#pragma clang fp contract(off)
+  return a * b;
+}
+// HIP clang's f32 division is correctly rounded by default (-fhip-fp32-correctly-rounded-
+// divide-sqrt); build-support never passes fast-math.
+AR_DEVICE float div_rn(float a, float b) { return a / b; }
+#else
+AR_DEVICE float add_rn(float a, float b) { return __fadd_rn(a, b); }
+AR_DEVICE float sub_rn(float a, float b) { return __fsub_rn(a, b); }
+AR_DEVICE float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+AR_DEVICE float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+#endif
+
+AR_DEVICE float abs_f(float x) { return as_float(as_uint(x) & 0x7fffffffu); }
+AR_DEVICE bool is_finite_f(float x) { return (as_uint(x) & 0x7f800000u) != 0x7f800000u; }
+
+// codec::round_scale: nearest-even at f32 bit 17, top 16 bits, flag bit clear.
+AR_DEVICE uint16_t round_scale(float s) {
+  if (s != s) return kPoisonScale;
+  const uint32_t b = as_uint(s);
+  return static_cast<uint16_t>(((b + 0xFFFFu + ((b >> 17) & 1u)) & 0xFFFE0000u) >> 16);
+}
+
+// codec::scale_value.
+AR_DEVICE float scale_value(uint16_t field) {
+  return as_float(uint32_t(field & ~kFlagBit) << 16);
+}
+
+// codec::rne_small: nearest-even to an integer for |y| <= 2^22, one add and one subtract.
+AR_DEVICE float rne_small(float y) {
+  const float kMagic = 12582912.0f;  // 1.5 * 2^23
+  return sub_rn(add_rn(y, kMagic), kMagic);
+}
+
+// codec::f32_to_e4m3: nearest-even, saturating to +-448, NaN -> 0x7F, every zero -> 0x00.
+// Integer arithmetic, so it needs no FP8 conversion instruction (sm_89+/gfx942+) and matches
+// on every target.
+AR_DEVICE uint32_t f32_to_e4m3(float x) {
+  if (x != x) return 0x7Fu;
+  const uint32_t sign = (as_uint(x) >> 24) & 0x80u;
+  const float a = abs_f(x);
+  uint32_t mag;
+  if (a >= 448.0f) {
+    mag = 0x7Eu;
+  } else if (a < 0.015625f) {
+    mag = static_cast<uint32_t>(rne_small(a * 512.0f));  // exact product; k * 2^-9, k <= 8
+  } else {
+    const uint32_t b = as_uint(a);
+    mag = ((b + 0x7FFFFu + ((b >> 20) & 1u)) >> 20) - (120u << 3);
+  }
+  return mag == 0 ? 0u : (sign | mag);
+}
+
+// codec::e4m3_to_f32 (exact).
+AR_DEVICE float e4m3_to_f32(uint32_t c) {
+  const uint32_t sign = (c & 0x80u) << 24;
+  const uint32_t e = (c >> 3) & 0xFu, m = c & 7u;
+  if (e == 15u && m == 7u) return as_float(sign | 0x7FC00000u);
+  if (e != 0u) return as_float(sign | ((e + 120u) << 23) | (m << 20));
+  return as_float(as_uint(static_cast<float>(m) * 0.001953125f) | sign);  // m * 2^-9, exact
+}
+
+// ---- Quad shuffles -----------------------------------------------------------------------
+
+// Value of lane (lane ^ mask), mask 1 or 2: both stay inside the lane's quad.
+template <int kMask>
+AR_DEVICE uint32_t quad_xor(uint32_t v) {
+  static_assert(kMask == 1 || kMask == 2, "quad shuffles only");
+#if AR_HIP
+  // DPP quad_perm: no LDS round trip. Lane i of a quad reads lane sel_i.
+  constexpr int kCtrl = kMask == 1 ? 0xB1 /* [1,0,3,2] */ : 0x4E /* [2,3,0,1] */;
+  return static_cast<uint32_t>(
+      __builtin_amdgcn_mov_dpp(static_cast<int>(v), kCtrl, 0xF, 0xF, false));
+#else
+  return __shfl_xor_sync(0xffffffffu, v, kMask);
+#endif
+}
+template <int kMask>
+AR_DEVICE float quad_xor(float v) {
+  return as_float(quad_xor<kMask>(as_uint(v)));
+}
+
+// ---- Codec descriptions (QuickReduce's codec-as-template-parameter) -------------------------
+
+// Integer codec of kBits bits: codes in [-H, H-1], stored biased by H.
+template <int kBits, bool kAdaptive>
+struct IntCodec {
+  static constexpr bool kFp8 = false;
+  static constexpr bool kAdaptiveCodec = kAdaptive;
+  static constexpr int kH = 1 << (kBits - 1);
+  static constexpr int kCodeBytes = kBits * kBlock / 8;  // 32, 24, 16
+};
+struct Fp8Codec {
+  static constexpr bool kFp8 = true;
+  static constexpr bool kAdaptiveCodec = false;
+  static constexpr int kH = 0;
+  static constexpr int kCodeBytes = 32;
+};
+using CodecFp8 = Fp8Codec;
+using CodecQ8 = IntCodec<8, false>;
+using CodecQ6 = IntCodec<6, false>;
+using CodecQ4 = IntCodec<4, false>;
+using CodecQ8a = IntCodec<8, true>;
+using CodecQ6a = IntCodec<6, true>;
+using CodecQ4a = IntCodec<4, true>;
+
+// Segment layout (codec::encode): codes of every block from 0, then the u16 scales from
+// align16(nb * kCodeBytes); each region padded to 16 bytes.
+AR_DEVICE u64 align16(u64 x) { return (x + 15) & ~u64(15); }
+AR_DEVICE u64 blocks_of(u64 n) { return (n + kBlock - 1) / kBlock; }
+template <typename C>
+AR_DEVICE u64 scales_offset(u64 n) {
+  return align16(blocks_of(n) * C::kCodeBytes);
+}
+template <typename C>
+AR_DEVICE u64 encoded_len(u64 n) {
+  return scales_offset<C>(n) + align16(2 * blocks_of(n));
+}
+
+// ---- Block-wide steps ----------------------------------------------------------------------
+
+// codec::scan: finiteness, and the first element of largest magnitude (0.0 for a zero block).
+struct Scan {
+  bool finite;
+  float m, amax;
+};
+AR_DEVICE Scan scan_quad(const float (&x)[kPerLane], int q) {
+  float m = 0.0f, amax = 0.0f;
+  // NaN once any element is Inf or NaN (Inf * 0 is NaN), else 0: one FMA per element where a
+  // bit test per element would be three instructions. Not folded: no fast-math.
+  float probe = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    probe = x[j] * 0.0f + probe;
+    if (abs_f(x[j]) > amax) {  // NaN compares false: never becomes m; strict: first wins
+      amax = abs_f(x[j]);
+      m = x[j];
+    }
+  }
+  // Across lanes the lower lane wins a tie: all its elements come first in the block. So the
+  // lane that holds m is all the index a merge needs, and "not finite" rides in bit 8.
+  uint32_t tag = uint32_t(q) | (probe == 0.0f ? 0u : 0x100u);
+  auto merge = [&](float pm, uint32_t ptag) {
+    const float pa = abs_f(pm);
+    if (pa > amax || (pa == amax && (ptag & 0xFFu) < (tag & 0xFFu))) {
+      amax = pa;
+      m = pm;
+      tag = (tag & 0x100u) | (ptag & 0xFFu);
+    }
+    tag |= ptag & 0x100u;
+  };
+  {
+    const float pm = quad_xor<1>(m);
+    const uint32_t ptag = quad_xor<1>(tag);
+    merge(pm, ptag);
+  }
+  {
+    const float pm = quad_xor<2>(m);
+    const uint32_t ptag = quad_xor<2>(tag);
+    merge(pm, ptag);
+  }
+  if (amax == 0.0f) m = 0.0f;  // the reference's m stays +0.0 unless some |x| > 0
+  return Scan{(tag & 0x100u) == 0, m, amax};
+}
+
+// codec::encode_plain for C's codes (the adaptive codecs' plain candidate included): 8 biased
+// codes per lane; returns the field (flag clear), the same in all four lanes.
+template <typename C>
+AR_DEVICE uint16_t encode_plain(const float (&x)[kPerLane], const Scan& sc,
+                                uint32_t (&u)[kPerLane]) {
+  uint16_t field = 0;
+  if (C::kFp8) {
+    if (sc.finite && sc.amax != 0.0f) field = round_scale(div_rn(sc.amax, 448.0f));
+  } else {
+    if (sc.finite && sc.amax != 0.0f) field = round_scale(div_rn(-sc.m, float(C::kH)));
+  }
+  // One correctly rounded division per element, as the format says. (A reciprocal multiply
+  // with a division only next to rounding boundaries was tried: exact, but 12% slower on
+  // sm_90, whose div.rn fast path is a few FMAs.)
+  const float s = scale_value(field);
+  if (C::kFp8) {
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) u[j] = s == 0.0f ? 0u : f32_to_e4m3(div_rn(x[j], s));
+  } else {
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      // rne_small's sum already holds the integer in its low mantissa bits: read it there
+      // instead of subtracting and converting (a quarter-rate F2I per element).
+      int32_t c = 0;
+      if (s != 0.0f) {
+        const float kMagic = 12582912.0f;  // 1.5 * 2^23, as in rne_small
+        c = static_cast<int32_t>(as_uint(add_rn(div_rn(x[j], s), kMagic)) - as_uint(kMagic));
+        c = c < -C::kH ? -C::kH : (c > C::kH - 1 ? C::kH - 1 : c);
+      }
+      u[j] = static_cast<uint32_t>(c + C::kH);
+    }
+  }
+  // A scale that rounded to (signed) zero leaves a zero block: field 0, zero codes.
+  if (!sc.finite) return kPoisonScale;
+  return scale_value(field) == 0.0f ? uint16_t(0) : field;
+}
+
+// codec::decode_int / the FP8 decode: one exact product per element.
+template <typename C>
+AR_DEVICE void decode_plain(const uint32_t (&u)[kPerLane], float s, float (&out)[kPerLane]) {
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    if (C::kFp8)
+      out[j] = e4m3_to_f32(u[j]) * s;
+    else
+      out[j] = static_cast<float>(static_cast<int>(u[j]) - C::kH) * s;
+  }
+}
+
+// codec::wht32 over the quad: stages h = 1, 2, 4 inside the lane, 8 and 16 across lanes.
+// Pair (a, b) -> (a + b, a - b); the lane holding the upper element computes partner - own.
+AR_DEVICE void wht_quad(float (&v)[kPerLane], int q) {
+#pragma unroll
+  for (int h = 1; h < kPerLane; h *= 2) {
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      if ((j & h) == 0) {
+        const float a = v[j], b = v[j + h];
+        v[j] = add_rn(a, b);
+        v[j + h] = sub_rn(a, b);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const float p = quad_xor<1>(v[j]);
+    v[j] = (q & 1) ? sub_rn(p, v[j]) : add_rn(v[j], p);
+  }
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const float p = quad_xor<2>(v[j]);
+    v[j] = (q & 2) ? sub_rn(p, v[j]) : add_rn(v[j], p);
+  }
+}
+
+AR_DEVICE float sign_of(int q, int j, float v) {
+  return ((kHadamardSigns >> (q * kPerLane + j)) & 1u) ? -v : v;
+}
+
+// codec::hadamard_forward.
+AR_DEVICE void hadamard_forward(float (&v)[kPerLane], int q) {
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) v[j] = sign_of(q, j, v[j]);
+  wht_quad(v, q);
+}
+
+// codec::hadamard_inverse (exact on decoded blocks, so the order is free; it is kept anyway).
+AR_DEVICE void hadamard_inverse(float (&v)[kPerLane], int q) {
+  wht_quad(v, q);
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) v[j] = sign_of(q, j, mul_rn(v[j], 0.03125f));
+}
+
+// codec::squared_error: per-element (a - b)^2, then the tree h = 4, 2, 1 inside each group of
+// 8 (one lane's), then the four group sums as (g0 + g1) + (g2 + g3) across lanes. Every lane
+// ends with the block's value.
+AR_DEVICE float squared_error(const float (&a)[kPerLane], const float (&b)[kPerLane]) {
+  float e[kPerLane];
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const float d = sub_rn(a[j], b[j]);
+    e[j] = mul_rn(d, d);
+  }
+#pragma unroll
+  for (int h = kPerLane / 2; h > 0; h /= 2)
+#pragma unroll
+    for (int j = 0; j < h; ++j) e[j] = add_rn(e[j], e[j + h]);
+  float t = add_rn(e[0], quad_xor<1>(e[0]));
+  return add_rn(t, quad_xor<2>(t));
+}
+
+// codec::encode_block (without the packing): the block's 8 codes of this lane and its field.
+template <typename C>
+AR_DEVICE uint16_t encode_quad(const float (&x)[kPerLane], int q, uint32_t (&u)[kPerLane]) {
+  const Scan sc = scan_quad(x, q);
+  uint16_t field = encode_plain<C>(x, sc, u);
+  if (C::kAdaptiveCodec) {
+    // codec::choose_adaptive, computed for every block (the quad functions shuffle) and kept
+    // only where the reference would try it and the Hadamard candidate is strictly better.
+    float dec[kPerLane];
+    decode_plain<C>(u, scale_value(field), dec);
+    const float err_plain = squared_error(dec, x);
+    float y[kPerLane];
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) y[j] = x[j];
+    hadamard_forward(y, q);
+    uint32_t uh[kPerLane];
+    const uint16_t fh = encode_plain<C>(y, scan_quad(y, q), uh);
+    decode_plain<C>(uh, scale_value(fh), dec);
+    hadamard_inverse(dec, q);
+    const float err_h = squared_error(dec, x);
+    const bool tried = sc.finite && sc.amax >= 0x1p-48f && sc.amax <= 0x1p48f;
+    if (tried && err_plain != 0.0f && err_h < err_plain) {
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) u[j] = uh[j];
+      field = fh | kFlagBit;
+    }
+  }
+  return field;
+}
+
+// codec::decode_block (without the unpacking).
+template <typename C>
+AR_DEVICE void decode_quad(const uint32_t (&u)[kPerLane], uint16_t field, int q,
+                           float (&out)[kPerLane]) {
+  decode_plain<C>(u, scale_value(field), out);
+  if (C::kAdaptiveCodec) {
+    float t[kPerLane];
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) t[j] = out[j];
+    hadamard_inverse(t, q);  // every lane shuffles; only flagged blocks keep the result
+    if (field & kFlagBit) {
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) out[j] = t[j];
+    }
+  }
+}
+
+// ---- Packing: this lane's 8 codes of block `k` in a segment's code region -------------------
+
+// codec::pack. q8/fp8: 8 bytes at 8q. q4: bytes 4q..4q+3, element pairs in nibbles. q6: the
+// low nibbles as q4 at 4q, the high 2-bit pairs at 16 + 2q (four elements a byte).
+template <typename C>
+AR_DEVICE void store_codes(char* block, int q, const uint32_t (&u)[kPerLane]) {
+  if (C::kCodeBytes == 32) {
+    const uint32_t lo = u[0] | (u[1] << 8) | (u[2] << 16) | (u[3] << 24);
+    const uint32_t hi = u[4] | (u[5] << 8) | (u[6] << 16) | (u[7] << 24);
+    *reinterpret_cast<uint2*>(block + 8 * q) = make_uint2(lo, hi);
+  } else {
+    uint32_t nib = 0;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) nib |= (u[j] & 0xFu) << (4 * j);
+    *reinterpret_cast<uint32_t*>(block + 4 * q) = nib;
+    if (C::kCodeBytes == 24) {
+      uint32_t top = 0;
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) top |= (u[j] >> 4) << (2 * j);
+      *reinterpret_cast<uint16_t*>(block + 16 + 2 * q) = static_cast<uint16_t>(top);
+    }
+  }
+}
+
+// codec::unpack. Loads through L2 only (.cg on CUDA): the bytes may come from a peer.
+template <typename C>
+AR_DEVICE void load_codes(const char* block, int q, uint32_t (&u)[kPerLane]) {
+  if (C::kCodeBytes == 32) {
+    const uint2 w = load_peer(reinterpret_cast<const uint2*>(block + 8 * q));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      u[j] = (w.x >> (8 * j)) & 0xFFu;
+      u[j + 4] = (w.y >> (8 * j)) & 0xFFu;
+    }
+  } else {
+    const uint32_t nib = load_peer(reinterpret_cast<const uint32_t*>(block + 4 * q));
+    uint32_t top = 0;
+    if (C::kCodeBytes == 24) top = load_peer(reinterpret_cast<const uint16_t*>(block + 16 + 2 * q));
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) u[j] = ((nib >> (4 * j)) & 0xFu) | (((top >> (2 * j)) & 3u) << 4);
+  }
+}
+
+}  // namespace ar
