@@ -57,9 +57,10 @@ pub const hipEventDefault: c_uint = 0x0;
 pub const hipIpcMemLazyEnablePeerAccess: c_uint = 0x1;
 pub const HIP_IPC_HANDLE_SIZE: usize = 64;
 
-/// `hipModuleLaunchKernel`'s `extra`: the argument block as one buffer (the way AMD's own
-/// code launches module kernels; `kernelParams` support varies across ROCm versions). Tags,
-/// not addresses.
+/// `hipModuleLaunchKernel`'s `extra`: the argument block as one buffer, the form HIP has
+/// documented for module launches since its first releases (`kernelParams` would be one
+/// pointer per parameter; for our single by-value struct the two are the same). Tags, not
+/// addresses.
 pub const HIP_LAUNCH_PARAM_BUFFER_POINTER: *mut c_void = std::ptr::without_provenance_mut(0x01);
 pub const HIP_LAUNCH_PARAM_BUFFER_SIZE: *mut c_void = std::ptr::without_provenance_mut(0x02);
 pub const HIP_LAUNCH_PARAM_END: *mut c_void = std::ptr::without_provenance_mut(0x03);
