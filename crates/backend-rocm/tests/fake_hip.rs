@@ -11,8 +11,9 @@ use std::process::Command;
 
 use std::ffi::{c_char, c_void, CStr};
 
-use allreduce_backend_rocm::{hip, kernels, select, Rocm};
+use allreduce_backend_rocm::{hip, kernels, select, Hip, IpcMapping, Rocm};
 use allreduce_core::gpu::abi::{Args, Desc};
+use allreduce_core::gpu::GpuRuntime;
 use allreduce_core::{
     prepare, AllReduceOptions, Backend, BackendComm, BufMut, BufRef, DType, Device, Error,
     GroupConfig, Precision, Strategy, Stream,
@@ -125,14 +126,14 @@ fn hip_layers_against_a_stub_runtime() {
     std::fs::create_dir_all(&dir).unwrap();
 
     // A library lacking a symbol is refused by name.
-    let partial = build_stub(&cc, &dir, "libamdhip64_partial", &["hipIpcOpenMemHandle"]);
+    let partial = build_stub(&cc, &dir, "libamdhip64_partial", &["hipEventElapsedTime"]);
     // SAFETY: the stub has no initialisers.
     let library = unsafe { libloading::Library::new(&partial) }.unwrap();
     // SAFETY: the stub's signatures match where it matters (see STUB_SPECIAL).
     let err = unsafe { hip::sys::Lib::from_library(library, partial.display().to_string()) }
         .err()
         .expect("a symbol is missing");
-    assert!(err.contains("lacks hipIpcOpenMemHandle"), "{err}");
+    assert!(err.contains("lacks hipEventElapsedTime"), "{err}");
 
     let full = build_stub(&cc, &dir, "libamdhip64_stub", &[]);
     std::env::set_var(hip::sys::PATH_ENV, &full);
@@ -326,4 +327,19 @@ fn hip_layers_against_a_stub_runtime() {
         "no kernel for the RCCL call"
     );
     drop(comms);
+
+    // IPC (groups across processes): the handle of an uncached allocation opens, with lazy
+    // peer access, to a mapping that is closed on drop.
+    let d = Hip::open(0).unwrap();
+    let mem = Hip::alloc_workspace(&d, 4096).unwrap();
+    let handle = mem.ipc_handle().unwrap();
+    // SAFETY: the stub's handle encodes a live allocation of this process.
+    let mapping = unsafe { IpcMapping::open(&handle) }.unwrap();
+    assert_eq!(mapping.ptr, mem.ptr);
+    assert_eq!(
+        probe.u32("stub_last_ipc_flags"),
+        hip::sys::hipIpcMemLazyEnablePeerAccess
+    );
+    drop(mapping);
+    assert_eq!(probe.u32("stub_ipc_closes"), 1);
 }

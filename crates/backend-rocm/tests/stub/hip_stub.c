@@ -117,6 +117,23 @@ int hipModuleLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsign
   return 0;
 }
 
+// IPC: the handle carries the allocation's address; opening it gives that address back.
+typedef struct { char reserved[64]; } hipIpcMemHandle_t;
+static unsigned last_ipc_flags = 0xffffffff;
+static int ipc_closes;
+int hipIpcGetMemHandle(hipIpcMemHandle_t* h, void* p) {
+  if (!works()) return 1;
+  memset(h, 0, sizeof *h);
+  memcpy(h->reserved, &p, sizeof p);
+  return 0;
+}
+int hipIpcOpenMemHandle(void** p, hipIpcMemHandle_t h, unsigned flags) {
+  last_ipc_flags = flags;
+  memcpy(p, h.reserved, sizeof *p);
+  return 0;
+}
+int hipIpcCloseMemHandle(void* p) { (void)p; ipc_closes++; return 0; }
+
 // What the test reads back.
 int stub_launches(void) { return launches; }
 int stub_peer_enables(void) { return peer_enables; }
@@ -128,3 +145,5 @@ unsigned stub_last_block(void) { return last_block; }
 void* stub_last_stream(void) { return last_stream; }
 unsigned stub_last_malloc_flags(void) { return last_malloc_flags; }
 unsigned stub_last_host_flags(void) { return last_host_flags; }
+unsigned stub_last_ipc_flags(void) { return last_ipc_flags; }
+int stub_ipc_closes(void) { return ipc_closes; }
