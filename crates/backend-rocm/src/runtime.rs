@@ -251,7 +251,16 @@ impl GpuRuntime for Hip {
 
     fn alloc_workspace(dev: &HipDevice, bytes: usize) -> Result<HipMemory> {
         Self::bind(dev)?;
-        let ptr = memory::malloc_with_flags(bytes, sys::hipDeviceMallocUncached)?;
+        // Uncached where the runtime knows the flag (ROCm 6+), else fine-grained, which is
+        // also coherent between GPUs.
+        let ptr = match memory::malloc_with_flags(bytes, sys::hipDeviceMallocUncached) {
+            Err(e) if e.code() == Some(sys::hipErrorInvalidValue) => {
+                hip::clear_last_error();
+                tracing::debug!(device = dev.ordinal, "no uncached memory: fine-grained");
+                memory::malloc_with_flags(bytes, sys::hipDeviceMallocFinegrained)?
+            }
+            other => other?,
+        };
         let m = HipMemory { ptr, bytes };
         // SAFETY: the allocation holds at least `bytes`. Synchronous memset, then a device
         // sync: the kernels later run on non-blocking streams that do not order with it.

@@ -342,4 +342,13 @@ fn hip_layers_against_a_stub_runtime() {
     );
     drop(mapping);
     assert_eq!(probe.u32("stub_ipc_closes"), 1);
+
+    // A runtime without uncached memory (before ROCm 6): fine-grained instead.
+    std::env::set_var("STUB_HIP_NO_UNCACHED", "1");
+    let fine = Hip::alloc_workspace(&d, 4096).unwrap();
+    assert_eq!(
+        probe.u32("stub_last_malloc_flags"),
+        hip::sys::hipDeviceMallocFinegrained
+    );
+    drop((fine, mem));
 }

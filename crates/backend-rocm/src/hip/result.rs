@@ -100,17 +100,27 @@ pub fn check(lib: &Lib, code: hipError_t, api: &'static str) -> Result<(), HipEr
 /// (HIP's encoding, e.g. 60_342_134 for 6.3).
 pub fn init() -> Result<i32, HipError> {
     let lib = lib()?;
-    let mut v: c_int = 0;
-    // SAFETY: plain calls into a loaded library.
-    unsafe {
-        check(lib, (lib.hipInit)(0), "hipInit")?;
-        check(
-            lib,
-            (lib.hipRuntimeGetVersion)(&mut v),
-            "hipRuntimeGetVersion",
-        )?;
-    }
-    Ok(v)
+    // SAFETY: plain call into a loaded library.
+    unsafe { check(lib, (lib.hipInit)(0), "hipInit")? };
+    runtime_version()
+}
+
+/// The runtime's version (see [`init`]), read once.
+pub fn runtime_version() -> Result<i32, HipError> {
+    static VERSION: std::sync::OnceLock<Result<i32, HipError>> = std::sync::OnceLock::new();
+    VERSION
+        .get_or_init(|| {
+            let lib = lib()?;
+            let mut v: c_int = 0;
+            // SAFETY: writes one int.
+            check(
+                lib,
+                unsafe { (lib.hipRuntimeGetVersion)(&mut v) },
+                "hipRuntimeGetVersion",
+            )?;
+            Ok(v)
+        })
+        .clone()
 }
 
 /// Clear the thread's last error (after a failure that was handled).
@@ -367,9 +377,16 @@ pub mod ipc {
     pub unsafe fn open_handle(h: sys::hipIpcMemHandle_t) -> Result<*mut c_void, HipError> {
         let lib = lib()?;
         let mut p = std::ptr::null_mut();
+        // The flag the header of the running version defines (it was 0 up to ROCm 5.x, 1 in
+        // the ROCm 6.2+ headers; see sys).
+        let flags = if runtime_version()? >= 60_000_000 {
+            sys::hipIpcMemLazyEnablePeerAccess
+        } else {
+            0
+        };
         check(
             lib,
-            (lib.hipIpcOpenMemHandle)(&mut p, h, sys::hipIpcMemLazyEnablePeerAccess),
+            (lib.hipIpcOpenMemHandle)(&mut p, h, flags),
             "hipIpcOpenMemHandle",
         )?;
         Ok(p)

@@ -1,9 +1,13 @@
 //! The slice of the HIP runtime API (`libamdhip64`) this crate calls, loaded at run time.
 //!
-//! Hand-written, not generated: 43 functions whose C signatures have not changed from ROCm 5
-//! to 7 (the ones that did, such as `hipGetDeviceProperties` → `hipGetDevicePropertiesR0600`,
-//! are avoided: attributes come from `hipDeviceGetAttribute`, the architecture from which
-//! embedded code object loads). Values are from ROCm's `hip_runtime_api.h` / `driver_types.h`.
+//! Hand-written, not generated: 42 functions, every one present with these signatures in the
+//! bindgen output of HIP 5.4 (`hip-runtime-sys` 0.1.2) and of ROCm 6.2, 7.2 and 7.14
+//! (`cubecl-hip-sys` 7.14.6085001's binding sets), checked 2026-12-03. Calls whose structs
+//! changed across versions (`hipGetDeviceProperties` → `hipGetDevicePropertiesR0600`) are
+//! avoided: attributes come from `hipDeviceGetAttribute` (same values in all four), the
+//! architecture from which embedded code object loads. Two values differ by version and are
+//! handled where used: `hipDeviceMallocUncached` is absent before ROCm 6 (the workspace falls
+//! back to fine-grained memory), `hipIpcMemLazyEnablePeerAccess` was 0 in HIP 5.4.
 //!
 //! [`lib`] opens the library once per process and resolves every symbol; a machine without
 //! ROCm gets an error naming the files tried, never a panic.
@@ -38,7 +42,8 @@ pub const hipDeviceAttributeMultiprocessorCount: hipDeviceAttribute_t = 63;
 pub const hipDeviceAttributeWarpSize: hipDeviceAttribute_t = 87;
 
 /// `hipExtMallocWithFlags`: uncached device memory (what QuickReduce allocates its flags and
-/// buffers with on MI300: peers' stores are seen without cache maintenance).
+/// buffers with on MI300: peers' stores are seen without cache maintenance). `Uncached` first
+/// appears in the ROCm 6 headers; fine-grained is the fallback.
 pub const hipDeviceMallocDefault: c_uint = 0x0;
 pub const hipDeviceMallocFinegrained: c_uint = 0x1;
 pub const hipDeviceMallocUncached: c_uint = 0x3;
@@ -54,6 +59,7 @@ pub const hipMemcpyDeviceToHost: hipMemcpyKind = 2;
 pub const hipStreamNonBlocking: c_uint = 0x1;
 pub const hipEventDefault: c_uint = 0x0;
 
+/// 1 in the ROCm 6.2+ headers, 0 in HIP 5.4's: `result::ipc::open_handle` picks by version.
 pub const hipIpcMemLazyEnablePeerAccess: c_uint = 0x1;
 pub const HIP_IPC_HANDLE_SIZE: usize = 64;
 
