@@ -22,8 +22,8 @@ pub mod testing;
 use allreduce_core::gpu::{GpuBackend, GpuComm};
 
 pub use runtime::{
-    device_count, init, Hip, HipDevice, HipFunction, HipHostMapped, HipMemory, HipModule,
-    IpcMapping, RcclComm,
+    device_count, init, queue_shortfall, Hip, HipDevice, HipFunction, HipHostMapped, HipMemory,
+    HipModule, IpcMapping, RcclComm, DEFAULT_HW_QUEUES,
 };
 
 /// The ROCm backend (`Backend::NAME` = "rocm").

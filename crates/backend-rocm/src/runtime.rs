@@ -14,10 +14,13 @@
 //! - **The kernels' architecture is found by loading**: each embedded code object is tried
 //!   with `hipModuleLoadData` until one loads (no `hipDeviceProp_t`, whose layout changed in
 //!   ROCm 6).
-//! - **`GPU_MAX_HW_QUEUES=16`** is set if the caller has not set it, before the runtime
-//!   initialises: virtual ranks whose streams share a hardware queue can deadlock (ROCm's
-//!   default is 4 queues per device; the CUDA backend does the same with
-//!   `CUDA_DEVICE_MAX_CONNECTIONS`).
+//! - **`GPU_MAX_HW_QUEUES` is left alone**: HIP maps streams round-robin onto that many
+//!   hardware queues per device (4 by default), so more virtual ranks than queues on one GPU
+//!   can put two ranks' kernels on one queue, where the one behind waits for the one in front,
+//!   which waits for it (until the deadline). The CUDA backend raises its equivalent
+//!   (`CUDA_DEVICE_MAX_CONNECTIONS`) itself; here more queues are reported to slow ordinary
+//!   inference on MI300, and one GPU per rank (the deployment case) never needs them, so
+//!   [`Hip::prepare_group`] only warns, and the conformance suite sets 16 for its own process.
 
 use std::ffi::{c_void, CStr};
 use std::sync::OnceLock;
@@ -34,11 +37,6 @@ use crate::{kernels, rccl};
 pub fn init() -> Result<()> {
     static INIT: OnceLock<Result<()>> = OnceLock::new();
     INIT.get_or_init(|| {
-        // Read when the runtime initialises, so it only helps if this process has not used
-        // HIP yet; a caller's own setting wins. See the module docs.
-        if std::env::var_os("GPU_MAX_HW_QUEUES").is_none() {
-            std::env::set_var("GPU_MAX_HW_QUEUES", "16");
-        }
         let version = hip::init()?;
         tracing::debug!(version, "HIP runtime initialised");
         Ok(())
@@ -187,8 +185,38 @@ impl Drop for RcclComm {
     }
 }
 
+/// HIP's default number of hardware queues per device (`GPU_MAX_HW_QUEUES` unset).
+pub const DEFAULT_HW_QUEUES: usize = 4;
+
+/// More ranks on one device than it has hardware queues, if so: `(ordinal, ranks, queues)`.
+pub fn queue_shortfall(ordinals: &[u32], queues: usize) -> Option<(u32, usize, usize)> {
+    let mut worst: Option<(u32, usize)> = None;
+    for &o in ordinals {
+        let n = ordinals.iter().filter(|&&x| x == o).count();
+        if worst.is_none_or(|(_, w)| n > w) {
+            worst = Some((o, n));
+        }
+    }
+    worst.and_then(|(o, n)| (n > queues).then_some((o, n, queues)))
+}
+
 impl GpuRuntime for Hip {
     const NAME: &'static str = "rocm";
+
+    fn prepare_group(ordinals: &[u32]) -> Result<()> {
+        let queues = std::env::var("GPU_MAX_HW_QUEUES")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(DEFAULT_HW_QUEUES);
+        if let Some((o, n, q)) = queue_shortfall(ordinals, queues) {
+            tracing::warn!(
+                "{n} ranks share ROCm device {o}, which HIP gives {q} hardware queues: two ranks \
+                 on one queue wait for each other until the group's deadline. Set \
+                 GPU_MAX_HW_QUEUES={n} or more before HIP initialises"
+            );
+        }
+        Ok(())
+    }
 
     type Device = HipDevice;
     type Memory = HipMemory;
@@ -415,5 +443,19 @@ impl GpuRuntime for Hip {
 
     fn default_selection(config: &GroupConfig) -> SelectionTable {
         crate::select::default_table(config.cast_bf16_to_f16)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn more_virtual_ranks_than_hardware_queues_is_found() {
+        assert_eq!(queue_shortfall(&[0, 1, 2, 3, 4, 5, 6, 7], 4), None);
+        assert_eq!(queue_shortfall(&[0, 0, 0, 0], 4), None);
+        assert_eq!(queue_shortfall(&[0; 8], 4), Some((0, 8, 4)));
+        assert_eq!(queue_shortfall(&[1, 0, 1, 1, 1, 1], 4), Some((1, 5, 4)));
+        assert_eq!(queue_shortfall(&[0; 8], 16), None);
     }
 }

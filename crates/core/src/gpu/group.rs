@@ -107,6 +107,7 @@ struct Group<R: GpuRuntime> {
 
 impl<R: GpuRuntime> Group<R> {
     fn new(ordinals: &[u32], config: &GroupConfig) -> Result<Self> {
+        R::prepare_group(ordinals)?;
         let mut distinct: Vec<u32> = Vec::new();
         for &o in ordinals {
             if !distinct.contains(&o) {

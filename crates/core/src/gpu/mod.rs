@@ -49,6 +49,12 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
     /// One rank's communicator of the vendor library (NCCL, RCCL), destroyed on drop.
     type Vendor: Send + Sync;
 
+    /// Called first when a group over these device ordinals (one per rank) is built: a
+    /// runtime's own checks or warnings about the group's shape.
+    fn prepare_group(_ordinals: &[u32]) -> Result<()> {
+        Ok(())
+    }
+
     /// How buffers on device `ordinal` are tagged (`Device::Rocm(ordinal)`).
     fn device_tag(ordinal: u32) -> Device;
     /// Open device `ordinal`. A missing runtime library or device is an error value.
