@@ -3,7 +3,7 @@
 
 include!(concat!(env!("OUT_DIR"), "/allreduce.hip.rs"));
 
-/// What build.rs did: "compiled for gfx90a, gfx942, gfx950" or "not compiled: <why>".
+/// What build.rs did: "compiled for gfx90a, gfx942, gfx950" or "not compiled: ..." with the reason.
 pub const BUILD: &str = env!("ALLREDUCE_HIP_BUILD");
 
 /// `(gfx target, code object)` pairs, empty when the build found no HIP compiler.

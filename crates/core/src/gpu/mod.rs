@@ -9,7 +9,7 @@
 //! device-side timeout or mismatch becomes an [`Error`](crate::Error).
 //!
 //! The ROCm backend is built this way (`allreduce-backend-rocm`: `Rocm = GpuBackend<Hip>`).
-//! The CUDA backend's `comm.rs` is the code [`group`] was taken from, and moves onto it next
+//! The CUDA backend's `comm.rs` is the code [`GpuBackend`] was taken from, and moves onto it next
 //! (docs/decisions.md, "ROCm backend").
 //!
 //! Methods are associated functions (`R::bind(&dev)`): a runtime is a type, not a value,
