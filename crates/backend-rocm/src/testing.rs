@@ -10,7 +10,7 @@ use std::ffi::c_void;
 
 use allreduce_core::{Result, Stream};
 
-use crate::hip::result::{device, memory, stream};
+use crate::hip::result::{device, graph, memory, stream};
 use crate::hip::sys;
 use crate::runtime::{self, Hip, HipDevice};
 use allreduce_core::gpu::GpuRuntime;
@@ -155,6 +155,49 @@ impl Drop for Buffer {
         // SAFETY: allocated by hipMalloc.
         unsafe {
             let _ = memory::free(self.ptr);
+        }
+    }
+}
+
+/// A captured HIP graph, instantiated, replayable on a stream.
+pub struct Graph {
+    exec: sys::hipGraphExec_t,
+    graph: sys::hipGraph_t,
+}
+
+unsafe impl Send for Graph {}
+
+impl Graph {
+    /// Capture what `body` enqueues on `stream` (thread-local capture mode, so other ranks'
+    /// threads may keep enqueueing eagerly or capturing their own).
+    pub fn capture(s: &OwnedStream, body: impl FnOnce() -> Result<()>) -> Result<Graph> {
+        // SAFETY: our own live stream; the capture is ended on every path.
+        unsafe {
+            graph::begin_capture(s.0)?;
+            let r = body();
+            let end = graph::end_capture(s.0);
+            r?;
+            let g = end?;
+            let mut out = Graph {
+                exec: std::ptr::null_mut(),
+                graph: g,
+            };
+            out.exec = graph::instantiate(g)?;
+            Ok(out)
+        }
+    }
+
+    pub fn launch(&self, s: &OwnedStream) -> Result<()> {
+        // SAFETY: an instantiated graph on our own stream.
+        Ok(unsafe { graph::launch(self.exec, s.0) }?)
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // SAFETY: created in `capture`.
+        unsafe {
+            let _ = graph::destroy(self.exec, self.graph);
         }
     }
 }

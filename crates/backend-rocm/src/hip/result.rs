@@ -502,6 +502,70 @@ pub mod event {
     }
 }
 
+/// Graph capture (what engines do with decode steps), for tests.
+pub mod graph {
+    use super::*;
+
+    /// Start capturing this thread's work on `s`.
+    ///
+    /// # Safety
+    /// `s` is a live, non-null stream; the capture is ended with [`end_capture`].
+    pub unsafe fn begin_capture(s: sys::hipStream_t) -> Result<(), HipError> {
+        let lib = lib()?;
+        check(
+            lib,
+            (lib.hipStreamBeginCapture)(s, sys::hipStreamCaptureModeThreadLocal),
+            "hipStreamBeginCapture",
+        )
+    }
+
+    /// # Safety
+    /// `s` is capturing.
+    pub unsafe fn end_capture(s: sys::hipStream_t) -> Result<sys::hipGraph_t, HipError> {
+        let lib = lib()?;
+        let mut g = std::ptr::null_mut();
+        check(
+            lib,
+            (lib.hipStreamEndCapture)(s, &mut g),
+            "hipStreamEndCapture",
+        )?;
+        Ok(g)
+    }
+
+    /// # Safety
+    /// `g` is a live graph.
+    pub unsafe fn instantiate(g: sys::hipGraph_t) -> Result<sys::hipGraphExec_t, HipError> {
+        let lib = lib()?;
+        let mut e = std::ptr::null_mut();
+        check(
+            lib,
+            (lib.hipGraphInstantiate)(&mut e, g, std::ptr::null_mut(), std::ptr::null_mut(), 0),
+            "hipGraphInstantiate",
+        )?;
+        Ok(e)
+    }
+
+    /// # Safety
+    /// `e` is an instantiated graph and `s` a live stream.
+    pub unsafe fn launch(e: sys::hipGraphExec_t, s: sys::hipStream_t) -> Result<(), HipError> {
+        let lib = lib()?;
+        check(lib, (lib.hipGraphLaunch)(e, s), "hipGraphLaunch")
+    }
+
+    /// # Safety
+    /// Neither is used afterwards.
+    pub unsafe fn destroy(e: sys::hipGraphExec_t, g: sys::hipGraph_t) -> Result<(), HipError> {
+        let lib = lib()?;
+        if !e.is_null() {
+            check(lib, (lib.hipGraphExecDestroy)(e), "hipGraphExecDestroy")?;
+        }
+        if !g.is_null() {
+            check(lib, (lib.hipGraphDestroy)(g), "hipGraphDestroy")?;
+        }
+        Ok(())
+    }
+}
+
 pub mod module {
     use super::*;
 

@@ -1,8 +1,8 @@
 //! The slice of the HIP runtime API (`libamdhip64`) this crate calls, loaded at run time.
 //!
-//! Hand-written, not generated: 42 functions, every one present with these signatures in the
-//! bindgen output of HIP 5.4 (`hip-runtime-sys` 0.1.2) and of ROCm 6.2, 7.2 and 7.14
-//! (`cubecl-hip-sys` 7.14.6085001's binding sets), checked 2026-12-03. Calls whose structs
+//! Hand-written, not generated: 48 functions, every one present with the same parameter and
+//! return types in the bindgen output of HIP 5.4 (`hip-runtime-sys` 0.1.2) and of ROCm 6.2,
+//! 7.2 and 7.14 (`cubecl-hip-sys` 7.14.6085001's binding sets), checked 2026-12-03. Calls whose structs
 //! changed across versions (`hipGetDeviceProperties` → `hipGetDevicePropertiesR0600`) are
 //! avoided: attributes come from `hipDeviceGetAttribute` (same values in all four), the
 //! architecture from which embedded code object loads. Two values differ by version and are
@@ -27,6 +27,10 @@ pub type hipEvent_t = *mut c_void;
 pub type hipModule_t = *mut c_void;
 pub type hipFunction_t = *mut c_void;
 pub type hipMemcpyKind = c_int;
+pub type hipGraph_t = *mut c_void;
+pub type hipGraphExec_t = *mut c_void;
+pub type hipGraphNode_t = *mut c_void;
+pub type hipStreamCaptureMode = c_int;
 
 pub const hipSuccess: hipError_t = 0;
 pub const hipErrorInvalidValue: hipError_t = 1;
@@ -58,6 +62,9 @@ pub const hipMemcpyDeviceToHost: hipMemcpyKind = 2;
 
 pub const hipStreamNonBlocking: c_uint = 0x1;
 pub const hipEventDefault: c_uint = 0x0;
+
+/// Capture only this thread's work on the stream: other ranks' threads keep enqueueing.
+pub const hipStreamCaptureModeThreadLocal: hipStreamCaptureMode = 1;
 
 /// 1 in the ROCm 6.2+ headers, 0 in HIP 5.4's: `result::ipc::open_handle` picks by version.
 pub const hipIpcMemLazyEnablePeerAccess: c_uint = 0x1;
@@ -137,6 +144,19 @@ loader::function_table! {
     fn hipEventSynchronize(event: hipEvent_t) -> hipError_t;
     fn hipEventElapsedTime(ms: *mut f32, start: hipEvent_t, stop: hipEvent_t) -> hipError_t;
     fn hipEventDestroy(event: hipEvent_t) -> hipError_t;
+
+    fn hipStreamBeginCapture(stream: hipStream_t, mode: hipStreamCaptureMode) -> hipError_t;
+    fn hipStreamEndCapture(stream: hipStream_t, graph: *mut hipGraph_t) -> hipError_t;
+    fn hipGraphInstantiate(
+        exec: *mut hipGraphExec_t,
+        graph: hipGraph_t,
+        error_node: *mut hipGraphNode_t,
+        log: *mut c_char,
+        log_bytes: usize,
+    ) -> hipError_t;
+    fn hipGraphLaunch(exec: hipGraphExec_t, stream: hipStream_t) -> hipError_t;
+    fn hipGraphExecDestroy(exec: hipGraphExec_t) -> hipError_t;
+    fn hipGraphDestroy(graph: hipGraph_t) -> hipError_t;
 
     fn hipModuleLoadData(module: *mut hipModule_t, image: *const c_void) -> hipError_t;
     fn hipModuleUnload(module: hipModule_t) -> hipError_t;

@@ -93,6 +93,39 @@ int hipModuleGetFunction(void** f, void* m, const char* name) {
 }
 int hipFuncGetAttribute(int* v, int attr, void* f) { (void)attr; (void)f; *v = 512; return 0; }
 
+// Streams and capture: a launch on a capturing stream is recorded into the graph, not run;
+// each graph launch replays what was captured.
+static void* capturing;
+static int captured, replays;
+int hipStreamCreateWithFlags(void** s, unsigned f) {
+  (void)f;
+  if (!works()) return 1;
+  *s = malloc(1);
+  return 0;
+}
+int hipStreamDestroy(void* s) { free(s); return 0; }
+int hipStreamBeginCapture(void* s, int mode) {
+  if (mode != 1) return 1;  // thread-local, as the backend's helper asks
+  capturing = s;
+  captured = 0;
+  return 0;
+}
+int hipStreamEndCapture(void* s, void** g) {
+  if (s != capturing) return 1;
+  capturing = NULL;
+  *g = (void*)0x2000;
+  return 0;
+}
+int hipGraphInstantiate(void** e, void* g, void* n, char* log, size_t len) {
+  (void)n; (void)log; (void)len;
+  if (g != (void*)0x2000) return 1;
+  *e = (void*)0x3000;
+  return 0;
+}
+int hipGraphLaunch(void* e, void* s) { (void)s; if (e != (void*)0x3000) return 1; replays++; return 0; }
+int hipGraphExecDestroy(void* e) { (void)e; return 0; }
+int hipGraphDestroy(void* g) { (void)g; return 0; }
+
 static int launches;
 static char last_kernel[64];
 static unsigned char last_args[256];
@@ -114,7 +147,11 @@ int hipModuleLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsign
   last_grid = gx;
   last_block = bx;
   last_stream = stream;
-  launches++;
+  if (stream != NULL && stream == capturing) {
+    captured++;
+  } else {
+    launches++;
+  }
   return 0;
 }
 
@@ -137,6 +174,8 @@ int hipIpcCloseMemHandle(void* p) { (void)p; ipc_closes++; return 0; }
 
 // What the test reads back.
 int stub_launches(void) { return launches; }
+int stub_captured(void) { return captured; }
+int stub_replays(void) { return replays; }
 int stub_peer_enables(void) { return peer_enables; }
 const char* stub_last_kernel(void) { return last_kernel; }
 const char* stub_loaded_arch(void) { return loaded_arch; }
