@@ -129,7 +129,7 @@ fn hip_layers_against_a_stub_runtime() {
     let partial = build_stub(&cc, &dir, "libamdhip64_partial", &["hipEventElapsedTime"]);
     // SAFETY: the stub has no initialisers.
     let library = unsafe { libloading::Library::new(&partial) }.unwrap();
-    // SAFETY: the stub's signatures match where it matters (see STUB_SPECIAL).
+    // SAFETY: the stub's signatures match where it matters (tests/stub/hip_stub.c).
     let err = unsafe { hip::sys::Lib::from_library(library, partial.display().to_string()) }
         .err()
         .expect("a symbol is missing");
@@ -326,6 +326,44 @@ fn hip_layers_against_a_stub_runtime() {
         2 * 6 + 1,
         "no kernel for the RCCL call"
     );
+
+    // Graph capture (testing::Graph, what the graph-replay test uses): the call launched on a
+    // capturing stream is recorded, not run, and the graph replays it.
+    let s = allreduce_backend_rocm::testing::OwnedStream::new().unwrap();
+    // SAFETY: fake device addresses, as above.
+    let (input, output) = unsafe {
+        (
+            BufRef::from_raw(0x10_0000, 4096, DType::F16, dev),
+            BufMut::from_raw(0x20_0000, 4096, DType::F16, dev),
+        )
+    };
+    let call = prepare(
+        Some(input),
+        &output,
+        &AllReduceOptions::default()
+            .strategy(Strategy::TwoShot)
+            .stream(s.handle()),
+        &c.limits(),
+        c.world_size(),
+        c.selection(),
+        |s, d, p| c.strategy_available(s, d, p),
+    )
+    .unwrap();
+    let graph =
+        allreduce_backend_rocm::testing::Graph::capture(&s, || c.all_reduce(&call)).unwrap();
+    assert_eq!(probe.u32("stub_captured"), 1);
+    assert_eq!(
+        probe.u32("stub_launches"),
+        2 * 6 + 1,
+        "nothing ran during capture"
+    );
+    assert_eq!(probe.string("stub_last_kernel"), "ar_twoshot_f16");
+    for _ in 0..3 {
+        graph.launch(&s).unwrap();
+    }
+    assert_eq!(probe.u32("stub_replays"), 3);
+    drop(graph);
+    drop(s);
     drop(comms);
 
     // IPC (groups across processes): the handle of an uncached allocation opens, with lazy
