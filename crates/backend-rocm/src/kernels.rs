@@ -22,9 +22,10 @@ pub fn missing() -> String {
     let why = BUILD.split("; to get one").next().unwrap_or(BUILD);
     format!(
         "no HIP kernels were compiled into this build of allreduce-backend-rocm ({why}); \
-         to get them, run scripts/setup-hip.sh (a pinned clang 22, no ROCm needed) or set \
-         HIP_CLANG or ROCM_PATH to a HIP compiler, then rebuild (ALLREDUCE_REQUIRE_HIP=1 makes \
-         a missing compiler a build error)"
+         to get them, run scripts/setup-hip.sh (a pinned clang 22, no ROCm needed) and rebuild \
+         with the HIP_CLANG=... line it prints set, or set HIP_CLANG or ROCM_PATH to your own \
+         HIP compiler (build.rs looks again when one of those changes; \
+         ALLREDUCE_REQUIRE_HIP=1 makes a missing compiler a build error)"
     )
 }
 
