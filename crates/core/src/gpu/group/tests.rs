@@ -22,6 +22,7 @@ thread_local! {
     static LAUNCHES: RefCell<Vec<Launch>> = const { RefCell::new(Vec::new()) };
     static PEERS_ENABLED: RefCell<Vec<(u32, u32)>> = const { RefCell::new(Vec::new()) };
     static SYNCS: RefCell<usize> = const { RefCell::new(0) };
+    static PREPARED: RefCell<Vec<Vec<u32>>> = const { RefCell::new(Vec::new()) };
 }
 
 fn take_launches() -> Vec<Launch> {
@@ -52,6 +53,15 @@ impl GpuRuntime for Mock {
     type Function = &'static str;
     type Vendor = ();
 
+    fn prepare_group(ordinals: &[u32]) -> Result<()> {
+        if ordinals.len() > 6 {
+            return Err(Error::InvalidConfig(
+                "the mock refuses more than 6 ranks".into(),
+            ));
+        }
+        PREPARED.with(|p| p.borrow_mut().push(ordinals.to_vec()));
+        Ok(())
+    }
     fn device_tag(ordinal: u32) -> Device {
         Device::Rocm(ordinal)
     }
@@ -188,6 +198,28 @@ fn creation_enables_peers_and_warms_every_kernel_alone() {
         assert!(l.args.peers[1..].iter().all(|&p| p == 0));
     }
     assert!(SYNCS.with(|s| *s.borrow()) >= 4);
+}
+
+#[test]
+fn the_runtime_sees_the_group_first_and_options_reach_the_ranks() {
+    PREPARED.with(|p| p.borrow_mut().clear());
+    let comms = group(vec![0, 0, 1]);
+    assert_eq!(PREPARED.with(|p| p.borrow().clone()), vec![vec![0, 0, 1]]);
+    assert!(!comms[0].casts_bf16_to_f16());
+    let config = GroupConfig::new(2).cast_bf16_to_f16(true);
+    let comms = GpuBackend::<Mock>::create_group(&config).expect("mock group");
+    assert!(comms[1].casts_bf16_to_f16());
+    assert_eq!(
+        PREPARED.with(|p| p.borrow().last().cloned()),
+        Some(vec![0, 0])
+    );
+    // A refusal from the runtime is the group's error, before anything is allocated.
+    take_launches();
+    let Err(e) = GpuBackend::<Mock>::create_group(&GroupConfig::new(7)) else {
+        panic!("refused");
+    };
+    assert!(e.to_string().contains("more than 6"), "{e}");
+    assert!(take_launches().is_empty());
 }
 
 #[test]
