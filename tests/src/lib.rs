@@ -10,9 +10,13 @@ pub mod data;
 pub mod harness;
 #[cfg(feature = "cuda")]
 pub mod harness_cuda;
+#[cfg(feature = "rocm")]
+pub mod harness_rocm;
 mod suite;
 
 pub use harness::{Harness, HostHarness, RankArgs};
 #[cfg(feature = "cuda")]
 pub use harness_cuda::CudaHarness;
+#[cfg(feature = "rocm")]
+pub use harness_rocm::RocmHarness;
 pub use suite::{Test, TESTS};

@@ -73,5 +73,20 @@ fn harnesses() -> Vec<Box<dyn Harness>> {
         Ok(_) => println!("[cuda] skipped: the driver reports no CUDA device"),
         Err(e) => println!("[cuda] skipped: {e}"),
     }
+    // No ROCm runtime: the error names the libraries tried. A runtime but a build without
+    // kernels: the harness runs and every test fails with the error saying how to get them,
+    // which is the point (the build was asked for rocm).
+    // Virtual ranks (up to 8 on one GPU) each need a hardware queue of their own; HIP reads
+    // this when it initialises, which the next line does. The backend itself leaves it alone.
+    #[cfg(feature = "rocm")]
+    if std::env::var_os("GPU_MAX_HW_QUEUES").is_none() {
+        std::env::set_var("GPU_MAX_HW_QUEUES", "16");
+    }
+    #[cfg(feature = "rocm")]
+    match allreduce::rocm::device_count() {
+        Ok(n) if n > 0 => list.push(Box::new(allreduce_conformance::RocmHarness::from_env())),
+        Ok(_) => println!("[rocm] skipped: the HIP runtime reports no ROCm device"),
+        Err(e) => println!("[rocm] skipped: {e}"),
+    }
     list
 }

@@ -43,6 +43,11 @@ use allreduce_core::{prepare, Backend, BackendComm};
 #[cfg(feature = "cuda")]
 pub use allreduce_backend_cuda as cuda;
 
+/// The ROCm backend's own API: device memory and streams for tests and the bench, the HIP and
+/// RCCL layers, its default selection table.
+#[cfg(feature = "rocm")]
+pub use allreduce_backend_rocm as rocm;
+
 /// Which implementation runs the ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BackendKind {
@@ -68,7 +73,7 @@ impl BackendKind {
         match self {
             BackendKind::Host => true,
             BackendKind::Cuda => cfg!(feature = "cuda"),
-            BackendKind::Rocm => false,
+            BackendKind::Rocm => cfg!(feature = "rocm"),
         }
     }
 }
@@ -129,6 +134,9 @@ impl Communicator {
             BackendKind::Host => boxed::<allreduce_backend_host::Host>(&config)?,
             #[cfg(feature = "cuda")]
             BackendKind::Cuda => boxed::<allreduce_backend_cuda::Cuda>(&config)?,
+            #[cfg(feature = "rocm")]
+            BackendKind::Rocm => boxed::<allreduce_backend_rocm::Rocm>(&config)?,
+            #[allow(unreachable_patterns)] // every backend compiled in
             _ => return Err(Error::BackendNotBuilt(backend.name())),
         };
         tracing::debug!(ranks = comms.len(), "group ready");

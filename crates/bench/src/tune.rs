@@ -43,9 +43,11 @@ pub fn rules(rows: &[RowResult], world: usize, dtype: DType) -> Vec<Rule> {
             let max_bytes = w.get(i + 1).map_or(usize::MAX, |next| next.0 - 1);
             out.push(Rule {
                 world: (world, world),
+                min_bytes: 0,
                 max_bytes,
                 dtype: Some(dtype),
                 lossy: Some(lossy),
+                codec: None,
                 strategy,
             });
         }

@@ -29,6 +29,12 @@ pub struct GroupConfig {
     pub timeout: Duration,
     /// Table behind `Strategy::Auto`; `None` uses the backend's default.
     pub selection: Option<SelectionTable>,
+    /// Codec path only: run bf16 calls with a lossy codec through the f16 kernels, converting
+    /// on load and back on store (QuickReduce's `CAST_BF16_TO_FP16`: MI300 has packed f16 but
+    /// no packed bf16 arithmetic). Values beyond f16's range (65504) saturate, so it is off by
+    /// default. The ROCm backend's default table then uses the f16 thresholds for bf16. The
+    /// host and CUDA backends ignore it.
+    pub cast_bf16_to_f16: bool,
 }
 
 impl GroupConfig {
@@ -42,6 +48,7 @@ impl GroupConfig {
             max_bytes: Self::DEFAULT_MAX_BYTES,
             timeout: Self::DEFAULT_TIMEOUT,
             selection: None,
+            cast_bf16_to_f16: false,
         }
     }
 
@@ -62,6 +69,12 @@ impl GroupConfig {
 
     pub fn selection(mut self, table: SelectionTable) -> Self {
         self.selection = Some(table);
+        self
+    }
+
+    /// See [`GroupConfig::cast_bf16_to_f16`].
+    pub fn cast_bf16_to_f16(mut self, on: bool) -> Self {
+        self.cast_bf16_to_f16 = on;
         self
     }
 

@@ -11,6 +11,7 @@
 //! | [`buffer`]  | device-neutral buffer views (address + length + dtype + device), `Stream` |
 //! | [`backend`] | `Backend`/`BackendComm` traits, `GroupConfig`, per-call validation     |
 //! | [`codec`]   | the reference codecs GPU kernels must match bit for bit                |
+//! | [`gpu`]     | `GpuRuntime` (what a vendor runtime provides) and the group logic every GPU backend shares |
 //! | [`layout`]  | how buffers are cut into per-rank shards                               |
 //! | [`select`]  | the table behind `Strategy::Auto`                                      |
 
@@ -19,6 +20,7 @@ pub mod buffer;
 pub mod codec;
 pub mod dtype;
 pub mod error;
+pub mod gpu;
 pub mod layout;
 pub mod op;
 pub mod select;

@@ -6,30 +6,36 @@
 
 use serde_json::{json, Value};
 
-use crate::{DType, Error, Precision, Result, Strategy};
+use crate::{Codec, DType, Error, Precision, Result, Strategy};
 
 /// One row: if every set condition holds, use `strategy`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Rule {
     /// Inclusive range of world sizes.
     pub world: (usize, usize),
+    /// Applies to calls of at least this many bytes (0 for no lower limit).
+    pub min_bytes: usize,
     /// Applies to calls of at most this many bytes (`usize::MAX` for no limit).
     pub max_bytes: usize,
     /// Only for this dtype (`None`: all).
     pub dtype: Option<DType>,
     /// Only when the caller allowed a lossy codec (`Some(true)`), only when not (`Some(false)`).
     pub lossy: Option<bool>,
+    /// Only for calls allowed exactly this codec (`None`: any precision). A rule with a codec
+    /// never matches an exact call.
+    pub codec: Option<Codec>,
     pub strategy: Strategy,
 }
 
 impl Rule {
     fn matches(&self, bytes: usize, world: usize, dtype: DType, precision: Precision) -> bool {
         (self.world.0..=self.world.1).contains(&world)
-            && bytes <= self.max_bytes
+            && (self.min_bytes..=self.max_bytes).contains(&bytes)
             && self.dtype.is_none_or(|d| d == dtype)
             && self
                 .lossy
                 .is_none_or(|l| l == matches!(precision, Precision::Lossy(_)))
+            && self.codec.is_none_or(|c| precision == Precision::Lossy(c))
     }
 }
 
@@ -51,9 +57,11 @@ impl SelectionTable {
         const MIB: usize = 1024 * KIB;
         let rule = |world: (usize, usize), max_bytes, lossy, strategy| Rule {
             world,
+            min_bytes: 0,
             max_bytes,
             dtype: None,
             lossy,
+            codec: None,
             strategy,
         };
         SelectionTable {
@@ -104,6 +112,9 @@ impl SelectionTable {
 /// ```
 ///
 /// `max_bytes` may be `null` (no limit); `dtype` and `lossy` may be absent or `null` (any).
+/// Two optional fields narrow a rule further: `"min_bytes": 1048576` (absent: 0) and
+/// `"codec": "q6"` (absent or `null`: any precision; a codec rule never matches an exact
+/// call). They are written only when set, so tables without them read and write as before.
 /// Extra fields (a tuner's measurements) are ignored.
 impl SelectionTable {
     pub const JSON_VERSION: u64 = 1;
@@ -113,13 +124,20 @@ impl SelectionTable {
             .rules
             .iter()
             .map(|r| {
-                json!({
+                let mut v = json!({
                     "world": [r.world.0, r.world.1],
                     "max_bytes": (r.max_bytes != usize::MAX).then_some(r.max_bytes),
                     "dtype": r.dtype.map(|d| d.name()),
                     "lossy": r.lossy,
                     "strategy": r.strategy.name(),
-                })
+                });
+                if r.min_bytes > 0 {
+                    v["min_bytes"] = json!(r.min_bytes);
+                }
+                if let Some(c) = r.codec {
+                    v["codec"] = json!(c.name());
+                }
+                v
             })
             .collect();
         json!({ "version": Self::JSON_VERSION, "fallback": self.fallback.name(), "rules": rules })
@@ -184,12 +202,30 @@ impl SelectionTable {
                         .ok_or_else(|| bad(at("lossy must be true, false or null")))?,
                 ),
             };
+            let min_bytes = match r.get("min_bytes") {
+                None | Some(Value::Null) => 0,
+                Some(b) => b
+                    .as_u64()
+                    .ok_or_else(|| bad(at("min_bytes must be a number or null")))?
+                    as usize,
+            };
+            let codec = match r.get("codec") {
+                None | Some(Value::Null) => None,
+                Some(c) => Some(
+                    c.as_str()
+                        .ok_or_else(|| bad(at("codec must be a string")))?
+                        .parse::<Codec>()
+                        .map_err(|e| bad(at(&e)))?,
+                ),
+            };
             let strategy = strategy(r.get("strategy"), &at("strategy"))?;
             rules.push(Rule {
                 world,
+                min_bytes,
                 max_bytes,
                 dtype,
                 lossy,
+                codec,
                 strategy,
             });
         }
@@ -225,9 +261,11 @@ mod tests {
             0,
             Rule {
                 world: (4, 4),
+                min_bytes: 0,
                 max_bytes: 4096,
                 dtype: Some(DType::BF16),
                 lossy: Some(false),
+                codec: None,
                 strategy: Strategy::TwoShot,
             },
         );
@@ -248,6 +286,8 @@ mod tests {
             r#"{"version": 1, "fallback": "twoshot", "rules": [{"world": [4, 2], "strategy": "oneshot"}]}"#,
             r#"{"version": 1, "fallback": "twoshot", "rules": [{"world": [2, 4], "strategy": "fastest"}]}"#,
             r#"{"version": 1, "fallback": "twoshot", "rules": [{"world": [2, 4], "dtype": "f64", "strategy": "oneshot"}]}"#,
+            r#"{"version": 1, "fallback": "twoshot", "rules": [{"world": [2, 4], "codec": "q5", "strategy": "oneshot"}]}"#,
+            r#"{"version": 1, "fallback": "twoshot", "rules": [{"world": [2, 4], "min_bytes": "1M", "strategy": "oneshot"}]}"#,
         ] {
             assert!(
                 matches!(SelectionTable::from_json(bad), Err(Error::InvalidConfig(_))),
@@ -292,5 +332,34 @@ mod tests {
             t.choose(1 << 30, 8, DType::F32, exact, no_vendor),
             Strategy::TwoShot
         );
+    }
+
+    #[test]
+    fn min_bytes_and_codec_narrow_a_rule() {
+        let r = Rule {
+            world: (2, 8),
+            min_bytes: 1 << 20,
+            max_bytes: usize::MAX,
+            dtype: Some(DType::F16),
+            lossy: None,
+            codec: Some(crate::Codec::Int6),
+            strategy: Strategy::QuantizedTwoShot,
+        };
+        let q6 = Precision::Lossy(crate::Codec::Int6);
+        let q4 = Precision::Lossy(crate::Codec::Int4);
+        assert!(r.matches(1 << 20, 4, DType::F16, q6));
+        assert!(!r.matches((1 << 20) - 1, 4, DType::F16, q6));
+        assert!(!r.matches(1 << 20, 4, DType::F16, q4));
+        assert!(!r.matches(1 << 20, 4, DType::F16, Precision::Exact));
+        let t = SelectionTable {
+            rules: vec![r],
+            fallback: Strategy::TwoShot,
+        };
+        let text = t.to_json().to_string();
+        assert!(text.contains(r#""codec":"q6""#) && text.contains(r#""min_bytes":1048576"#));
+        assert_eq!(SelectionTable::from_json(&text).unwrap(), t);
+        // Tables without the new fields still write exactly as before.
+        let plain = SelectionTable::default_table().to_json().to_string();
+        assert!(!plain.contains("min_bytes") && !plain.contains("codec"));
     }
 }

@@ -1,0 +1,72 @@
+//! The kernels embedded at build time: one AMDGPU code object per gfx target (kernels-hip +
+//! kernels-common, compiled by build-support when build.rs found a HIP compiler), or none.
+
+include!(concat!(env!("OUT_DIR"), "/allreduce.hip.rs"));
+
+/// What build.rs did: "compiled for gfx90a, gfx942, gfx950" or "not compiled: ..." with the reason.
+pub const BUILD: &str = env!("ALLREDUCE_HIP_BUILD");
+
+/// `(gfx target, code object)` pairs, empty when the build found no HIP compiler.
+pub fn code_objects() -> &'static [(&'static str, &'static [u8])] {
+    HIP_CODE_OBJECTS
+}
+
+/// The gfx targets compiled in.
+pub fn targets() -> Vec<&'static str> {
+    HIP_CODE_OBJECTS.iter().map(|(a, _)| *a).collect()
+}
+
+/// Why there are no kernels and how to get them (the run-time error of a build without).
+pub fn missing() -> String {
+    // build-support's own advice follows "; to get one"; ours below says the same, shorter.
+    let why = BUILD.split("; to get one").next().unwrap_or(BUILD);
+    format!(
+        "no HIP kernels were compiled into this build of allreduce-backend-rocm ({why}); \
+         to get them, run scripts/setup-hip.sh (a pinned clang 22, no ROCm needed) and rebuild \
+         with the HIP_CLANG=... line it prints set, or set HIP_CLANG or ROCM_PATH to your own \
+         HIP compiler (build.rs looks again when one of those changes; \
+         ALLREDUCE_REQUIRE_HIP=1 makes a missing compiler a build error)"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn embedded_code_objects_are_amdgpu_elfs_or_absent_with_a_reason() {
+        if code_objects().is_empty() {
+            assert!(BUILD.starts_with("not compiled"), "{BUILD}");
+            assert!(missing().contains("scripts/setup-hip.sh"));
+            // CI builds with ALLREDUCE_REQUIRE_HIP=1 after setup-hip.sh: kernels must be in.
+            assert!(
+                std::env::var("ALLREDUCE_REQUIRE_HIP").as_deref() != Ok("1"),
+                "ALLREDUCE_REQUIRE_HIP=1 but no code objects are embedded ({BUILD})"
+            );
+            println!("no kernels embedded: {BUILD}");
+            return;
+        }
+        assert!(BUILD.starts_with("compiled for"), "{BUILD}");
+        for (arch, image) in code_objects() {
+            assert!(arch.starts_with("gfx"), "{arch}");
+            // ELF64, little-endian, EM_AMDGPU (224), ELFOSABI_AMDGPU_HSA (64).
+            assert_eq!(&image[..4], b"\x7fELF", "{arch}");
+            assert_eq!((image[4], image[5], image[7]), (2, 1, 64), "{arch}");
+            assert_eq!(u16::from_le_bytes([image[18], image[19]]), 224, "{arch}");
+            for k in [
+                "ar_oneshot_f32",
+                "ar_oneshot_f16",
+                "ar_oneshot_bf16",
+                "ar_twoshot_f32",
+                "ar_twoshot_f16",
+                "ar_twoshot_bf16",
+            ] {
+                assert!(
+                    image.windows(k.len()).any(|w| w == k.as_bytes()),
+                    "{arch} lacks {k}"
+                );
+            }
+        }
+        assert!(targets().contains(&"gfx942"), "{:?}", targets());
+    }
+}

@@ -1,0 +1,461 @@
+//! [`Hip`]: the HIP runtime as a [`GpuRuntime`], so the ROCm backend runs the group logic the
+//! GPU backends share (`allreduce_core::gpu`): the same workspace layout, flag protocol,
+//! strategy choice and launch arguments as the CUDA backend, over HIP calls.
+//!
+//! What differs from CUDA, and why:
+//! - **Workspaces are uncached device memory** (`hipExtMallocWithFlags(hipDeviceMallocUncached)`),
+//!   as QuickReduce allocates on MI300: peers' stores to flags and staging must be seen
+//!   without relying on cache write-back between GPUs.
+//! - **Control blocks are coherent mapped host memory** (`hipHostMallocCoherent`): a kernel's
+//!   report must reach the host while the group's other kernels still run.
+//! - **Wave64 launch shape**: 512-thread blocks are 8 wavefronts; the code objects declare
+//!   `amdgpu_flat_work_group_size(1, 512)`, checked at load. Devices whose wavefront is not 64
+//!   (RDNA) are refused at open: the kernels are built for CDNA (gfx90a, gfx942, gfx950).
+//! - **The kernels' architecture is found by loading**: each embedded code object is tried
+//!   with `hipModuleLoadData` until one loads (no `hipDeviceProp_t`, whose layout changed in
+//!   ROCm 6).
+//! - **`GPU_MAX_HW_QUEUES` is left alone**: HIP maps streams round-robin onto that many
+//!   hardware queues per device (4 by default), so more virtual ranks than queues on one GPU
+//!   can put two ranks' kernels on one queue, where the one behind waits for the one in front,
+//!   which waits for it (until the deadline). The CUDA backend raises its equivalent
+//!   (`CUDA_DEVICE_MAX_CONNECTIONS`) itself; here more queues are reported to slow ordinary
+//!   inference on MI300, and one GPU per rank (the deployment case) never needs them, so
+//!   [`Hip::prepare_group`] only warns, and the conformance suite sets 16 for its own process.
+
+use std::ffi::{c_void, CStr};
+use std::sync::OnceLock;
+
+use allreduce_core::gpu::{abi::THREADS, GpuRuntime};
+use allreduce_core::{Call, Device, Error, GroupConfig, Result, SelectionTable, Stream};
+
+use crate::hip::result::{self as hip, device, memory, module};
+use crate::hip::sys;
+use crate::{kernels, rccl};
+
+/// Initialise the HIP runtime once per process. A missing libamdhip64 is
+/// `Error::LibraryUnavailable` naming the files tried.
+pub fn init() -> Result<()> {
+    static INIT: OnceLock<Result<()>> = OnceLock::new();
+    INIT.get_or_init(|| {
+        let version = hip::init()?;
+        tracing::debug!(version, "HIP runtime initialised");
+        Ok(())
+    })
+    .clone()
+}
+
+/// Devices the HIP runtime reports (0 with a runtime but no GPU).
+pub fn device_count() -> Result<usize> {
+    init()?;
+    Ok(device::count()?)
+}
+
+/// The HIP runtime as a [`GpuRuntime`].
+pub struct Hip;
+
+/// An open HIP device.
+#[derive(Debug)]
+pub struct HipDevice {
+    pub ordinal: u32,
+    pub name: String,
+    pub compute_units: u32,
+    pub wave_size: u32,
+}
+
+/// Device memory, freed on drop.
+pub struct HipMemory {
+    pub ptr: *mut c_void,
+    pub bytes: usize,
+}
+
+// SAFETY: a device address, usable from any thread.
+unsafe impl Send for HipMemory {}
+unsafe impl Sync for HipMemory {}
+
+impl Drop for HipMemory {
+    fn drop(&mut self) {
+        // SAFETY: allocated by hipExtMallocWithFlags; nothing to report a failure to.
+        unsafe {
+            let _ = memory::free(self.ptr);
+        }
+    }
+}
+
+impl HipMemory {
+    /// An IPC handle another process can open with [`IpcMapping::open`] (groups spanning
+    /// processes; in-process groups share one address space and do not need it).
+    pub fn ipc_handle(&self) -> Result<[u8; sys::HIP_IPC_HANDLE_SIZE]> {
+        // SAFETY: the base of a live allocation.
+        let h = unsafe { hip::ipc::get_handle(self.ptr)? };
+        Ok(h.reserved.map(|c| c as u8))
+    }
+}
+
+/// A peer process's device memory mapped into this one; unmapped on drop.
+pub struct IpcMapping {
+    pub ptr: *mut c_void,
+}
+
+unsafe impl Send for IpcMapping {}
+unsafe impl Sync for IpcMapping {}
+
+impl IpcMapping {
+    /// Map the allocation behind `handle` on the current device.
+    ///
+    /// # Safety
+    /// `handle` comes from [`HipMemory::ipc_handle`] in another process whose allocation
+    /// outlives this mapping.
+    pub unsafe fn open(handle: &[u8; sys::HIP_IPC_HANDLE_SIZE]) -> Result<Self> {
+        let h = sys::hipIpcMemHandle_t {
+            reserved: handle.map(|b| b as std::ffi::c_char),
+        };
+        Ok(IpcMapping {
+            ptr: hip::ipc::open_handle(h)?,
+        })
+    }
+}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        // SAFETY: opened by hipIpcOpenMemHandle.
+        unsafe {
+            let _ = hip::ipc::close_handle(self.ptr);
+        }
+    }
+}
+
+/// Pinned, coherent host memory mapped into the device's address space.
+pub struct HipHostMapped {
+    pub host: *mut c_void,
+    pub dev: *mut c_void,
+}
+
+unsafe impl Send for HipHostMapped {}
+unsafe impl Sync for HipHostMapped {}
+
+impl Drop for HipHostMapped {
+    fn drop(&mut self) {
+        // SAFETY: allocated by hipHostMalloc.
+        unsafe {
+            let _ = memory::host_free(self.host);
+        }
+    }
+}
+
+/// The embedded code object that loaded on a device.
+pub struct HipModule {
+    pub module: sys::hipModule_t,
+    /// Its gfx target.
+    pub arch: &'static str,
+}
+
+unsafe impl Send for HipModule {}
+unsafe impl Sync for HipModule {}
+
+impl Drop for HipModule {
+    fn drop(&mut self) {
+        // SAFETY: loaded by hipModuleLoadData; the group drops its functions first.
+        unsafe {
+            let _ = module::unload(self.module);
+        }
+    }
+}
+
+/// A kernel of a loaded module.
+#[derive(Clone, Copy, Debug)]
+pub struct HipFunction(pub sys::hipFunction_t);
+
+// SAFETY: function handles may be used from any thread.
+unsafe impl Send for HipFunction {}
+unsafe impl Sync for HipFunction {}
+
+/// One rank's RCCL communicator.
+pub struct RcclComm(pub rccl::sys::ncclComm_t);
+
+// SAFETY: used from one rank's thread at a time.
+unsafe impl Send for RcclComm {}
+unsafe impl Sync for RcclComm {}
+
+impl Drop for RcclComm {
+    fn drop(&mut self) {
+        // SAFETY: created by ncclCommInitAll.
+        unsafe {
+            let _ = rccl::result::destroy(self.0);
+        }
+    }
+}
+
+/// HIP's default number of hardware queues per device (`GPU_MAX_HW_QUEUES` unset).
+pub const DEFAULT_HW_QUEUES: usize = 4;
+
+/// More ranks on one device than it has hardware queues, if so: `(ordinal, ranks, queues)`.
+pub fn queue_shortfall(ordinals: &[u32], queues: usize) -> Option<(u32, usize, usize)> {
+    let mut worst: Option<(u32, usize)> = None;
+    for &o in ordinals {
+        let n = ordinals.iter().filter(|&&x| x == o).count();
+        if worst.is_none_or(|(_, w)| n > w) {
+            worst = Some((o, n));
+        }
+    }
+    worst.and_then(|(o, n)| (n > queues).then_some((o, n, queues)))
+}
+
+impl GpuRuntime for Hip {
+    const NAME: &'static str = "rocm";
+
+    fn prepare_group(ordinals: &[u32]) -> Result<()> {
+        let queues = std::env::var("GPU_MAX_HW_QUEUES")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(DEFAULT_HW_QUEUES);
+        if let Some((o, n, q)) = queue_shortfall(ordinals, queues) {
+            tracing::warn!(
+                "{n} ranks share ROCm device {o}, which HIP gives {q} hardware queues: two ranks \
+                 on one queue wait for each other until the group's deadline. Set \
+                 GPU_MAX_HW_QUEUES={n} or more before HIP initialises"
+            );
+        }
+        Ok(())
+    }
+
+    type Device = HipDevice;
+    type Memory = HipMemory;
+    type HostMapped = HipHostMapped;
+    type Module = HipModule;
+    type Function = HipFunction;
+    type Vendor = RcclComm;
+
+    fn device_tag(ordinal: u32) -> Device {
+        Device::Rocm(ordinal)
+    }
+
+    fn open(ordinal: u32) -> Result<HipDevice> {
+        let count = device_count()?;
+        if ordinal as usize >= count {
+            return Err(Error::InvalidConfig(format!(
+                "ROCm device {ordinal} requested but {count} present"
+            )));
+        }
+        let d = ordinal as i32;
+        let wave_size = device::attribute(d, sys::hipDeviceAttributeWarpSize)? as u32;
+        let name = device::name(d).unwrap_or_default();
+        if wave_size != 64 {
+            return Err(Error::InvalidConfig(format!(
+                "ROCm device {ordinal} ({name}) runs {wave_size}-wide wavefronts; the kernels are \
+                 built for wave64 CDNA GPUs (gfx90a, gfx942, gfx950)"
+            )));
+        }
+        Ok(HipDevice {
+            ordinal,
+            name,
+            compute_units: device::attribute(d, sys::hipDeviceAttributeMultiprocessorCount)? as u32,
+            wave_size,
+        })
+    }
+
+    fn ordinal(dev: &HipDevice) -> u32 {
+        dev.ordinal
+    }
+
+    fn compute_units(dev: &HipDevice) -> u32 {
+        dev.compute_units
+    }
+
+    fn bind(dev: &HipDevice) -> Result<()> {
+        Ok(device::set(dev.ordinal as i32)?)
+    }
+
+    fn can_access_peer(dev: &HipDevice, peer: &HipDevice) -> Result<bool> {
+        Ok(device::can_access_peer(
+            dev.ordinal as i32,
+            peer.ordinal as i32,
+        )?)
+    }
+
+    fn enable_peer(dev: &HipDevice, peer: &HipDevice) -> Result<()> {
+        Self::bind(dev)?;
+        Ok(device::enable_peer_access(peer.ordinal as i32)?)
+    }
+
+    fn alloc_workspace(dev: &HipDevice, bytes: usize) -> Result<HipMemory> {
+        Self::bind(dev)?;
+        // Uncached where the runtime knows the flag (ROCm 6+), else fine-grained, which is
+        // also coherent between GPUs.
+        let ptr = match memory::malloc_with_flags(bytes, sys::hipDeviceMallocUncached) {
+            Err(e) if e.code() == Some(sys::hipErrorInvalidValue) => {
+                hip::clear_last_error();
+                tracing::debug!(device = dev.ordinal, "no uncached memory: fine-grained");
+                memory::malloc_with_flags(bytes, sys::hipDeviceMallocFinegrained)?
+            }
+            other => other?,
+        };
+        let m = HipMemory { ptr, bytes };
+        // SAFETY: the allocation holds at least `bytes`. Synchronous memset, then a device
+        // sync: the kernels later run on non-blocking streams that do not order with it.
+        unsafe { memory::memset(m.ptr, 0, bytes.max(1))? };
+        device::synchronize()?;
+        Ok(m)
+    }
+
+    fn memory_addr(mem: &HipMemory) -> u64 {
+        mem.ptr as u64
+    }
+
+    fn alloc_host_mapped(dev: &HipDevice, bytes: usize) -> Result<HipHostMapped> {
+        Self::bind(dev)?;
+        let flags =
+            sys::hipHostMallocMapped | sys::hipHostMallocPortable | sys::hipHostMallocCoherent;
+        let host = memory::host_malloc(bytes, flags)?;
+        // Owned from here on: a failure below frees it.
+        let mut m = HipHostMapped {
+            host,
+            dev: std::ptr::null_mut(),
+        };
+        // SAFETY: `bytes` of pinned host memory, zeroed before the device sees it.
+        unsafe {
+            std::ptr::write_bytes(host as *mut u8, 0, bytes);
+            m.dev = memory::host_device_pointer(host)?;
+        }
+        Ok(m)
+    }
+
+    fn host_mapped_ptrs(mem: &HipHostMapped) -> (*mut u8, u64) {
+        (mem.host as *mut u8, mem.dev as u64)
+    }
+
+    fn load_module(dev: &HipDevice) -> Result<HipModule> {
+        let objs = kernels::code_objects();
+        if objs.is_empty() {
+            return Err(Error::LibraryUnavailable {
+                library: "allreduce's HIP kernels",
+                detail: kernels::missing(),
+            });
+        }
+        Self::bind(dev)?;
+        let mut failures = Vec::new();
+        for (arch, image) in objs {
+            // SAFETY: a complete code object produced by build-support.
+            match unsafe { module::load_data(image) } {
+                Ok(m) => {
+                    tracing::debug!(device = dev.ordinal, arch, "HIP kernels loaded");
+                    return Ok(HipModule { module: m, arch });
+                }
+                Err(e) => {
+                    hip::clear_last_error();
+                    failures.push(format!("{arch}: {e}"));
+                }
+            }
+        }
+        Err(Error::Device {
+            api: "hipModuleLoadData",
+            detail: format!(
+                "none of the embedded code objects loads on ROCm device {} ({}): {}; rebuild \
+                 with its gfx target in ALLREDUCE_HIP_ARCHS",
+                dev.ordinal,
+                dev.name,
+                failures.join("; ")
+            ),
+        })
+    }
+
+    fn function(m: &HipModule, name: &CStr) -> Result<HipFunction> {
+        // SAFETY: a loaded module.
+        let f = unsafe { module::get_function(m.module, name)? };
+        // The wave64 launch shape: the code object must accept THREADS-thread blocks (its
+        // amdgpu_flat_work_group_size). An attribute the runtime cannot report is not fatal.
+        // SAFETY: `f` belongs to the live module.
+        if let Ok(max) = unsafe { module::max_threads_per_block(f) } {
+            if max > 0 && (max as u32) < THREADS {
+                return Err(Error::Device {
+                    api: "hipFuncGetAttribute",
+                    detail: format!(
+                        "{name:?} ({}) accepts at most {max} threads per block, the launch uses \
+                         {THREADS}",
+                        m.arch
+                    ),
+                });
+            }
+        } else {
+            hip::clear_last_error();
+        }
+        Ok(HipFunction(f))
+    }
+
+    unsafe fn launch<A>(
+        f: HipFunction,
+        grid: u32,
+        block: u32,
+        stream: Stream,
+        args: &A,
+    ) -> Result<()> {
+        Ok(module::launch(
+            f.0,
+            grid,
+            block,
+            stream.as_raw() as sys::hipStream_t,
+            args,
+        )?)
+    }
+
+    fn synchronize_device(dev: &HipDevice) -> Result<()> {
+        Self::bind(dev)?;
+        Ok(device::synchronize()?)
+    }
+
+    fn synchronize_stream(_dev: &HipDevice, stream: Stream) -> Result<()> {
+        // SAFETY: the caller's stream (or null); HIP reports a stale handle as an error.
+        Ok(unsafe { hip::stream::synchronize(stream.as_raw() as sys::hipStream_t) }?)
+    }
+
+    fn vendor_unavailable(ordinals: &[u32]) -> Option<String> {
+        if std::env::var_os("ALLREDUCE_DISABLE_RCCL").is_some() {
+            return Some("disabled by ALLREDUCE_DISABLE_RCCL".into());
+        }
+        let mut seen = Vec::new();
+        for o in ordinals {
+            if seen.contains(o) {
+                return Some(format!(
+                    "RCCL needs one GPU per rank; this group has several ranks on GPU {o} \
+                     (virtual ranks)"
+                ));
+            }
+            seen.push(*o);
+        }
+        rccl::sys::lib().err()
+    }
+
+    fn vendor_init(devices: &[&HipDevice]) -> Result<Vec<RcclComm>> {
+        let list: Vec<i32> = devices.iter().map(|d| d.ordinal as i32).collect();
+        let comms = rccl::result::init_all(&list)?;
+        Ok(comms.into_iter().map(RcclComm).collect())
+    }
+
+    unsafe fn vendor_all_reduce(comm: &RcclComm, _dev: &HipDevice, call: &Call) -> Result<()> {
+        rccl::result::all_reduce(
+            comm.0,
+            call.input.addr,
+            call.output.addr,
+            call.len(),
+            call.dtype(),
+            call.stream.as_raw(),
+        )
+    }
+
+    fn default_selection(config: &GroupConfig) -> SelectionTable {
+        crate::select::default_table(config.cast_bf16_to_f16)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn more_virtual_ranks_than_hardware_queues_is_found() {
+        assert_eq!(queue_shortfall(&[0, 1, 2, 3, 4, 5, 6, 7], 4), None);
+        assert_eq!(queue_shortfall(&[0, 0, 0, 0], 4), None);
+        assert_eq!(queue_shortfall(&[0; 8], 4), Some((0, 8, 4)));
+        assert_eq!(queue_shortfall(&[1, 0, 1, 1, 1, 1], 4), Some((1, 5, 4)));
+        assert_eq!(queue_shortfall(&[0; 8], 16), None);
+    }
+}

@@ -1,0 +1,111 @@
+//! The host side of the kernels' ABI, shared by the GPU backends. Every struct and offset here
+//! mirrors one in `kernels-common/include/allreduce/abi.h` (which `static_assert`s the same
+//! sizes); change both or neither.
+//!
+//! A verbatim copy of `crates/backend-cuda/src/abi.rs`, made while another change was in
+//! flight there; that file becomes `pub use allreduce_core::gpu::abi::*;` when the CUDA
+//! backend moves onto [`crate::gpu::GpuRuntime`] (docs/decisions.md, "ROCm backend").
+
+use std::ffi::c_void;
+
+pub const MAX_WORLD: usize = 8;
+pub const MAX_BLOCKS: usize = 64;
+pub const THREADS: u32 = 512;
+
+/// Byte offsets inside one rank's workspace allocation.
+pub const HEADER_BYTES: usize = 4096;
+pub const FLAGS_OFFSET: usize = 4096;
+pub const DESC_OFFSET: usize = 8192;
+pub const STAGING_OFFSET: usize = 16384;
+
+const _: () = assert!(FLAGS_OFFSET + MAX_BLOCKS * MAX_WORLD * 4 <= DESC_OFFSET);
+const _: () = assert!(DESC_OFFSET + 2 * MAX_BLOCKS * MAX_WORLD * 8 <= STAGING_OFFSET);
+const _: () = assert!(2 * MAX_BLOCKS * 4 <= HEADER_BYTES);
+
+/// Workspace bytes for calls of up to `max_bytes` (rounded up to 256): header, flags,
+/// two staging buffers (one-shot alternates them by call parity) and the reduced shards.
+pub fn workspace_bytes(max_bytes: usize) -> usize {
+    STAGING_OFFSET + 3 * round_max_bytes(max_bytes)
+}
+
+pub fn round_max_bytes(max_bytes: usize) -> usize {
+    max_bytes.div_ceil(256).max(1) * 256
+}
+
+/// Where kernels report a failed wait or a mismatch (host-mapped, read by the host without a
+/// copy; written by kernels only on those rare paths, never read by them). The group-wide
+/// abort word kernels poll lives in each workspace's header, in device memory.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Control {
+    pub error: u32,
+    pub rank: u32,
+    pub block: u32,
+    pub epoch: u32,
+    pub waited_ns: u64,
+    pub mine: u64,
+    pub theirs: u64,
+}
+
+const _: () = assert!(size_of::<Control>() == 40);
+
+pub const ERROR_NONE: u32 = 0;
+/// A wait passed its deadline; the group is out of step for good.
+pub const ERROR_TIMEOUT: u32 = 1;
+/// The ranks described the call differently; all skipped it and the group is intact.
+pub const ERROR_MISMATCH: u32 = 2;
+
+/// A call descriptor, compared between ranks at the first barrier of every call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Desc(pub u64);
+
+impl Desc {
+    /// A rank whose arguments the host refused: it launches with this so its peers fail fast.
+    pub const REJECTED: Desc = Desc(2);
+
+    pub fn new(n: usize, dtype: u64, strategy: u64, precision: u64) -> Desc {
+        Desc(((n as u64) << 16) | (dtype << 12) | (strategy << 8) | (precision << 4) | 1)
+    }
+    pub fn len(self) -> u64 {
+        self.0 >> 16
+    }
+    pub fn is_empty(self) -> bool {
+        self.len() == 0
+    }
+    pub fn dtype(self) -> u64 {
+        (self.0 >> 12) & 0xF
+    }
+    pub fn strategy(self) -> u64 {
+        (self.0 >> 8) & 0xF
+    }
+    pub fn precision(self) -> u64 {
+        (self.0 >> 4) & 0xF
+    }
+}
+
+/// The kernels' one by-value parameter. Only `input`, `output` and `n` change from call to
+/// call, and those are what a CUDA graph captures anyway: epochs and parities live in device
+/// memory and are advanced by the kernels themselves.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Args {
+    pub input: *const c_void,
+    pub output: *mut c_void,
+    pub n: u64,
+    pub peers: [u64; MAX_WORLD],
+    pub control: u64,
+    pub max_bytes: u64,
+    pub timeout_ns: u64,
+    pub rank: u32,
+    pub world: u32,
+    pub desc: u64,
+}
+
+const _: () = assert!(size_of::<Args>() == 128);
+const _: () = assert!(std::mem::offset_of!(Args, peers) == 24);
+const _: () = assert!(std::mem::offset_of!(Args, control) == 88);
+const _: () = assert!(std::mem::offset_of!(Args, timeout_ns) == 104);
+const _: () = assert!(std::mem::offset_of!(Args, world) == 116);
+const _: () = assert!(std::mem::offset_of!(Args, desc) == 120);
+const _: () = assert!(std::mem::offset_of!(Control, waited_ns) == 16);
+const _: () = assert!(std::mem::offset_of!(Control, theirs) == 32);

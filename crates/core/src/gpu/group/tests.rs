@@ -1,0 +1,396 @@
+//! The shared group logic over a mock runtime: host memory for device memory, and launches
+//! recorded instead of run. What a GPU backend does with no GPU: which kernels it launches,
+//! with which arguments, and how the words kernels write become errors.
+
+use std::cell::RefCell;
+use std::ffi::CStr;
+
+use super::*;
+use crate::gpu::GpuRuntime;
+use crate::{AllReduceOptions, BufMut, BufRef, Device};
+
+#[derive(Clone, Debug)]
+struct Launch {
+    kernel: &'static str,
+    grid: u32,
+    block: u32,
+    stream: usize,
+    args: Args,
+}
+
+thread_local! {
+    static LAUNCHES: RefCell<Vec<Launch>> = const { RefCell::new(Vec::new()) };
+    static PEERS_ENABLED: RefCell<Vec<(u32, u32)>> = const { RefCell::new(Vec::new()) };
+    static SYNCS: RefCell<usize> = const { RefCell::new(0) };
+    static PREPARED: RefCell<Vec<Vec<u32>>> = const { RefCell::new(Vec::new()) };
+}
+
+fn take_launches() -> Vec<Launch> {
+    LAUNCHES.with(|l| std::mem::take(&mut *l.borrow_mut()))
+}
+
+const KERNELS: [&str; 6] = [
+    "ar_oneshot_f32",
+    "ar_oneshot_f16",
+    "ar_oneshot_bf16",
+    "ar_twoshot_f32",
+    "ar_twoshot_f16",
+    "ar_twoshot_bf16",
+];
+
+struct Mock;
+
+struct MockDevice {
+    ordinal: u32,
+}
+
+impl GpuRuntime for Mock {
+    const NAME: &'static str = "mock";
+    type Device = MockDevice;
+    type Memory = Box<[u64]>;
+    type HostMapped = Box<[u64]>;
+    type Module = ();
+    type Function = &'static str;
+    type Vendor = ();
+
+    fn prepare_group(ordinals: &[u32]) -> Result<()> {
+        if ordinals.len() > 6 {
+            return Err(Error::InvalidConfig(
+                "the mock refuses more than 6 ranks".into(),
+            ));
+        }
+        PREPARED.with(|p| p.borrow_mut().push(ordinals.to_vec()));
+        Ok(())
+    }
+    fn device_tag(ordinal: u32) -> Device {
+        Device::Rocm(ordinal)
+    }
+    fn open(ordinal: u32) -> Result<MockDevice> {
+        if ordinal >= 8 {
+            return Err(Error::InvalidConfig(format!("no mock device {ordinal}")));
+        }
+        Ok(MockDevice { ordinal })
+    }
+    fn ordinal(dev: &MockDevice) -> u32 {
+        dev.ordinal
+    }
+    /// 20 compute units: four ranks on one device get 5 blocks each.
+    fn compute_units(_dev: &MockDevice) -> u32 {
+        20
+    }
+    fn bind(_dev: &MockDevice) -> Result<()> {
+        Ok(())
+    }
+    fn can_access_peer(_dev: &MockDevice, _peer: &MockDevice) -> Result<bool> {
+        Ok(true)
+    }
+    fn enable_peer(dev: &MockDevice, peer: &MockDevice) -> Result<()> {
+        PEERS_ENABLED.with(|p| p.borrow_mut().push((dev.ordinal, peer.ordinal)));
+        Ok(())
+    }
+    fn alloc_workspace(_dev: &MockDevice, bytes: usize) -> Result<Box<[u64]>> {
+        Ok(vec![0u64; bytes.div_ceil(8)].into_boxed_slice())
+    }
+    fn memory_addr(mem: &Box<[u64]>) -> u64 {
+        mem.as_ptr() as u64
+    }
+    fn alloc_host_mapped(_dev: &MockDevice, bytes: usize) -> Result<Box<[u64]>> {
+        Ok(vec![0u64; bytes.div_ceil(8)].into_boxed_slice())
+    }
+    fn host_mapped_ptrs(mem: &Box<[u64]>) -> (*mut u8, u64) {
+        // The mock's "device address" of host-mapped memory is its host address + 1, so a
+        // test can tell which one went into the launch arguments.
+        (mem.as_ptr() as *mut u8, mem.as_ptr() as u64 + 1)
+    }
+    fn load_module(_dev: &MockDevice) -> Result<()> {
+        Ok(())
+    }
+    fn function(_module: &(), name: &CStr) -> Result<&'static str> {
+        KERNELS
+            .iter()
+            .find(|k| k.as_bytes() == name.to_bytes())
+            .copied()
+            .ok_or_else(|| Error::InvalidConfig(format!("no kernel {name:?}")))
+    }
+    unsafe fn launch<A>(
+        f: &'static str,
+        grid: u32,
+        block: u32,
+        stream: Stream,
+        args: &A,
+    ) -> Result<()> {
+        assert_eq!(size_of::<A>(), size_of::<Args>());
+        let args = *(args as *const A as *const Args);
+        LAUNCHES.with(|l| {
+            l.borrow_mut().push(Launch {
+                kernel: f,
+                grid,
+                block,
+                stream: stream.as_raw() as usize,
+                args,
+            })
+        });
+        Ok(())
+    }
+    fn synchronize_device(_dev: &MockDevice) -> Result<()> {
+        SYNCS.with(|s| *s.borrow_mut() += 1);
+        Ok(())
+    }
+    fn synchronize_stream(_dev: &MockDevice, _stream: Stream) -> Result<()> {
+        Ok(())
+    }
+    fn vendor_unavailable(_ordinals: &[u32]) -> Option<String> {
+        Some("the mock has no vendor library".into())
+    }
+    fn vendor_init(_devices: &[&MockDevice]) -> Result<Vec<()>> {
+        unreachable!("vendor_unavailable always says why")
+    }
+    unsafe fn vendor_all_reduce(_comm: &(), _dev: &MockDevice, _call: &Call) -> Result<()> {
+        unreachable!()
+    }
+}
+
+fn group(devices: Vec<u32>) -> Vec<GpuComm<Mock>> {
+    let config = GroupConfig::new(devices.len())
+        .devices(devices)
+        .max_bytes(1 << 20);
+    GpuBackend::<Mock>::create_group(&config).expect("mock group")
+}
+
+/// Write a Control the way a kernel would.
+fn write_control(comm: &GpuComm<Mock>, rank: usize, c: Control) {
+    let (host, _) = Mock::host_mapped_ptrs(comm.group.control(rank));
+    // SAFETY: a live Control-sized, 8-aligned mock allocation.
+    unsafe { std::ptr::write_volatile(host as *mut Control, c) };
+}
+
+#[test]
+fn grid_splits_compute_units_between_ranks_sharing_a_gpu() {
+    assert_eq!(grid_for(36, &[304], &[0]), 36);
+    assert_eq!(grid_for(36, &[304, 304], &[0, 1]), 36);
+    assert_eq!(grid_for(36, &[304], &[0; 8]), 36);
+    assert_eq!(grid_for(36, &[104], &[0; 4]), 26);
+    assert_eq!(grid_for(36, &[20, 304], &[0, 1]), 20);
+    assert_eq!(grid_for(36, &[2], &[0; 8]), 1);
+    assert_eq!(grid_for(100, &[304], &[0]), MAX_BLOCKS as u32);
+}
+
+#[test]
+fn creation_enables_peers_and_warms_every_kernel_alone() {
+    take_launches();
+    let comms = group(vec![0, 1, 2, 3]);
+    assert_eq!(comms[0].grid(), 20);
+    let peers = PEERS_ENABLED.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    assert_eq!(
+        peers.len(),
+        12,
+        "every ordered pair of distinct GPUs: {peers:?}"
+    );
+    let warm = take_launches();
+    assert_eq!(warm.len(), 4 * KERNELS.len());
+    for (i, l) in warm.iter().enumerate() {
+        let rank = i / KERNELS.len();
+        assert_eq!(l.kernel, KERNELS[i % KERNELS.len()]);
+        assert_eq!((l.grid, l.block, l.stream), (20, THREADS, 0));
+        // Alone: world 1, its own workspace as rank 0, nothing to move.
+        assert_eq!((l.args.world, l.args.rank, l.args.n), (1, 0, 0));
+        assert_eq!(l.args.peers[0], comms[rank].group.peers[rank]);
+        assert!(l.args.peers[1..].iter().all(|&p| p == 0));
+    }
+    assert!(SYNCS.with(|s| *s.borrow()) >= 4);
+}
+
+#[test]
+fn the_runtime_sees_the_group_first_and_options_reach_the_ranks() {
+    PREPARED.with(|p| p.borrow_mut().clear());
+    let comms = group(vec![0, 0, 1]);
+    assert_eq!(PREPARED.with(|p| p.borrow().clone()), vec![vec![0, 0, 1]]);
+    assert!(!comms[0].casts_bf16_to_f16());
+    let config = GroupConfig::new(2).cast_bf16_to_f16(true);
+    let comms = GpuBackend::<Mock>::create_group(&config).expect("mock group");
+    assert!(comms[1].casts_bf16_to_f16());
+    assert_eq!(
+        PREPARED.with(|p| p.borrow().last().cloned()),
+        Some(vec![0, 0])
+    );
+    // A refusal from the runtime is the group's error, before anything is allocated.
+    take_launches();
+    let Err(e) = GpuBackend::<Mock>::create_group(&GroupConfig::new(7)) else {
+        panic!("refused");
+    };
+    assert!(e.to_string().contains("more than 6"), "{e}");
+    assert!(take_launches().is_empty());
+}
+
+#[test]
+fn virtual_ranks_share_a_device_and_split_its_units() {
+    let comms = group(vec![0, 0, 0, 0]);
+    assert_eq!(comms[0].grid(), 5);
+    assert_eq!(comms[3].ordinal(), 0);
+    assert_eq!(comms[3].limits().device, Device::Rocm(0));
+}
+
+#[test]
+fn a_call_launches_its_kernel_with_every_workspace_and_a_descriptor() {
+    let comms = group(vec![0, 1, 2, 3]);
+    take_launches();
+    let c = &comms[2];
+    let input = vec![0u16; 4096];
+    let mut output = vec![0u16; 4096];
+    let dev = Device::Rocm(2);
+    // SAFETY: only addresses are used; the mock never touches the buffers.
+    let (i, o) = unsafe {
+        (
+            BufRef::from_raw(input.as_ptr() as usize, 4096, DType::BF16, dev),
+            BufMut::from_raw(output.as_mut_ptr() as usize, 4096, DType::BF16, dev),
+        )
+    };
+    let stream = Stream::from_raw(0x5000 as *mut c_void);
+    let opts = AllReduceOptions::default()
+        .strategy(Strategy::TwoShot)
+        .stream(stream);
+    let call = crate::prepare(
+        Some(i),
+        &o,
+        &opts,
+        &c.limits(),
+        c.world_size(),
+        c.selection(),
+        |s, d, p| c.strategy_available(s, d, p),
+    )
+    .unwrap();
+    c.all_reduce(&call).unwrap();
+    let l = take_launches().pop().expect("one launch");
+    assert_eq!(l.kernel, "ar_twoshot_bf16");
+    assert_eq!((l.grid, l.block, l.stream), (20, THREADS, 0x5000));
+    assert_eq!((l.args.rank, l.args.world, l.args.n), (2, 4, 4096));
+    assert_eq!(l.args.input as usize, input.as_ptr() as usize);
+    assert_eq!(l.args.output as usize, output.as_ptr() as usize);
+    assert_eq!(&l.args.peers[..4], &c.group.peers[..4]);
+    assert!(l.args.peers[..4].iter().all(|&p| p != 0));
+    assert_eq!(l.args.control, Mock::host_mapped_ptrs(c.group.control(2)).1);
+    assert_eq!(l.args.max_bytes, 1 << 20);
+    let d = Desc(l.args.desc);
+    assert_eq!(
+        (d.len(), d.dtype(), d.strategy(), d.precision()),
+        (4096, 3, 2, 0)
+    );
+}
+
+#[test]
+fn quantized_and_vendor_say_why_they_are_unavailable() {
+    let comms = group(vec![0, 1]);
+    let q = comms[0].strategy_available(
+        Strategy::QuantizedTwoShot,
+        DType::F16,
+        Precision::Lossy(Codec::Int4),
+    );
+    assert!(q.unwrap_err().contains("issue 4"));
+    let v = comms[0].strategy_available(Strategy::Vendor, DType::F16, Precision::Exact);
+    assert_eq!(v.unwrap_err(), "the mock has no vendor library");
+    // Auto then never picks them: a large lossy call goes to two-shot.
+    let s =
+        comms[0]
+            .selection()
+            .choose(1 << 30, 2, DType::F16, Precision::Lossy(Codec::Int4), |s| {
+                comms[0]
+                    .strategy_available(s, DType::F16, Precision::Exact)
+                    .is_ok()
+            });
+    assert_eq!(s, Strategy::TwoShot);
+}
+
+#[test]
+fn a_rejecting_rank_joins_with_the_rejected_descriptor() {
+    let comms = group(vec![0, 1]);
+    take_launches();
+    comms[1].reject(&Error::InvalidConfig("test".into()), Stream::NULL);
+    let l = take_launches().pop().expect("one launch");
+    assert_eq!(l.kernel, "ar_oneshot_f32");
+    assert_eq!((l.args.n, Desc(l.args.desc)), (0, Desc::REJECTED));
+}
+
+#[test]
+fn kernel_reports_become_errors() {
+    let comms = group(vec![0, 1, 2]);
+    let mine = Desc::new(100, 2, 1, 0);
+    let theirs = Desc::new(200, 2, 1, 0);
+    write_control(
+        &comms[0],
+        0,
+        Control {
+            error: abi::ERROR_MISMATCH,
+            rank: 1,
+            mine: mine.0,
+            theirs: theirs.0,
+            ..Default::default()
+        },
+    );
+    match comms[0].synchronize(Stream::NULL) {
+        Err(Error::RankMismatch { what, detail, .. }) => {
+            assert_eq!(what, "length");
+            assert_eq!(detail, "rank 0 has 100, rank 1 has 200");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Reported once, then cleared: the group is intact.
+    comms[0].synchronize(Stream::NULL).unwrap();
+
+    write_control(
+        &comms[0],
+        0,
+        Control {
+            error: abi::ERROR_MISMATCH,
+            rank: 2,
+            mine: mine.0,
+            theirs: Desc::REJECTED.0,
+            ..Default::default()
+        },
+    );
+    assert!(matches!(
+        comms[0].synchronize(Stream::NULL),
+        Err(Error::PeerRejected { rank: 2, .. })
+    ));
+
+    write_control(
+        &comms[0],
+        2,
+        Control {
+            error: abi::ERROR_TIMEOUT,
+            rank: 2,
+            block: 3,
+            epoch: 7,
+            waited_ns: 5_000,
+            ..Default::default()
+        },
+    );
+    assert!(matches!(
+        comms[2].synchronize(Stream::NULL),
+        Err(Error::Timeout { rank: 2, .. })
+    ));
+    // Every other rank sees the group aborted, at synchronize and at the next call.
+    match comms[1].synchronize(Stream::NULL) {
+        Err(Error::Aborted { reason }) => assert!(reason.contains("block 3"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn precision_names_follow_codec_order() {
+    // The descriptor numbers codecs by their position in Codec::ALL; the mismatch message
+    // must name them the same way.
+    for (i, c) in Codec::ALL.iter().enumerate() {
+        assert_eq!(precision_code(Precision::Lossy(*c)), 1 + i as u64);
+        let e = mismatch_error(
+            0,
+            1,
+            0,
+            Desc::new(1, 2, 3, 0),
+            Desc::new(1, 2, 3, 1 + i as u64),
+        );
+        match e {
+            Error::RankMismatch { detail, .. } => assert!(detail.ends_with(c.name()), "{detail}"),
+            other => panic!("{other:?}"),
+        }
+    }
+}

@@ -1,0 +1,144 @@
+//! What a GPU backend is made of, so that every vendor runs the same group logic.
+//!
+//! A GPU backend is two things: a [`GpuRuntime`] (the dozen device operations the group logic
+//! needs, over the vendor's runtime: allocate, map host memory, load the kernels, launch with
+//! one by-value [`abi::Args`] block, synchronise, enable peers, and the vendor collective
+//! library), and the group logic itself, [`GpuBackend`]/[`GpuComm`], which is written once
+//! against the trait: the workspace layout ([`abi`]), the flag protocol's launch arguments,
+//! the warm-up, strategy choice, the call descriptors ranks compare in the kernel, and how a
+//! device-side timeout or mismatch becomes an [`Error`](crate::Error).
+//!
+//! The ROCm backend is built this way (`allreduce-backend-rocm`: `Rocm = GpuBackend<Hip>`).
+//! The CUDA backend's `comm.rs` is the code [`GpuBackend`] was taken from, and moves onto it next
+//! (docs/decisions.md, "ROCm backend").
+//!
+//! Methods are associated functions (`R::bind(&dev)`): a runtime is a type, not a value,
+//! because the vendor library behind it is process-global and loaded once.
+
+use std::ffi::CStr;
+
+use crate::{Call, Device, GroupConfig, Result, SelectionTable, Stream};
+
+pub mod abi;
+mod group;
+
+pub use group::{GpuBackend, GpuComm};
+
+/// The device operations the shared group logic needs from a vendor runtime.
+///
+/// Every method that allocates, loads or launches runs with `dev` (or the device the caller
+/// bound last, for [`GpuRuntime::launch`]) current on the calling thread; implementations
+/// whose runtime has a per-thread current device bind it themselves where a device is passed.
+pub trait GpuRuntime: Sized + Send + Sync + 'static {
+    /// The backend's name (`"cuda"`, `"rocm"`): `Backend::NAME`, and in error messages.
+    const NAME: &'static str;
+    /// Blocks per launch with one rank per GPU (fewer when ranks share a GPU, see
+    /// [`GpuRuntime::compute_units`]). vLLM's grid-searched 36 for its one-/two-shot kernels.
+    const BLOCKS_PER_RANK: u32 = 36;
+
+    /// An open device (a context retained, attributes read).
+    type Device: Send + Sync;
+    /// Device memory, freed on drop.
+    type Memory: Send + Sync;
+    /// Pinned host memory mapped into the device's address space, freed on drop.
+    type HostMapped: Send + Sync;
+    /// The loaded kernels, unloaded on drop.
+    type Module: Send + Sync;
+    /// A kernel handle (valid while its module lives).
+    type Function: Copy + Send + Sync;
+    /// One rank's communicator of the vendor library (NCCL, RCCL), destroyed on drop.
+    type Vendor: Send + Sync;
+
+    /// Called first when a group over these device ordinals (one per rank) is built: a
+    /// runtime's own checks or warnings about the group's shape.
+    fn prepare_group(_ordinals: &[u32]) -> Result<()> {
+        Ok(())
+    }
+
+    /// How buffers on device `ordinal` are tagged (`Device::Rocm(ordinal)`).
+    fn device_tag(ordinal: u32) -> Device;
+    /// Open device `ordinal`. A missing runtime library or device is an error value.
+    fn open(ordinal: u32) -> Result<Self::Device>;
+    fn ordinal(dev: &Self::Device) -> u32;
+    /// Streaming multiprocessors (CUDA) or compute units (ROCm): ranks sharing a GPU split
+    /// them, since all their blocks must be resident at once.
+    fn compute_units(dev: &Self::Device) -> u32;
+    /// Make `dev` current on the calling thread.
+    fn bind(dev: &Self::Device) -> Result<()>;
+    fn can_access_peer(dev: &Self::Device, peer: &Self::Device) -> Result<bool>;
+    /// Let `dev` read and write `peer`'s memory (already enabled is not an error).
+    fn enable_peer(dev: &Self::Device, peer: &Self::Device) -> Result<()>;
+
+    /// A rank's workspace: zeroed, and visible to peers' kernels without stale caches (on
+    /// ROCm: uncached device memory, as QuickReduce allocates it). Complete on return.
+    fn alloc_workspace(dev: &Self::Device, bytes: usize) -> Result<Self::Memory>;
+    fn memory_addr(mem: &Self::Memory) -> u64;
+    /// Zeroed, coherent host memory the device can write (where kernels report errors).
+    fn alloc_host_mapped(dev: &Self::Device, bytes: usize) -> Result<Self::HostMapped>;
+    /// The host pointer and the device address of the same bytes.
+    fn host_mapped_ptrs(mem: &Self::HostMapped) -> (*mut u8, u64);
+
+    /// Load the backend's embedded kernels for `dev`'s architecture.
+    fn load_module(dev: &Self::Device) -> Result<Self::Module>;
+    /// Look up a kernel by name, loaded eagerly (no lazy first-launch work later).
+    fn function(module: &Self::Module, name: &CStr) -> Result<Self::Function>;
+
+    /// Launch `f` on the current device with one by-value argument block.
+    ///
+    /// # Safety
+    /// `A` must match the kernel's parameter layout, and every pointer in it must stay valid
+    /// until the kernel has run.
+    unsafe fn launch<A>(
+        f: Self::Function,
+        grid: u32,
+        block: u32,
+        stream: Stream,
+        args: &A,
+    ) -> Result<()>;
+    /// Wait for all work on `dev`.
+    fn synchronize_device(dev: &Self::Device) -> Result<()>;
+    /// Wait for the work on `stream` (a stream of `dev`).
+    fn synchronize_stream(dev: &Self::Device, stream: Stream) -> Result<()>;
+
+    /// Why the vendor library cannot serve a group over these device ordinals, or `None`.
+    fn vendor_unavailable(ordinals: &[u32]) -> Option<String>;
+    /// One vendor communicator per rank, `devices[r]` being rank r's (all distinct).
+    fn vendor_init(devices: &[&Self::Device]) -> Result<Vec<Self::Vendor>>;
+    /// Enqueue `call` on the vendor library (its buffers validated by `prepare`).
+    ///
+    /// # Safety
+    /// The call's buffers must be valid device memory of `dev` until its stream passes it.
+    unsafe fn vendor_all_reduce(comm: &Self::Vendor, dev: &Self::Device, call: &Call)
+        -> Result<()>;
+
+    /// The table behind `Strategy::Auto` when the caller gives none.
+    fn default_selection(_config: &GroupConfig) -> SelectionTable {
+        SelectionTable::default_table()
+    }
+
+    /// Why `Strategy::QuantizedTwoShot` cannot run (`None` once the codec kernels exist).
+    fn quantized_unavailable() -> Option<String> {
+        Some("the quantized GPU kernels are not built yet (issue 4)".into())
+    }
+
+    /// A handle another process can open to map `mem` (CUDA/HIP IPC handles), for groups
+    /// that span processes. Not needed by in-process groups, which share one address space.
+    fn export_memory(_mem: &Self::Memory) -> Result<Vec<u8>> {
+        Err(crate::Error::InvalidConfig(format!(
+            "the {} backend cannot export memory to other processes yet",
+            Self::NAME
+        )))
+    }
+
+    /// Map a peer process's memory from its [`GpuRuntime::export_memory`] handle; returns
+    /// the device address in this process.
+    ///
+    /// # Safety
+    /// `handle` must come from a live allocation of another process of the same group.
+    unsafe fn import_memory(_dev: &Self::Device, _handle: &[u8]) -> Result<u64> {
+        Err(crate::Error::InvalidConfig(format!(
+            "the {} backend cannot import memory from other processes yet",
+            Self::NAME
+        )))
+    }
+}
