@@ -17,13 +17,13 @@ import json, shutil, sys
 for line in open(sys.argv[1]):
     try: m = json.loads(line)
     except ValueError: continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("conformance", "cuda_graphs", "cuda_codecs"):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("conformance", "cuda_graphs", "cuda_codecs", "cuda_processes"):
         shutil.copy2(m["executable"], "gpu-bin/" + m["target"]["name"])
 PY
 rm -f "$json"
 cargo build --release -p allreduce-bench --features cuda
 cp target/release/allreduce-bench gpu-bin/
-strip gpu-bin/conformance gpu-bin/cuda_graphs gpu-bin/cuda_codecs gpu-bin/allreduce-bench
+strip gpu-bin/conformance gpu-bin/cuda_graphs gpu-bin/cuda_codecs gpu-bin/cuda_processes gpu-bin/allreduce-bench
 cat >gpu-bin/run.sh <<'RUN'
 #!/usr/bin/env bash
 # On the GPU machine: OUT=$OUT gpu-bin/run.sh (at most 8 files come back; this writes 7).
@@ -35,6 +35,11 @@ C="$OUT/conformance.log"; T="$OUT/tests.log"; Q="$OUT/bench_quantized.txt"; B="$
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$C" 2>&1
 timeout 400 ./conformance "[cuda" >>"$C" 2>&1; echo "conformance rc=$?" >>"$C"
 timeout 60 ./cuda_codecs >"$T" 2>&1; echo "codecs rc=$?" >>"$T"
+# One process per rank needs MPS on one GPU (../shared/GPU.md): start it for this test only.
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY; nvidia-cuda-mps-control -d
+timeout 120 ./cuda_processes >>"$T" 2>&1; echo "processes rc=$?" >>"$T"
+echo quit | nvidia-cuda-mps-control; sleep 1
 timeout 200 ./cuda_graphs >>"$T" 2>&1; echo "graphs rc=$?" >>"$T"
 for r in 2 4 8; do
   timeout 120 ./allreduce-bench --backend cuda --ranks $r -b 64K -e 64M -f 4 --strategy twoshot,quantized \

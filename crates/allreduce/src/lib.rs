@@ -33,9 +33,9 @@ use std::fmt;
 use std::str::FromStr;
 
 pub use allreduce_core::{
-    codec, layout, AllReduceOptions, BufMut, BufRef, Codec, DType, Device, Element, Error,
-    GroupConfig, HostBytes, Precision, RawBuffer, ReduceOp, Result, Rule, SelectionTable, Strategy,
-    Stream,
+    codec, layout, AllReduceOptions, Bootstrap, BufMut, BufRef, Codec, DType, Device, Element,
+    Error, GroupConfig, HostBytes, Precision, RawBuffer, ReduceOp, Result, Rule, SelectionTable,
+    Strategy, Stream,
 };
 use allreduce_core::{prepare, Backend, BackendComm};
 
@@ -104,6 +104,26 @@ pub struct Communicator {
     comm: Box<dyn BackendComm>,
 }
 
+fn boxed_rank<B: Backend>(
+    config: &GroupConfig,
+    bootstrap: &mut dyn Bootstrap,
+) -> Result<Box<dyn BackendComm>> {
+    Ok(Box::new(B::create_rank(config, bootstrap)?))
+}
+
+/// The selection table from `ALLREDUCE_SELECTION_TABLE` when the config names none.
+fn with_env_table(config: GroupConfig) -> Result<GroupConfig> {
+    let mut config = config;
+    if config.selection.is_none() {
+        if let Some(path) = std::env::var_os("ALLREDUCE_SELECTION_TABLE") {
+            // A tuned table (allreduce-bench --tune) without a code change.
+            config.selection = Some(SelectionTable::load(std::path::Path::new(&path))?);
+            tracing::debug!(path = ?path, "selection table from ALLREDUCE_SELECTION_TABLE");
+        }
+    }
+    Ok(config)
+}
+
 fn boxed<B: Backend>(config: &GroupConfig) -> Result<Vec<Box<dyn BackendComm>>> {
     Ok(B::create_group(config)?
         .into_iter()
@@ -122,14 +142,7 @@ impl Communicator {
         )
         .entered();
         config.validate()?;
-        let mut config = config;
-        if config.selection.is_none() {
-            if let Some(path) = std::env::var_os("ALLREDUCE_SELECTION_TABLE") {
-                // A tuned table (allreduce-bench --tune) without a code change.
-                config.selection = Some(SelectionTable::load(std::path::Path::new(&path))?);
-                tracing::debug!(path = ?path, "selection table from ALLREDUCE_SELECTION_TABLE");
-            }
-        }
+        let config = with_env_table(config)?;
         let comms = match backend {
             BackendKind::Host => boxed::<allreduce_backend_host::Host>(&config)?,
             #[cfg(feature = "cuda")]
@@ -144,6 +157,46 @@ impl Communicator {
             .into_iter()
             .map(|comm| Communicator { backend, comm })
             .collect())
+    }
+
+    /// Build this process's rank of a group with one rank per process, as
+    /// `ncclCommInitRank` does: every rank calls it at the same time, with the same
+    /// `config.world_size`, and `bootstrap` (the built-in `allreduce_bootstrap::TcpBootstrap`,
+    /// or the user's MPI / torch.distributed / store) carries the handles they exchange.
+    /// `config.devices` names this process's GPU (one ordinal, or one per rank to pick
+    /// `devices[rank]`). GPU backends only: the host backend's ranks are threads.
+    pub fn new_rank(
+        backend: BackendKind,
+        config: GroupConfig,
+        bootstrap: &mut dyn Bootstrap,
+    ) -> Result<Communicator> {
+        let _span = tracing::debug_span!(
+            "new_rank",
+            backend = backend.name(),
+            rank = bootstrap.rank(),
+            world = config.world_size
+        )
+        .entered();
+        config.validate()?;
+        if bootstrap.world_size() != config.world_size || bootstrap.rank() >= config.world_size {
+            return Err(Error::InvalidConfig(format!(
+                "the bootstrap has rank {} of {}, the config a world of {}",
+                bootstrap.rank(),
+                bootstrap.world_size(),
+                config.world_size
+            )));
+        }
+        let config = with_env_table(config)?;
+        let comm = match backend {
+            BackendKind::Host => boxed_rank::<allreduce_backend_host::Host>(&config, bootstrap)?,
+            #[cfg(feature = "cuda")]
+            BackendKind::Cuda => boxed_rank::<allreduce_backend_cuda::Cuda>(&config, bootstrap)?,
+            #[cfg(feature = "rocm")]
+            BackendKind::Rocm => boxed_rank::<allreduce_backend_rocm::Rocm>(&config, bootstrap)?,
+            #[allow(unreachable_patterns)] // every backend compiled in
+            _ => return Err(Error::BackendNotBuilt(backend.name())),
+        };
+        Ok(Communicator { backend, comm })
     }
 
     pub fn rank(&self) -> usize {

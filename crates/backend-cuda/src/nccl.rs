@@ -104,6 +104,40 @@ pub fn init(devices: &[&driver::Device]) -> Result<Vec<Comm>> {
     Ok(comms.into_iter().map(Comm).collect())
 }
 
+/// A new group id (`ncclGetUniqueId`), for rank 0 of a multi-process group to send to the
+/// others.
+pub fn unique_id() -> Result<Vec<u8>> {
+    // SAFETY: only tries to open the library.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(Error::LibraryUnavailable {
+            library: "libnccl",
+            detail: "could not be loaded (put libnccl.so.2 on LD_LIBRARY_PATH)".into(),
+        });
+    }
+    let mut id = sys::ncclUniqueId { internal: [0; 128] };
+    // SAFETY: library present; `id` is written by NCCL.
+    check(unsafe { sys::ncclGetUniqueId(&mut id) }, "ncclGetUniqueId")?;
+    Ok(id.internal.iter().map(|&b| b as u8).collect())
+}
+
+/// This process's communicator of a group whose id rank 0 made with [`unique_id`]; the
+/// device must be current.
+pub fn init_rank(id: &[u8], rank: usize, world: usize) -> Result<Comm> {
+    let bytes: [u8; 128] = id.try_into().map_err(|_| Error::Bootstrap {
+        detail: format!("an NCCL id is 128 bytes, rank 0 sent {}", id.len()),
+    })?;
+    let id = sys::ncclUniqueId {
+        internal: bytes.map(|b| b as std::ffi::c_char),
+    };
+    let mut comm = std::ptr::null_mut();
+    // SAFETY: the id came from ncclGetUniqueId on rank 0; every rank calls this together.
+    check(
+        unsafe { sys::ncclCommInitRank(&mut comm, world as i32, id, rank as i32) },
+        "ncclCommInitRank",
+    )?;
+    Ok(Comm(comm))
+}
+
 fn nccl_dtype(d: DType) -> sys::ncclDataType_t {
     match d {
         DType::F32 => sys::ncclDataType_t::ncclFloat32,

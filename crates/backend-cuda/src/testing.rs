@@ -299,7 +299,7 @@ unsafe impl Send for CopyKernel {}
 impl CopyKernel {
     /// Load on the bound device.
     pub fn load() -> Result<Self> {
-        let module = driver::Module::load(crate::comm::FATBIN)?;
+        let module = driver::Module::load(crate::runtime::FATBIN)?;
         let f = module.function(c"ar_copy_f32x4")?;
         Ok(CopyKernel { f, _module: module })
     }
@@ -391,7 +391,7 @@ pub struct Segment {
 impl CodecKernels {
     /// Load on the bound device.
     pub fn load() -> Result<Self> {
-        let module = driver::Module::load(crate::comm::FATBIN)?;
+        let module = driver::Module::load(crate::runtime::FATBIN)?;
         let mut f = [[[std::ptr::null_mut(); 2]; 7]; 2];
         for (t, ty) in ["f32", "bf16"].iter().enumerate() {
             for (c, codec) in allreduce_core::Codec::ALL.iter().enumerate() {

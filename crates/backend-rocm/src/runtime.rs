@@ -430,6 +430,33 @@ impl GpuRuntime for Hip {
         Ok(comms.into_iter().map(RcclComm).collect())
     }
 
+    fn export_memory(mem: &HipMemory) -> Result<Vec<u8>> {
+        Ok(mem.ipc_handle()?.to_vec())
+    }
+
+    unsafe fn import_memory(dev: &HipDevice, handle: &[u8]) -> Result<u64> {
+        let bytes: [u8; sys::HIP_IPC_HANDLE_SIZE] =
+            handle.try_into().map_err(|_| Error::Bootstrap {
+                detail: format!(
+                    "a HIP IPC handle is {} bytes, a peer sent {}",
+                    sys::HIP_IPC_HANDLE_SIZE,
+                    handle.len()
+                ),
+            })?;
+        Self::bind(dev)?;
+        // Kept open until close_import: the group owns the mapping.
+        let m = IpcMapping::open(&bytes)?;
+        let addr = m.ptr as u64;
+        std::mem::forget(m);
+        Ok(addr)
+    }
+
+    unsafe fn close_import(dev: &HipDevice, addr: u64) {
+        if Self::bind(dev).is_ok() {
+            let _ = hip::ipc::close_handle(addr as *mut std::ffi::c_void);
+        }
+    }
+
     unsafe fn vendor_all_reduce(comm: &RcclComm, _dev: &HipDevice, call: &Call) -> Result<()> {
         rccl::result::all_reduce(
             comm.0,

@@ -236,8 +236,8 @@ fn hip_layers_against_a_stub_runtime() {
     assert_eq!(probe.u32("stub_peer_enables"), 2);
     assert_eq!(
         probe.u32("stub_launches"),
-        2 * 6,
-        "every kernel once per rank"
+        2 * (6 + 2 * 7),
+        "every kernel once per rank: one-shot and two-shot x 3 dtypes, quantized x 2 x 7 codecs"
     );
     assert_eq!(
         (probe.u32("stub_last_grid"), probe.u32("stub_last_block")),
@@ -280,7 +280,8 @@ fn hip_layers_against_a_stub_runtime() {
     assert!(a.peers[0] != 0 && a.peers[1] != 0 && a.peers[0] != a.peers[1]);
     assert!(a.peers[2..].iter().all(|&p| p == 0));
     assert_ne!(a.control, 0);
-    assert_eq!(a.max_bytes, 9 << 20);
+    // The staging stride: max_bytes plus the quantized slots' padding (a few hundred bytes).
+    assert!(a.max_bytes >= 9 << 20 && a.max_bytes < (9 << 20) + 4096);
     let d = Desc(a.desc);
     assert_eq!(
         (d.len(), d.dtype(), d.strategy(), d.precision()),
@@ -288,13 +289,16 @@ fn hip_layers_against_a_stub_runtime() {
     );
     c.synchronize(stream).unwrap();
 
-    // What cannot run says why.
-    let q = c.strategy_available(
-        Strategy::QuantizedTwoShot,
-        DType::F16,
-        Precision::Lossy(allreduce_core::Codec::Int4),
-    );
-    assert!(q.unwrap_err().contains("issue 4"));
+    // The quantized kernels are embedded: 16-bit lossy calls can take them, f32 cannot.
+    let q = |d| {
+        c.strategy_available(
+            Strategy::QuantizedTwoShot,
+            d,
+            Precision::Lossy(allreduce_core::Codec::Int4),
+        )
+    };
+    assert_eq!(q(DType::F16), Ok(()));
+    assert!(q(DType::F32).unwrap_err().contains("f16 and bf16"));
     // 8 MiB exact at world 2 is past the custom kernels' 8 MiB: RCCL, on rank 1's
     // communicator, with RCCL's f32 code and ncclSum.
     // SAFETY: fake device addresses, as above.
@@ -323,7 +327,7 @@ fn hip_layers_against_a_stub_runtime() {
     assert_eq!(rccl.u32("stub_rccl_last_comm"), 0x101);
     assert_eq!(
         probe.u32("stub_launches"),
-        2 * 6 + 1,
+        2 * (6 + 2 * 7) + 1,
         "no kernel for the RCCL call"
     );
 
@@ -354,7 +358,7 @@ fn hip_layers_against_a_stub_runtime() {
     assert_eq!(probe.u32("stub_captured"), 1);
     assert_eq!(
         probe.u32("stub_launches"),
-        2 * 6 + 1,
+        2 * (6 + 2 * 7) + 1,
         "nothing ran during capture"
     );
     assert_eq!(probe.string("stub_last_kernel"), "ar_twoshot_f16");

@@ -270,6 +270,16 @@ pub trait Backend: 'static {
 
     /// Build all ranks of an in-process group; element `r` is rank `r`.
     fn create_group(config: &GroupConfig) -> Result<Vec<Self::Comm>>;
+
+    /// Build this process's rank of a group spanning processes (one rank per process, like
+    /// `ncclCommInitRank`): `bootstrap` carries the bytes the ranks exchange (device ids,
+    /// memory handles, the vendor library's id). Every rank calls it at the same time.
+    fn create_rank(_config: &GroupConfig, _bootstrap: &mut dyn Bootstrap) -> Result<Self::Comm> {
+        Err(Error::InvalidConfig(format!(
+            "the {} backend runs in-process groups only",
+            Self::NAME
+        )))
+    }
 }
 
 /// One rank of a group. Each rank is driven from its own thread.

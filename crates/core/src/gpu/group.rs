@@ -1,7 +1,6 @@
 //! Group creation and the per-rank communicator, for any [`GpuRuntime`].
 //!
-//! This is `crates/backend-cuda/src/comm.rs` with the CUDA driver calls replaced by the
-//! trait's; keep the two in step until the CUDA backend runs on it (docs/decisions.md).
+//! Both GPU backends run on it: `Cuda = GpuBackend<CudaRuntime>`, `Rocm = GpuBackend<Hip>`.
 //!
 //! A group is built over a list of device ordinals, one per rank; ordinals may repeat
 //! ("virtual ranks": several ranks on one GPU, each with its own workspace and a grid small
@@ -19,8 +18,8 @@ use std::time::Duration;
 use super::abi::{self, Args, Control, Desc, MAX_BLOCKS, MAX_WORLD, THREADS};
 use super::GpuRuntime;
 use crate::{
-    Backend, BackendComm, Call, Codec, DType, Error, GroupConfig, Limits, Precision, Result,
-    SelectionTable, Strategy, Stream,
+    Backend, BackendComm, Bootstrap, Call, Codec, DType, Error, GroupConfig, Limits, Precision,
+    Result, SelectionTable, Strategy, Stream,
 };
 
 /// A GPU backend: the shared group logic over runtime `R`.
@@ -58,13 +57,103 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
             })
             .collect())
     }
+
+    fn create_rank(config: &GroupConfig, bootstrap: &mut dyn Bootstrap) -> Result<GpuComm<R>> {
+        config.validate()?;
+        let (rank, world) = (bootstrap.rank(), config.world_size);
+        if world > MAX_WORLD || bootstrap.world_size() != world || rank >= world {
+            return Err(Error::InvalidConfig(format!(
+                "rank {rank} of a bootstrap of {} for a group of {world} (at most {MAX_WORLD})",
+                bootstrap.world_size()
+            )));
+        }
+        let ordinal = match config.devices.len() {
+            0 => 0,
+            1 => config.devices[0],
+            n if n == world => config.devices[rank],
+            n => {
+                return Err(Error::InvalidConfig(format!(
+                    "devices lists {n} GPUs: give this process's one, or one per rank ({world})"
+                )))
+            }
+        };
+        let group = Arc::new(Group::<R>::new_rank(rank, ordinal, config, bootstrap)?);
+        let table = config
+            .selection
+            .clone()
+            .unwrap_or_else(|| R::default_selection(config));
+        Ok(GpuComm {
+            rank,
+            group,
+            table,
+            calls: AtomicU64::new(0),
+        })
+    }
+}
+
+/// Length-prefixed fields in one bootstrap message.
+fn pack(fields: &[&[u8]]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for f in fields {
+        out.extend_from_slice(&(f.len() as u32).to_le_bytes());
+        out.extend_from_slice(f);
+    }
+    out
+}
+
+fn unpack(msg: &[u8], fields: usize, from: usize) -> Result<Vec<&[u8]>> {
+    let bad = || Error::Bootstrap {
+        detail: format!("rank {from} sent a malformed group message"),
+    };
+    let mut out = Vec::with_capacity(fields);
+    let mut rest = msg;
+    for _ in 0..fields {
+        let len = u32::from_le_bytes(rest.get(..4).ok_or_else(bad)?.try_into().unwrap()) as usize;
+        out.push(rest.get(4..4 + len).ok_or_else(bad)?);
+        rest = &rest[4 + len..];
+    }
+    if !rest.is_empty() {
+        return Err(bad());
+    }
+    Ok(out)
 }
 
 /// The kernels the group launches, by dtype (f32, f16, bf16).
 struct Kernels<R: GpuRuntime> {
     oneshot: [R::Function; 3],
     twoshot: [R::Function; 3],
+    /// `[f16, bf16][codec index in Codec::ALL]`; `None` where the runtime has no codec
+    /// kernels ([`GpuRuntime::quantized_unavailable`]).
+    quantized: Option<[[R::Function; Codec::ALL.len()]; 2]>,
     _module: R::Module,
+}
+
+fn quantized_functions<R: GpuRuntime>(
+    module: &R::Module,
+    dtype: &str,
+) -> Result<[R::Function; Codec::ALL.len()]> {
+    let mut out = Vec::with_capacity(Codec::ALL.len());
+    for codec in Codec::ALL {
+        let name = std::ffi::CString::new(format!("ar_quantized_{dtype}_{}", codec.name()))
+            .expect("no NUL in kernel names");
+        out.push(R::function(module, &name)?);
+    }
+    Ok(out.try_into().ok().expect("one per codec"))
+}
+
+/// Bytes of each staging buffer (and of `reduced`): `max_bytes` plus room for the quantized
+/// path's per-slot padding, so every call within `max_bytes` fits whatever the codec
+/// ([`quantized_fits`], tested).
+pub(crate) fn stage_bytes(max_bytes: usize) -> usize {
+    abi::round_max_bytes(max_bytes + QUANT_SLACK)
+}
+const QUANT_SLACK: usize = 64 * MAX_WORLD + 256;
+
+/// Whether the quantized kernel's slots for `n` elements fit a staging buffer:
+/// `world * encoded_len(shard)` bytes (kernels-common quantized.h).
+pub(crate) fn quantized_fits(codec: Codec, n: usize, world: usize, stage: usize) -> bool {
+    let shard = crate::layout::shard_len(n, world, crate::layout::QUANT_GRANULE);
+    world * codec.encoded_len(shard) <= stage
 }
 
 impl<R: GpuRuntime> Kernels<R> {
@@ -82,6 +171,13 @@ impl<R: GpuRuntime> Kernels<R> {
                 f(c"ar_twoshot_f16")?,
                 f(c"ar_twoshot_bf16")?,
             ],
+            quantized: match R::quantized_unavailable() {
+                Some(_) => None,
+                None => Some([
+                    quantized_functions::<R>(&module, "f16")?,
+                    quantized_functions::<R>(&module, "bf16")?,
+                ]),
+            },
             _module: module,
         })
     }
@@ -92,15 +188,22 @@ struct Group<R: GpuRuntime> {
     world: usize,
     /// Index into `devices` of each rank.
     rank_device: Vec<usize>,
+    /// The ranks this process drives: all of them in an in-process group, one in a group of
+    /// one process per rank ([`GpuBackend::create_rank`]).
+    local: Vec<usize>,
+    /// Peer workspaces mapped from other processes (IPC), unmapped on drop.
+    imported: Vec<u64>,
     devices: Vec<R::Device>,
     kernels: Vec<Option<Kernels<R>>>,
     workspaces: Vec<Option<R::Memory>>,
     controls: Vec<Option<R::HostMapped>>,
     peers: [u64; MAX_WORLD],
-    /// One vendor communicator per rank, or why there is none.
+    /// One vendor communicator per local rank (in `local`'s order), or why there is none.
     vendor: std::result::Result<Vec<R::Vendor>, String>,
     grid: u32,
     max_bytes: usize,
+    /// Size of each staging buffer, the stride the kernels see as `Args::max_bytes`.
+    stage_bytes: usize,
     timeout: Duration,
     cast_bf16_to_f16: bool,
 }
@@ -146,6 +249,7 @@ impl<R: GpuRuntime> Group<R> {
         );
 
         let max_bytes = abi::round_max_bytes(config.max_bytes);
+        let stage = stage_bytes(max_bytes);
         let mut kernels = Vec::new();
         for d in &devices {
             R::bind(d)?;
@@ -157,7 +261,7 @@ impl<R: GpuRuntime> Group<R> {
         for (rank, &d) in rank_device.iter().enumerate() {
             let dev = &devices[d];
             R::bind(dev)?;
-            let ws = R::alloc_workspace(dev, abi::workspace_bytes(max_bytes))?;
+            let ws = R::alloc_workspace(dev, abi::workspace_bytes(stage))?;
             peers[rank] = R::memory_addr(&ws);
             workspaces.push(Some(ws));
             controls.push(Some(R::alloc_host_mapped(dev, size_of::<Control>())?));
@@ -183,6 +287,8 @@ impl<R: GpuRuntime> Group<R> {
         }
         let group = Group {
             world: ordinals.len(),
+            local: (0..ordinals.len()).collect(),
+            imported: Vec::new(),
             rank_device,
             devices,
             kernels,
@@ -192,10 +298,164 @@ impl<R: GpuRuntime> Group<R> {
             vendor,
             grid,
             max_bytes,
+            stage_bytes: stage,
             timeout: config.timeout,
             cast_bf16_to_f16: config.cast_bf16_to_f16,
         };
         group.warm_up()?;
+        Ok(group)
+    }
+
+    /// This process's rank of a group with one process per rank. Three exchanges over the
+    /// bootstrap: (device id, compute units, max_bytes) so every rank derives the same grid and
+    /// checks the others' limits; workspace IPC handles, which each rank maps; the vendor
+    /// library's id from rank 0. Then every rank warms its kernels and a last exchange makes
+    /// sure no rank launches before every peer has mapped its workspace.
+    fn new_rank(
+        rank: usize,
+        ordinal: u32,
+        config: &GroupConfig,
+        boot: &mut dyn Bootstrap,
+    ) -> Result<Self> {
+        let world = config.world_size;
+        R::prepare_group(&[ordinal])?;
+        let dev = R::open(ordinal)?;
+        let max_bytes = abi::round_max_bytes(config.max_bytes);
+        let units = R::compute_units(&dev);
+        let id = R::device_id(&dev);
+        let shape = boot.all_gather(&pack(&[
+            &id,
+            &units.to_le_bytes(),
+            &(max_bytes as u64).to_le_bytes(),
+            &config
+                .timeout
+                .as_nanos()
+                .min(u64::MAX as u128)
+                .to_le_bytes()[..8],
+        ]))?;
+        let mut ids: Vec<&[u8]> = Vec::new();
+        let mut unit_list = Vec::new();
+        let mut rank_device = Vec::with_capacity(world);
+        for (r, msg) in shape.iter().enumerate() {
+            let f = unpack(msg, 4, r)?;
+            if f[2] != (max_bytes as u64).to_le_bytes() {
+                return Err(Error::RankMismatch {
+                    what: "max_bytes",
+                    call: 0,
+                    detail: format!(
+                        "rank {rank} has {max_bytes}, rank {r} has {}",
+                        u64::from_le_bytes(f[2].try_into().unwrap_or([0; 8]))
+                    ),
+                });
+            }
+            let d = match ids.iter().position(|x| *x == f[0]) {
+                Some(d) => d,
+                None => {
+                    ids.push(f[0]);
+                    unit_list.push(u32::from_le_bytes(f[1].try_into().unwrap_or([0; 4])));
+                    ids.len() - 1
+                }
+            };
+            rank_device.push(d);
+        }
+        let grid = grid_for(R::BLOCKS_PER_RANK, &unit_list, &rank_device);
+        let shares_gpu = ids.len() < world;
+
+        R::bind(&dev)?;
+        let kernels = Kernels::load(&dev)?;
+        let stage = stage_bytes(max_bytes);
+        let ws = R::alloc_workspace(&dev, abi::workspace_bytes(stage))?;
+        let control = R::alloc_host_mapped(&dev, size_of::<Control>())?;
+        let handle = R::export_memory(&ws)?;
+        let handles = boot.all_gather(&handle)?;
+        let mut peers = [0u64; MAX_WORLD];
+        let mut imported = Vec::new();
+        let mut failed = None;
+        for (r, h) in handles.iter().enumerate() {
+            if r == rank {
+                peers[r] = R::memory_addr(&ws);
+                continue;
+            }
+            // SAFETY: a handle of rank r's live workspace, exported above by that rank.
+            match unsafe { R::import_memory(&dev, h) } {
+                Ok(addr) => {
+                    peers[r] = addr;
+                    imported.push(addr);
+                }
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+
+        // The vendor library: rank 0 makes the id; an empty message means "none", so every
+        // rank takes the same decision.
+        let unavailable = if shares_gpu {
+            Some(format!(
+                "{} ranks share a GPU: the vendor library needs one GPU per rank",
+                world - ids.len() + 1
+            ))
+        } else {
+            R::vendor_unavailable(&[ordinal])
+        };
+        let vendor_id = match (rank, &unavailable) {
+            (0, None) => R::vendor_unique_id().unwrap_or_default(),
+            _ => Vec::new(),
+        };
+        let vendor_id = boot.broadcast(0, &vendor_id)?;
+        let vendor = if vendor_id.is_empty() {
+            Err(unavailable.unwrap_or_else(|| "rank 0 could not create a vendor group id".into()))
+        } else {
+            R::bind(&dev)?;
+            R::vendor_init_rank(&dev, &vendor_id, rank, world)
+                .map(|c| vec![c])
+                .map_err(|e| format!("vendor library initialisation failed: {e}"))
+        };
+
+        let mut workspaces: Vec<Option<R::Memory>> = (0..world).map(|_| None).collect();
+        let mut controls: Vec<Option<R::HostMapped>> = (0..world).map(|_| None).collect();
+        workspaces[rank] = Some(ws);
+        controls[rank] = Some(control);
+        let group = Group {
+            world,
+            local: vec![rank],
+            imported,
+            rank_device: vec![0; world],
+            devices: vec![dev],
+            kernels: vec![Some(kernels)],
+            workspaces,
+            controls,
+            peers,
+            vendor,
+            grid,
+            max_bytes,
+            stage_bytes: stage,
+            timeout: config.timeout,
+            cast_bf16_to_f16: config.cast_bf16_to_f16,
+        };
+        let warm = match failed {
+            Some(e) => Err(e),
+            None => group.warm_up(),
+        };
+        // Everyone has mapped every workspace (or failed: then everyone learns it here).
+        let ok = boot.all_gather(&[u8::from(warm.is_ok())])?;
+        warm?;
+        if let Some(r) = ok.iter().position(|m| m.first() != Some(&1)) {
+            return Err(Error::PeerRejected {
+                rank: r,
+                call: 0,
+                reason: "it could not join the group (see its own error)".into(),
+            });
+        }
+        tracing::debug!(
+            backend = R::NAME,
+            rank,
+            world,
+            grid,
+            shares_gpu,
+            "gpu rank ready"
+        );
         Ok(group)
     }
 
@@ -215,7 +475,7 @@ impl<R: GpuRuntime> Group<R> {
             n: n as u64,
             peers: self.peers,
             control: R::host_mapped_ptrs(self.control(rank)).1,
-            max_bytes: self.max_bytes as u64,
+            max_bytes: self.stage_bytes as u64,
             timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
             rank: rank as u32,
             world: self.world as u32,
@@ -229,7 +489,8 @@ impl<R: GpuRuntime> Group<R> {
     /// waiting for this rank's launch, that wait never ends. Every rank advances its epochs
     /// and call parities by the same amount, so they stay in step.
     fn warm_up(&self) -> Result<()> {
-        for (rank, &d) in self.rank_device.iter().enumerate() {
+        for &rank in &self.local {
+            let d = self.rank_device[rank];
             R::bind(&self.devices[d])?;
             let k = self.kernels[d].as_ref().expect("loaded");
             let mut args = self.args(
@@ -243,7 +504,8 @@ impl<R: GpuRuntime> Group<R> {
             args.peers[0] = self.peers[rank];
             args.rank = 0;
             args.world = 1;
-            for &f in k.oneshot.iter().chain(&k.twoshot) {
+            let quantized = k.quantized.iter().flatten().flatten();
+            for &f in k.oneshot.iter().chain(&k.twoshot).chain(quantized) {
                 // SAFETY: n = 0 and world = 1: the kernel touches only this rank's workspace.
                 unsafe { R::launch(f, self.grid, THREADS, Stream::NULL, &args)? };
             }
@@ -288,8 +550,16 @@ impl<R: GpuRuntime> Drop for Group<R> {
         if let Ok(comms) = &mut self.vendor {
             comms.clear();
         }
+        // Unmap peers' workspaces before ours go (a peer may still map ours; it must drop its
+        // communicator first, as with ncclCommDestroy).
+        for &addr in &self.imported {
+            // SAFETY: mapped by import_memory on our (single) device; no kernel of ours runs
+            // any more (dropping a communicator with calls in flight is the caller's error).
+            unsafe { R::close_import(&self.devices[0], addr) };
+        }
         // Free each allocation with its own device current.
-        for (rank, &d) in self.rank_device.iter().enumerate() {
+        for &rank in &self.local {
+            let d = self.rank_device[rank];
             let _ = R::bind(&self.devices[d]);
             self.workspaces[rank].take();
             self.controls[rank].take();
@@ -409,7 +679,7 @@ impl<R: GpuRuntime> GpuComm<R> {
 
     /// Whether any rank's kernel has timed out: then the group is out of step for good.
     fn aborted(&self) -> Option<String> {
-        (0..self.group.world).find_map(|r| {
+        self.group.local.iter().find_map(|&r| {
             let c = Group::<R>::read_control(self.group.control(r));
             (c.error == abi::ERROR_TIMEOUT).then(|| {
                 format!(
@@ -445,14 +715,16 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
     fn strategy_available(
         &self,
         strategy: Strategy,
-        _dtype: DType,
-        _precision: Precision,
+        dtype: DType,
+        precision: Precision,
     ) -> Result<(), String> {
         match strategy {
             Strategy::OneShot | Strategy::TwoShot => Ok(()),
-            Strategy::QuantizedTwoShot => match R::quantized_unavailable() {
-                Some(why) => Err(why),
-                None => Ok(()),
+            Strategy::QuantizedTwoShot => match (R::quantized_unavailable(), dtype, precision) {
+                (Some(why), _, _) => Err(why),
+                (None, _, Precision::Exact) => Err("it needs Precision::Lossy(codec)".into()),
+                (None, DType::F16 | DType::BF16, Precision::Lossy(_)) => Ok(()),
+                (None, d, _) => Err(format!("the codecs carry f16 and bf16, not {d}")),
             },
             Strategy::Vendor => self.group.vendor.as_ref().map(|_| ()).map_err(Clone::clone),
             Strategy::Auto => Err("Auto is resolved before the backend is called".into()),
@@ -469,6 +741,30 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
         let f = match call.strategy {
             Strategy::OneShot => kernels.oneshot[dtype_index(call.dtype())],
             Strategy::TwoShot => kernels.twoshot[dtype_index(call.dtype())],
+            Strategy::QuantizedTwoShot => {
+                let (Some(table), Precision::Lossy(codec), Some(d)) = (
+                    kernels.quantized.as_ref(),
+                    call.precision,
+                    dtype_index(call.dtype()).checked_sub(1),
+                ) else {
+                    return Err(Error::StrategyUnavailable {
+                        strategy: Strategy::QuantizedTwoShot,
+                        reason: "needs the codec kernels, a lossy precision and f16 or bf16".into(),
+                    });
+                };
+                // Cannot fail for calls within max_bytes (stage_bytes has the room); checked
+                // anyway, and the peers told, rather than trust arithmetic with memory safety.
+                if !quantized_fits(codec, call.len(), g.world, g.stage_bytes) {
+                    let e = Error::TooLarge {
+                        bytes: call.output.bytes(),
+                        max: g.max_bytes,
+                    };
+                    self.calls.fetch_sub(1, Ordering::Relaxed);
+                    self.reject(&e, call.stream);
+                    return Err(e);
+                }
+                table[d][Codec::ALL.iter().position(|&x| x == codec).expect("listed")]
+            }
             Strategy::Vendor => {
                 let comms = g
                     .vendor
@@ -479,7 +775,8 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
                     })?;
                 R::bind(self.device())?;
                 // SAFETY: `prepare` validated the buffers (device, size, alignment).
-                return unsafe { R::vendor_all_reduce(&comms[self.rank], self.device(), call) };
+                let i = g.local.iter().position(|&r| r == self.rank).expect("local");
+                return unsafe { R::vendor_all_reduce(&comms[i], self.device(), call) };
             }
             s => {
                 return Err(Error::StrategyUnavailable {

@@ -8,9 +8,8 @@
 //! the warm-up, strategy choice, the call descriptors ranks compare in the kernel, and how a
 //! device-side timeout or mismatch becomes an [`Error`](crate::Error).
 //!
-//! The ROCm backend is built this way (`allreduce-backend-rocm`: `Rocm = GpuBackend<Hip>`).
-//! The CUDA backend's `comm.rs` is the code [`GpuBackend`] was taken from, and moves onto it next
-//! (docs/decisions.md, "ROCm backend").
+//! Both GPU backends are built this way: `Cuda = GpuBackend<CudaRuntime>` (allreduce-backend-cuda)
+//! and `Rocm = GpuBackend<Hip>` (allreduce-backend-rocm).
 //!
 //! Methods are associated functions (`R::bind(&dev)`): a runtime is a type, not a value,
 //! because the vendor library behind it is process-global and loaded once.
@@ -116,9 +115,45 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
         SelectionTable::default_table()
     }
 
-    /// Why `Strategy::QuantizedTwoShot` cannot run (`None` once the codec kernels exist).
+    /// Why `Strategy::QuantizedTwoShot` cannot run, or `None` when the module holds the codec
+    /// kernels (`ar_quantized_{f16,bf16}_{codec}`, kernels-common quantized.h).
     fn quantized_unavailable() -> Option<String> {
-        Some("the quantized GPU kernels are not built yet (issue 4)".into())
+        None
+    }
+
+    /// Bytes that name the physical device the same way in every process (a UUID): ranks of
+    /// a multi-process group with equal ids share one GPU. The default, the ordinal, is only
+    /// right when every process sees the same device numbering.
+    fn device_id(dev: &Self::Device) -> Vec<u8> {
+        Self::ordinal(dev).to_le_bytes().to_vec()
+    }
+
+    /// Unmap an address [`GpuRuntime::import_memory`] returned.
+    ///
+    /// # Safety
+    /// `addr` came from `import_memory` on `dev` and is not used afterwards.
+    unsafe fn close_import(_dev: &Self::Device, _addr: u64) {}
+
+    /// A vendor-library group id (`ncclGetUniqueId`), made by rank 0 of a multi-process group
+    /// and sent to the others over the bootstrap.
+    fn vendor_unique_id() -> Result<Vec<u8>> {
+        Err(crate::Error::InvalidConfig(format!(
+            "the {} backend has no multi-process vendor library",
+            Self::NAME
+        )))
+    }
+
+    /// This process's communicator of a vendor group spanning processes.
+    fn vendor_init_rank(
+        _dev: &Self::Device,
+        _id: &[u8],
+        _rank: usize,
+        _world: usize,
+    ) -> Result<Self::Vendor> {
+        Err(crate::Error::InvalidConfig(format!(
+            "the {} backend has no multi-process vendor library",
+            Self::NAME
+        )))
     }
 
     /// A handle another process can open to map `mem` (CUDA/HIP IPC handles), for groups

@@ -29,13 +29,27 @@ fn take_launches() -> Vec<Launch> {
     LAUNCHES.with(|l| std::mem::take(&mut *l.borrow_mut()))
 }
 
-const KERNELS: [&str; 6] = [
+const KERNELS: [&str; 20] = [
     "ar_oneshot_f32",
     "ar_oneshot_f16",
     "ar_oneshot_bf16",
     "ar_twoshot_f32",
     "ar_twoshot_f16",
     "ar_twoshot_bf16",
+    "ar_quantized_f16_fp8",
+    "ar_quantized_f16_q8",
+    "ar_quantized_f16_q6",
+    "ar_quantized_f16_q4",
+    "ar_quantized_f16_q8a",
+    "ar_quantized_f16_q6a",
+    "ar_quantized_f16_q4a",
+    "ar_quantized_bf16_fp8",
+    "ar_quantized_bf16_q8",
+    "ar_quantized_bf16_q6",
+    "ar_quantized_bf16_q4",
+    "ar_quantized_bf16_q8a",
+    "ar_quantized_bf16_q6a",
+    "ar_quantized_bf16_q4a",
 ];
 
 struct Mock;
@@ -269,7 +283,8 @@ fn a_call_launches_its_kernel_with_every_workspace_and_a_descriptor() {
     assert_eq!(&l.args.peers[..4], &c.group.peers[..4]);
     assert!(l.args.peers[..4].iter().all(|&p| p != 0));
     assert_eq!(l.args.control, Mock::host_mapped_ptrs(c.group.control(2)).1);
-    assert_eq!(l.args.max_bytes, 1 << 20);
+    // The staging stride: max_bytes plus the quantized slots' padding.
+    assert_eq!(l.args.max_bytes as usize, stage_bytes(1 << 20));
     let d = Desc(l.args.desc);
     assert_eq!(
         (d.len(), d.dtype(), d.strategy(), d.precision()),
@@ -278,17 +293,24 @@ fn a_call_launches_its_kernel_with_every_workspace_and_a_descriptor() {
 }
 
 #[test]
-fn quantized_and_vendor_say_why_they_are_unavailable() {
+fn quantized_takes_16_bit_lossy_calls_and_vendor_says_why_it_is_unavailable() {
     let comms = group(vec![0, 1]);
-    let q = comms[0].strategy_available(
-        Strategy::QuantizedTwoShot,
-        DType::F16,
-        Precision::Lossy(Codec::Int4),
+    let q = |d, p| comms[0].strategy_available(Strategy::QuantizedTwoShot, d, p);
+    assert_eq!(q(DType::F16, Precision::Lossy(Codec::Int4)), Ok(()));
+    assert_eq!(
+        q(DType::BF16, Precision::Lossy(Codec::Int8Adaptive)),
+        Ok(())
     );
-    assert!(q.unwrap_err().contains("issue 4"));
+    assert!(q(DType::F32, Precision::Lossy(Codec::Int4))
+        .unwrap_err()
+        .contains("f16 and bf16"));
+    assert!(q(DType::F16, Precision::Exact)
+        .unwrap_err()
+        .contains("Lossy"));
     let v = comms[0].strategy_available(Strategy::Vendor, DType::F16, Precision::Exact);
     assert_eq!(v.unwrap_err(), "the mock has no vendor library");
-    // Auto then never picks them: a large lossy call goes to two-shot.
+    // Auto never picks what is unavailable: asked for with exact precision, a large call
+    // goes to two-shot.
     let s =
         comms[0]
             .selection()
@@ -391,6 +413,26 @@ fn precision_names_follow_codec_order() {
         match e {
             Error::RankMismatch { detail, .. } => assert!(detail.ends_with(c.name()), "{detail}"),
             other => panic!("{other:?}"),
+        }
+    }
+}
+
+/// Every call the limits admit fits the quantized slots, for every codec and world size.
+#[test]
+fn quantized_slots_fit_every_admitted_call() {
+    for max_bytes in [0usize, 1, 2, 16, 100, 256, 1000, 4096, 65536, 1 << 20] {
+        let max = abi::round_max_bytes(max_bytes);
+        let stage = stage_bytes(max);
+        for world in 1..=MAX_WORLD {
+            for codec in Codec::ALL {
+                // 16-bit elements: the codecs carry f16/bf16 only.
+                for n in (0..=max / 2).rev().take(200).chain(0..200.min(max / 2 + 1)) {
+                    assert!(
+                        quantized_fits(codec, n, world, stage),
+                        "{codec} n={n} world={world} max={max}"
+                    );
+                }
+            }
         }
     }
 }

@@ -1,0 +1,208 @@
+//! The CUDA driver as a [`GpuRuntime`]: the group logic (workspaces, flags, strategy choice,
+//! warm-up, how device-side errors become `Error`s) is `allreduce_core::gpu`, shared with the
+//! ROCm backend; this file is only the dozen device operations it needs, over [`driver`] and
+//! [`nccl`]. So every test that runs here on the H200 also runs the ROCm backend's group logic.
+
+use std::ffi::CStr;
+
+use allreduce_core::gpu::{GpuBackend, GpuComm, GpuRuntime};
+use allreduce_core::{Call, Device, Error, Result, Stream};
+use cudarc::driver::sys;
+
+use crate::driver::{self, check, CUfunction};
+use crate::nccl;
+
+pub(crate) static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/allreduce.fatbin"));
+
+/// The CUDA backend.
+pub type Cuda = GpuBackend<CudaRuntime>;
+/// One rank of a CUDA group.
+pub type CudaComm = GpuComm<CudaRuntime>;
+
+/// The CUDA driver API (through cudarc's `sys` layer, loaded at run time).
+pub struct CudaRuntime;
+
+/// A kernel handle: `CUfunction` is a raw pointer, valid from any thread while its module is
+/// loaded.
+#[derive(Clone, Copy)]
+pub struct Function(CUfunction);
+// SAFETY: see above.
+unsafe impl Send for Function {}
+unsafe impl Sync for Function {}
+
+impl GpuRuntime for CudaRuntime {
+    const NAME: &'static str = "cuda";
+
+    type Device = driver::Device;
+    type Memory = driver::DeviceMem;
+    type HostMapped = driver::HostMapped;
+    type Module = driver::Module;
+    type Function = Function;
+    type Vendor = nccl::Comm;
+
+    fn device_tag(ordinal: u32) -> Device {
+        Device::Cuda(ordinal)
+    }
+
+    fn open(ordinal: u32) -> Result<driver::Device> {
+        driver::Device::open(ordinal)
+    }
+
+    fn ordinal(dev: &driver::Device) -> u32 {
+        dev.ordinal
+    }
+
+    fn compute_units(dev: &driver::Device) -> u32 {
+        dev.sm_count
+    }
+
+    fn bind(dev: &driver::Device) -> Result<()> {
+        dev.bind()
+    }
+
+    fn can_access_peer(dev: &driver::Device, peer: &driver::Device) -> Result<bool> {
+        dev.can_access_peer(peer)
+    }
+
+    fn enable_peer(dev: &driver::Device, peer: &driver::Device) -> Result<()> {
+        dev.enable_peer(peer)
+    }
+
+    fn alloc_workspace(dev: &driver::Device, bytes: usize) -> Result<driver::DeviceMem> {
+        dev.bind()?;
+        driver::DeviceMem::zeroed(bytes)
+    }
+
+    fn memory_addr(mem: &driver::DeviceMem) -> u64 {
+        mem.ptr
+    }
+
+    fn alloc_host_mapped(dev: &driver::Device, bytes: usize) -> Result<driver::HostMapped> {
+        dev.bind()?;
+        driver::HostMapped::zeroed(bytes)
+    }
+
+    fn host_mapped_ptrs(mem: &driver::HostMapped) -> (*mut u8, u64) {
+        (mem.host as *mut u8, mem.dev)
+    }
+
+    fn load_module(dev: &driver::Device) -> Result<driver::Module> {
+        dev.bind()?;
+        driver::Module::load(FATBIN)
+    }
+
+    fn function(module: &driver::Module, name: &CStr) -> Result<Function> {
+        module.function(name).map(Function)
+    }
+
+    unsafe fn launch<A>(
+        f: Function,
+        grid: u32,
+        block: u32,
+        stream: Stream,
+        args: &A,
+    ) -> Result<()> {
+        driver::launch(f.0, grid, block, stream.as_raw() as _, args)
+    }
+
+    fn synchronize_device(dev: &driver::Device) -> Result<()> {
+        dev.bind()?;
+        driver::context_synchronize()
+    }
+
+    fn synchronize_stream(dev: &driver::Device, stream: Stream) -> Result<()> {
+        dev.bind()?;
+        driver::stream_synchronize(stream)
+    }
+
+    fn vendor_unavailable(ordinals: &[u32]) -> Option<String> {
+        nccl::unavailable(ordinals)
+    }
+
+    fn vendor_init(devices: &[&driver::Device]) -> Result<Vec<nccl::Comm>> {
+        nccl::init(devices)
+    }
+
+    fn device_id(dev: &driver::Device) -> Vec<u8> {
+        let mut uuid = sys::CUuuid { bytes: [0; 16] };
+        // SAFETY: a valid device handle; a failure falls back to the ordinal below.
+        let ok =
+            unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, dev.dev) } == sys::CUresult::CUDA_SUCCESS;
+        if ok {
+            uuid.bytes.iter().map(|&b| b as u8).collect()
+        } else {
+            dev.ordinal.to_le_bytes().to_vec()
+        }
+    }
+
+    fn export_memory(mem: &driver::DeviceMem) -> Result<Vec<u8>> {
+        let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: the base of a live cuMemAlloc allocation (IPC needs exactly that).
+        check(
+            unsafe { sys::cuIpcGetMemHandle(&mut h, mem.ptr) },
+            "cuIpcGetMemHandle",
+        )?;
+        Ok(h.reserved.iter().map(|&b| b as u8).collect())
+    }
+
+    unsafe fn import_memory(dev: &driver::Device, handle: &[u8]) -> Result<u64> {
+        let bytes: [u8; 64] = handle.try_into().map_err(|_| Error::Bootstrap {
+            detail: format!(
+                "a CUDA IPC handle is 64 bytes, a peer sent {}",
+                handle.len()
+            ),
+        })?;
+        let h = sys::CUipcMemHandle {
+            reserved: bytes.map(|b| b as std::ffi::c_char),
+        };
+        dev.bind()?;
+        let mut ptr = 0;
+        // Lazy peer access: the mapping enables it for a peer GPU when first touched, and a
+        // mapping of the same GPU (ranks sharing it, under MPS) needs none.
+        check(
+            sys::cuIpcOpenMemHandle_v2(
+                &mut ptr,
+                h,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            ),
+            "cuIpcOpenMemHandle",
+        )?;
+        Ok(ptr)
+    }
+
+    unsafe fn close_import(dev: &driver::Device, addr: u64) {
+        if dev.bind().is_ok() {
+            let _ = sys::cuIpcCloseMemHandle(addr);
+        }
+    }
+
+    fn vendor_unique_id() -> Result<Vec<u8>> {
+        nccl::unique_id()
+    }
+
+    fn vendor_init_rank(
+        dev: &driver::Device,
+        id: &[u8],
+        rank: usize,
+        world: usize,
+    ) -> Result<nccl::Comm> {
+        dev.bind()?;
+        nccl::init_rank(id, rank, world)
+    }
+
+    unsafe fn vendor_all_reduce(
+        comm: &nccl::Comm,
+        dev: &driver::Device,
+        call: &Call,
+    ) -> Result<()> {
+        dev.bind()?;
+        nccl::all_reduce(
+            comm,
+            call.input.addr,
+            call.output.addr,
+            call.len(),
+            call.dtype(),
+            call.stream,
+        )
+    }
+}

@@ -1,0 +1,284 @@
+//! One process per rank on CUDA: the launcher (this program with no `RANK` set) starts N
+//! copies of itself torchrun-style (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, a
+//! per-group secret), each builds its rank with `Communicator::new_rank` over the TCP
+//! bootstrap (workspaces exchanged as CUDA IPC handles), and runs calls whose results it
+//! checks itself: exact sums of integer data bit for bit, quantized results against the
+//! format's definition. Then a group in which one rank stops making calls: the others must
+//! report `Error::Timeout` (or `Aborted`) within the deadline, not hang, and drop cleanly.
+//!
+//! All ranks share GPU 0 by default (`ALLREDUCE_TEST_DEVICES=0,1,..` spreads them): start
+//! MPS first (../shared/GPU.md), or the processes' kernels only time-slice. Skips with the
+//! reason when there is no GPU.
+
+#[cfg(not(feature = "cuda"))]
+fn main() {
+    println!("cuda_processes skipped: built without the cuda feature");
+}
+
+#[cfg(feature = "cuda")]
+fn main() -> std::process::ExitCode {
+    if std::env::var_os("RANK").is_some() {
+        procs::worker()
+    } else {
+        procs::launcher()
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod procs {
+    use std::process::{Command, ExitCode};
+    use std::time::{Duration, Instant};
+
+    use allreduce::cuda::testing::{bind, Buffer, OwnedStream};
+    use allreduce::{
+        AllReduceOptions, BackendKind, BufMut, BufRef, Codec, Communicator, DType, Error,
+        GroupConfig, HostBytes, Precision, Strategy,
+    };
+    use allreduce_bootstrap::{Secret, TcpBootstrap, SECRET_ENV};
+
+    /// Exit code of a rank that saw the expected timeout in the failure scenario.
+    const TIMED_OUT: u8 = 3;
+    /// The rank that leaves early in the failure scenario.
+    const QUITTER: usize = 1;
+
+    fn ints(n: usize, dtype: DType, rank: usize, round: usize) -> HostBytes {
+        let mut b = HostBytes::zeroed(n * dtype.size());
+        for i in 0..n {
+            let v = ((rank * 7 + i * 3 + round * 5) % 23) as f32 - 11.0;
+            dtype.store_f32(b.as_mut_slice(), i, v);
+        }
+        b
+    }
+
+    /// (length, dtype, strategy, precision) of each call.
+    fn calls() -> Vec<(usize, DType, Strategy, Precision)> {
+        vec![
+            (1, DType::F32, Strategy::OneShot, Precision::Exact),
+            (4097, DType::BF16, Strategy::OneShot, Precision::Exact),
+            (70_001, DType::F16, Strategy::TwoShot, Precision::Exact),
+            (1 << 20, DType::BF16, Strategy::TwoShot, Precision::Exact),
+            (
+                33_333,
+                DType::BF16,
+                Strategy::QuantizedTwoShot,
+                Precision::Lossy(Codec::Int4Adaptive),
+            ),
+            (
+                1 << 18,
+                DType::F16,
+                Strategy::QuantizedTwoShot,
+                Precision::Lossy(Codec::Fp8E4M3),
+            ),
+            (5000, DType::F32, Strategy::Auto, Precision::Exact),
+        ]
+    }
+
+    fn expected(
+        n: usize,
+        dtype: DType,
+        precision: Precision,
+        world: usize,
+        round: usize,
+    ) -> HostBytes {
+        let inputs: Vec<HostBytes> = (0..world).map(|r| ints(n, dtype, r, round)).collect();
+        match precision {
+            Precision::Exact => {
+                let mut b = HostBytes::zeroed(n * dtype.size());
+                for i in 0..n {
+                    let s: f32 = inputs.iter().map(|x| dtype.load_f32(x.as_slice(), i)).sum();
+                    dtype.store_f32(b.as_mut_slice(), i, s);
+                }
+                b
+            }
+            Precision::Lossy(codec) => {
+                allreduce_conformance::check::quantized_expected(&inputs, dtype, codec)
+            }
+        }
+    }
+
+    pub fn launcher() -> ExitCode {
+        match allreduce::cuda::driver::device_count() {
+            Ok(n) if n > 0 => {}
+            Ok(_) => {
+                println!("cuda_processes skipped: the driver reports no CUDA device");
+                return ExitCode::SUCCESS;
+            }
+            Err(e) => {
+                println!("cuda_processes skipped: {e}");
+                return ExitCode::SUCCESS;
+            }
+        }
+        let mut ok = true;
+        for world in [2usize, 4, 8] {
+            let t = Instant::now();
+            let codes = launch(world, "calls");
+            let good = codes.iter().all(|&c| c == 0);
+            println!(
+                "{world} processes, {} calls x 3 rounds: {} ({:.2} s)",
+                calls().len(),
+                if good { "ok" } else { "FAILED" },
+                t.elapsed().as_secs_f64()
+            );
+            ok &= good;
+        }
+        let world = 4;
+        let t = Instant::now();
+        let codes = launch(world, "quit");
+        let good = codes
+            .iter()
+            .enumerate()
+            .all(|(r, &c)| c == if r == QUITTER { 0 } else { TIMED_OUT as i32 });
+        println!(
+            "{world} processes, rank {QUITTER} stops calling: the others {} ({:.2} s, exit codes {codes:?})",
+            if good { "time out cleanly" } else { "FAILED" },
+            t.elapsed().as_secs_f64()
+        );
+        ok &= good;
+        if ok {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        }
+    }
+
+    /// Start `world` workers for `scenario`; their exit codes in rank order.
+    fn launch(world: usize, scenario: &str) -> Vec<i32> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let secret = Secret::generate().expect("random bytes");
+        let exe = std::env::current_exe().expect("this program");
+        let children: Vec<_> = (0..world)
+            .map(|rank| {
+                Command::new(&exe)
+                    .env("RANK", rank.to_string())
+                    .env("WORLD_SIZE", world.to_string())
+                    .env("LOCAL_RANK", rank.to_string())
+                    .env("MASTER_ADDR", "127.0.0.1")
+                    .env("MASTER_PORT", port.to_string())
+                    .env(SECRET_ENV, secret.to_hex())
+                    .env("SCENARIO", scenario)
+                    .spawn()
+                    .expect("start a worker")
+            })
+            .collect();
+        children
+            .into_iter()
+            .map(|mut c| c.wait().ok().and_then(|s| s.code()).unwrap_or(-1))
+            .collect()
+    }
+
+    fn ordinal(rank: usize) -> u32 {
+        let list: Vec<u32> = std::env::var("ALLREDUCE_TEST_DEVICES")
+            .ok()
+            .map(|s| s.split(',').filter_map(|d| d.trim().parse().ok()).collect())
+            .unwrap_or_default();
+        if list.is_empty() {
+            0
+        } else {
+            list[rank % list.len()]
+        }
+    }
+
+    pub fn worker() -> ExitCode {
+        let scenario = std::env::var("SCENARIO").unwrap_or_default();
+        match run_worker(&scenario) {
+            Ok(code) => code,
+            Err(e) => {
+                let rank = std::env::var("RANK").unwrap_or_default();
+                eprintln!("rank {rank} ({scenario}): {e}");
+                ExitCode::FAILURE
+            }
+        }
+    }
+
+    fn run_worker(scenario: &str) -> Result<ExitCode, String> {
+        let e = |e: Error| e.to_string();
+        let mut boot = TcpBootstrap::from_env().map_err(e)?;
+        let rank = allreduce::Bootstrap::rank(&boot);
+        let world = allreduce::Bootstrap::world_size(&boot);
+        let config = GroupConfig::new(world)
+            .devices(vec![ordinal(rank)])
+            .max_bytes(4 << 20)
+            .timeout(Duration::from_secs(3));
+        let comm = Communicator::new_rank(BackendKind::Cuda, config, &mut boot).map_err(e)?;
+        let _dev = bind(ordinal(rank)).map_err(e)?;
+        let stream = OwnedStream::new().map_err(e)?;
+        stream.warm().map_err(e)?;
+        let shapes = calls();
+        let mut bufs = Vec::new();
+        for &(n, dtype, _, _) in &shapes {
+            bufs.push((
+                Buffer::zeroed(n * dtype.size(), &stream).map_err(e)?,
+                Buffer::zeroed(n * dtype.size(), &stream).map_err(e)?,
+            ));
+        }
+        stream.synchronize().map_err(e)?;
+        // Everyone's buffers exist before anyone calls (an allocation may wait for the
+        // device, which a peer's spinning kernel keeps busy).
+        allreduce::Bootstrap::all_gather(&mut boot, b"ready").map_err(e)?;
+
+        let rounds = if scenario == "quit" { 2 } else { 3 };
+        for round in 0..rounds {
+            if scenario == "quit" && round == 1 && rank == QUITTER {
+                // Stop taking part (a rank stuck in its own code, or dead): no more calls.
+                // The process stays until its peers have given up, so its workspace, which
+                // they map, outlives their kernels: a process that exits for real frees it
+                // under them, and a fault there would take every MPS client down with it.
+                std::thread::sleep(Duration::from_secs(12));
+                return Ok(ExitCode::SUCCESS);
+            }
+            for (&(n, dtype, _, _), (input, _)) in shapes.iter().zip(&bufs) {
+                input
+                    .upload(ints(n, dtype, rank, round).as_slice(), &stream)
+                    .map_err(e)?;
+            }
+            for (&(n, dtype, strategy, precision), (input, output)) in shapes.iter().zip(&bufs) {
+                // SAFETY: both buffers hold n elements and outlive the calls.
+                let (iv, ov) = unsafe {
+                    (
+                        BufRef::from_raw(input.addr(), n, dtype, comm.device()),
+                        BufMut::from_raw(output.addr(), n, dtype, comm.device()),
+                    )
+                };
+                let opts = AllReduceOptions::default()
+                    .strategy(strategy)
+                    .precision(precision)
+                    .stream(stream.handle());
+                comm.all_reduce(iv, ov, &opts).map_err(e)?;
+            }
+            match comm.synchronize(stream.handle()) {
+                Ok(()) => {}
+                Err(err @ (Error::Timeout { .. } | Error::Aborted { .. }))
+                    if scenario == "quit" =>
+                {
+                    eprintln!("rank {rank}: as expected: {err}");
+                    drop(comm);
+                    return Ok(ExitCode::from(TIMED_OUT));
+                }
+                Err(err) => return Err(err.to_string()),
+            }
+            for (&(n, dtype, _, precision), (_, output)) in shapes.iter().zip(&bufs) {
+                let mut got = HostBytes::zeroed(n * dtype.size());
+                output.download(got.as_mut_slice(), &stream).map_err(e)?;
+                let want = expected(n, dtype, precision, world, round);
+                if let Some(i) = (0..n).find(|&i| {
+                    dtype.load_f32(got.as_slice(), i) != dtype.load_f32(want.as_slice(), i)
+                }) {
+                    return Err(format!(
+                        "round {round}, {n} {dtype} {precision}: element {i} is {} not {}",
+                        dtype.load_f32(got.as_slice(), i),
+                        dtype.load_f32(want.as_slice(), i)
+                    ));
+                }
+            }
+        }
+        if scenario == "quit" {
+            return Err("the call without rank 1 did not time out".into());
+        }
+        // Nobody unmaps a peer's workspace while that peer may still run a call.
+        allreduce::Bootstrap::all_gather(&mut boot, b"done").map_err(e)?;
+        Ok(ExitCode::SUCCESS)
+    }
+}
