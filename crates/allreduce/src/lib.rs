@@ -34,8 +34,8 @@ use std::str::FromStr;
 
 pub use allreduce_core::{
     codec, layout, AllReduceOptions, Bootstrap, BufMut, BufRef, Codec, DType, Device, Element,
-    Error, GroupConfig, HostBytes, Precision, RawBuffer, ReduceOp, Result, Rule, SelectionTable,
-    Strategy, Stream,
+    Error, GroupConfig, HostBytes, Link, Precision, RawBuffer, ReduceOp, Result, Rule,
+    SelectionTable, Strategy, Stream, Topology,
 };
 use allreduce_core::{prepare, Backend, BackendComm};
 
@@ -121,6 +121,12 @@ fn with_env_table(config: GroupConfig) -> Result<GroupConfig> {
             tracing::debug!(path = ?path, "selection table from ALLREDUCE_SELECTION_TABLE");
         }
     }
+    if config.topology.is_none() {
+        if let Ok(spec) = std::env::var("ALLREDUCE_TOPOLOGY") {
+            // A forced topology (tests, or a platform whose probe is wrong).
+            config.topology = Some(Topology::parse(&spec, config.world_size)?);
+        }
+    }
     Ok(config)
 }
 
@@ -177,7 +183,7 @@ impl Communicator {
             world = config.world_size
         )
         .entered();
-        config.validate()?;
+        config.validate_for_rank()?;
         if bootstrap.world_size() != config.world_size || bootstrap.rank() >= config.world_size {
             return Err(Error::InvalidConfig(format!(
                 "the bootstrap has rank {} of {}, the config a world of {}",
@@ -201,6 +207,11 @@ impl Communicator {
 
     pub fn rank(&self) -> usize {
         self.comm.rank()
+    }
+
+    /// How the group's GPUs are connected (GPU backends; `None` on the host backend).
+    pub fn topology(&self) -> Option<&Topology> {
+        self.comm.topology()
     }
 
     pub fn world_size(&self) -> usize {

@@ -6,7 +6,7 @@
 use std::ffi::CStr;
 
 use allreduce_core::gpu::{GpuBackend, GpuComm, GpuRuntime};
-use allreduce_core::{Call, Device, Error, Result, Stream};
+use allreduce_core::{Call, Device, Error, Link, Result, Stream};
 use cudarc::driver::sys;
 
 use crate::driver::{self, check, CUfunction};
@@ -121,6 +121,52 @@ impl GpuRuntime for CudaRuntime {
 
     fn vendor_init(devices: &[&driver::Device]) -> Result<Vec<nccl::Comm>> {
         nccl::init(devices)
+    }
+
+    /// Peer access, and NVLink where the driver reports native atomics between the pair:
+    /// over PCIe peer atomics are emulated or absent, over NVLink they are native (the same
+    /// heuristic as probing NVML's NVLink state, without loading NVML).
+    fn link(dev: &driver::Device, peer: &driver::Device) -> Result<Link> {
+        if !dev.can_access_peer(peer)? {
+            return Ok(Link::None);
+        }
+        let mut atomics = 0;
+        // SAFETY: two valid device handles; the attribute is an int.
+        check(
+            unsafe {
+                sys::cuDeviceGetP2PAttribute(
+                    &mut atomics,
+                    sys::CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
+                    dev.dev,
+                    peer.dev,
+                )
+            },
+            "cuDeviceGetP2PAttribute",
+        )?;
+        Ok(if atomics != 0 {
+            Link::NvLink
+        } else {
+            Link::Pcie
+        })
+    }
+
+    /// From the PCI bus id: /sys/bus/pci/devices/<id>/numa_node (-1 means none).
+    fn numa_node(dev: &driver::Device) -> Option<u32> {
+        let mut buf = [0 as std::ffi::c_char; 32];
+        // SAFETY: the buffer is 32 bytes, more than a bus id's 13 and its NUL.
+        let r = unsafe { sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), 32, dev.dev) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        // SAFETY: NUL-terminated by the driver.
+        let id = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }
+            .to_string_lossy()
+            .to_ascii_lowercase();
+        let text = std::fs::read_to_string(format!("/sys/bus/pci/devices/{id}/numa_node")).ok()?;
+        text.trim()
+            .parse::<i64>()
+            .ok()
+            .and_then(|n| u32::try_from(n).ok())
     }
 
     fn device_id(dev: &driver::Device) -> Vec<u8> {

@@ -144,6 +144,7 @@ fn run(args: &Args) -> Result<ExitCode, BoxError> {
         cfg: cfg.clone(),
         machine: Machine::detect(),
         git: Git::detect(),
+        topology: comms[0].topology().map(|t| t.to_string()),
     };
 
     let mut stdout = std::io::stdout().lock();

@@ -24,6 +24,8 @@ pub struct RunInfo {
     pub cfg: Config,
     pub machine: Machine,
     pub git: Option<Git>,
+    /// The GPU topology as the backend sees it (`Topology`'s matrix), if it has one.
+    pub topology: Option<String>,
 }
 
 pub struct Machine {
@@ -164,6 +166,12 @@ pub fn header(info: &RunInfo) -> String {
             g.commit,
             if g.dirty { " (dirty)" } else { "" }
         );
+    }
+    if let Some(t) = &info.topology {
+        s += "# Topology   : (X same GPU, NV NVLink, PCI PCIe peer access, - none)\n";
+        for line in t.lines() {
+            s += &format!("#   {line}\n");
+        }
     }
     s += "#\n";
     let pid = std::process::id();

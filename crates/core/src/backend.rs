@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use crate::{
     BufMut, BufRef, Codec, DType, Device, Error, Precision, RawBuffer, ReduceOp, Result,
-    SelectionTable, Strategy, Stream,
+    SelectionTable, Strategy, Stream, Topology,
 };
 
 /// Largest world size any backend accepts. GPU kernels are instantiated for 2..=8 ranks.
@@ -35,6 +35,9 @@ pub struct GroupConfig {
     /// default. The ROCm backend's default table then uses the f16 thresholds for bf16. The
     /// host and CUDA backends ignore it.
     pub cast_bf16_to_f16: bool,
+    /// Use this topology instead of probing the GPUs (tests, or a platform whose probe is
+    /// wrong); also `ALLREDUCE_TOPOLOGY=pcie:2x4` ([`Topology::parse`]).
+    pub topology: Option<Topology>,
 }
 
 impl GroupConfig {
@@ -49,7 +52,14 @@ impl GroupConfig {
             timeout: Self::DEFAULT_TIMEOUT,
             selection: None,
             cast_bf16_to_f16: false,
+            topology: None,
         }
+    }
+
+    /// See [`GroupConfig::topology`].
+    pub fn topology(mut self, topology: Topology) -> Self {
+        self.topology = Some(topology);
+        self
     }
 
     pub fn max_bytes(mut self, bytes: usize) -> Self {
@@ -78,20 +88,44 @@ impl GroupConfig {
         self
     }
 
-    /// Checks that hold for every backend.
+    /// Checks that hold for every backend, for an in-process group (`devices` empty or one
+    /// ordinal per rank).
     pub fn validate(&self) -> Result<()> {
-        if self.world_size == 0 || self.world_size > MAX_WORLD {
-            return Err(Error::InvalidConfig(format!(
-                "world size {} is outside 1..={MAX_WORLD}",
-                self.world_size
-            )));
-        }
+        self.validate_for_rank()?;
         if !self.devices.is_empty() && self.devices.len() != self.world_size {
             return Err(Error::InvalidConfig(format!(
                 "{} device ordinals given for {} ranks",
                 self.devices.len(),
                 self.world_size
             )));
+        }
+        Ok(())
+    }
+
+    /// The same checks for one rank of a group of one process per rank
+    /// (`Communicator::new_rank`): `devices` may also name just this process's GPU.
+    pub fn validate_for_rank(&self) -> Result<()> {
+        if self.world_size == 0 || self.world_size > MAX_WORLD {
+            return Err(Error::InvalidConfig(format!(
+                "world size {} is outside 1..={MAX_WORLD}",
+                self.world_size
+            )));
+        }
+        if self.devices.len() > 1 && self.devices.len() != self.world_size {
+            return Err(Error::InvalidConfig(format!(
+                "{} device ordinals given for {} ranks",
+                self.devices.len(),
+                self.world_size
+            )));
+        }
+        if let Some(t) = &self.topology {
+            if t.world() != self.world_size {
+                return Err(Error::InvalidConfig(format!(
+                    "a forced topology of {} ranks for a group of {}",
+                    t.world(),
+                    self.world_size
+                )));
+            }
         }
         if self.max_bytes == 0 {
             return Err(Error::InvalidConfig("max_bytes must be positive".into()));
@@ -309,6 +343,11 @@ pub trait BackendComm: Send + Sync {
     /// Wait until everything enqueued on `stream` has finished and report any device-side
     /// error (such as a spin-wait timeout) recorded since the last check.
     fn synchronize(&self, stream: Stream) -> Result<()>;
+
+    /// How the group's GPUs are connected, for backends that know (GPU backends).
+    fn topology(&self) -> Option<&Topology> {
+        None
+    }
 }
 
 /// Exchanges small byte messages among the ranks of a multi-process group (like NCCL's

@@ -24,6 +24,7 @@ pub mod gpu;
 pub mod layout;
 pub mod op;
 pub mod select;
+pub mod topology;
 
 pub use backend::{
     prepare, AllReduceOptions, Backend, BackendComm, Bootstrap, Call, GroupConfig, Limits,
@@ -34,3 +35,4 @@ pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use op::{Codec, Precision, ReduceOp, Strategy};
 pub use select::{Rule, SelectionTable};
+pub use topology::{Link, Topology};

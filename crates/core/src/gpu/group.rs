@@ -59,7 +59,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
     }
 
     fn create_rank(config: &GroupConfig, bootstrap: &mut dyn Bootstrap) -> Result<GpuComm<R>> {
-        config.validate()?;
+        config.validate_for_rank()?;
         let (rank, world) = (bootstrap.rank(), config.world_size);
         if world > MAX_WORLD || bootstrap.world_size() != world || rank >= world {
             return Err(Error::InvalidConfig(format!(
@@ -188,6 +188,7 @@ struct Group<R: GpuRuntime> {
     world: usize,
     /// Index into `devices` of each rank.
     rank_device: Vec<usize>,
+    topology: crate::Topology,
     /// The ranks this process drives: all of them in an in-process group, one in a group of
     /// one process per rank ([`GpuBackend::create_rank`]).
     local: Vec<usize>,
@@ -225,23 +226,35 @@ impl<R: GpuRuntime> Group<R> {
             .iter()
             .map(|o| distinct.iter().position(|d| d == o).expect("listed"))
             .collect();
-        for a in &devices {
-            for b in &devices {
-                if R::ordinal(a) != R::ordinal(b) {
-                    if !R::can_access_peer(a, b)? {
-                        return Err(Error::StrategyUnavailable {
-                            strategy: Strategy::OneShot,
-                            reason: format!(
-                                "GPU {} cannot access GPU {} as a peer",
-                                R::ordinal(a),
-                                R::ordinal(b)
-                            ),
-                        });
+        // How the ranks reach each other: probed, or forced by the caller. Peer access is
+        // enabled wherever there is some; without it the custom kernels are unavailable (they
+        // read and write peers' memory) and only the vendor library runs: the group still
+        // builds.
+        let mut device_links = vec![vec![crate::Link::SameDevice; devices.len()]; devices.len()];
+        for (i, a) in devices.iter().enumerate() {
+            for (j, b) in devices.iter().enumerate() {
+                if i != j {
+                    device_links[i][j] = R::link(a, b)?;
+                    if device_links[i][j].has_peer_access() {
+                        R::enable_peer(a, b)?;
                     }
-                    R::enable_peer(a, b)?;
                 }
             }
         }
+        let topology = match &config.topology {
+            Some(t) => t.clone(),
+            None => crate::Topology {
+                links: rank_device
+                    .iter()
+                    .map(|&a| rank_device.iter().map(|&b| device_links[a][b]).collect())
+                    .collect(),
+                numa: rank_device
+                    .iter()
+                    .map(|&d| R::numa_node(&devices[d]))
+                    .collect(),
+                forced: false,
+            },
+        };
         let grid = grid_for(
             R::BLOCKS_PER_RANK,
             &devices.iter().map(R::compute_units).collect::<Vec<_>>(),
@@ -287,6 +300,7 @@ impl<R: GpuRuntime> Group<R> {
         }
         let group = Group {
             world: ordinals.len(),
+            topology,
             local: (0..ordinals.len()).collect(),
             imported: Vec::new(),
             rank_device,
@@ -360,6 +374,7 @@ impl<R: GpuRuntime> Group<R> {
         }
         let grid = grid_for(R::BLOCKS_PER_RANK, &unit_list, &rank_device);
         let shares_gpu = ids.len() < world;
+        let rank_device_all = rank_device;
 
         R::bind(&dev)?;
         let kernels = Kernels::load(&dev)?;
@@ -417,8 +432,32 @@ impl<R: GpuRuntime> Group<R> {
         let mut controls: Vec<Option<R::HostMapped>> = (0..world).map(|_| None).collect();
         workspaces[rank] = Some(ws);
         controls[rank] = Some(control);
+        // Across processes the links are not probed (a process sees only its own GPU): equal
+        // device ids share a GPU, the others are taken to have peer access, which the IPC
+        // mappings above just proved.
+        let topology = match &config.topology {
+            Some(t) => t.clone(),
+            None => crate::Topology {
+                links: (0..world)
+                    .map(|a| {
+                        (0..world)
+                            .map(|b| {
+                                if rank_device_all[a] == rank_device_all[b] {
+                                    crate::Link::SameDevice
+                                } else {
+                                    crate::Link::Pcie
+                                }
+                            })
+                            .collect()
+                    })
+                    .collect(),
+                numa: vec![None; world],
+                forced: false,
+            },
+        };
         let group = Group {
             world,
+            topology,
             local: vec![rank],
             imported,
             rank_device: vec![0; world],
@@ -672,6 +711,11 @@ impl<R: GpuRuntime> GpuComm<R> {
         self.group.grid
     }
 
+    /// How the group's GPUs are connected (probed at creation, or forced by the config).
+    pub fn topology(&self) -> &crate::Topology {
+        &self.group.topology
+    }
+
     /// Whether bf16 codec calls run through the f16 kernels ([`GroupConfig::cast_bf16_to_f16`]).
     pub fn casts_bf16_to_f16(&self) -> bool {
         self.group.cast_bf16_to_f16
@@ -718,14 +762,24 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
         dtype: DType,
         precision: Precision,
     ) -> Result<(), String> {
+        let no_peers = |s: Strategy| -> Result<(), String> {
+            match self.group.topology.missing_peer_access() {
+                Some((a, b)) => Err(format!(
+                    "{s} needs peer access, and rank {a}'s GPU cannot reach rank {b}'s"
+                )),
+                None => Ok(()),
+            }
+        };
         match strategy {
-            Strategy::OneShot | Strategy::TwoShot => Ok(()),
-            Strategy::QuantizedTwoShot => match (R::quantized_unavailable(), dtype, precision) {
-                (Some(why), _, _) => Err(why),
-                (None, _, Precision::Exact) => Err("it needs Precision::Lossy(codec)".into()),
-                (None, DType::F16 | DType::BF16, Precision::Lossy(_)) => Ok(()),
-                (None, d, _) => Err(format!("the codecs carry f16 and bf16, not {d}")),
-            },
+            Strategy::OneShot | Strategy::TwoShot => no_peers(strategy),
+            Strategy::QuantizedTwoShot => {
+                no_peers(strategy).and(match (R::quantized_unavailable(), dtype, precision) {
+                    (Some(why), _, _) => Err(why),
+                    (None, _, Precision::Exact) => Err("it needs Precision::Lossy(codec)".into()),
+                    (None, DType::F16 | DType::BF16, Precision::Lossy(_)) => Ok(()),
+                    (None, d, _) => Err(format!("the codecs carry f16 and bf16, not {d}")),
+                })
+            }
             Strategy::Vendor => self.group.vendor.as_ref().map(|_| ()).map_err(Clone::clone),
             Strategy::Auto => Err("Auto is resolved before the backend is called".into()),
         }
@@ -820,6 +874,10 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
             // SAFETY: as in all_reduce; n = 0, so the null buffers are never touched.
             let _ = unsafe { R::launch(kernels.oneshot[0], g.grid, THREADS, stream, &args) };
         }
+    }
+
+    fn topology(&self) -> Option<&crate::Topology> {
+        Some(&self.group.topology)
     }
 
     fn synchronize(&self, stream: Stream) -> Result<()> {

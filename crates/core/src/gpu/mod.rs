@@ -121,6 +121,21 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
         None
     }
 
+    /// How `dev` reaches `peer`'s memory (two distinct devices). The default knows only
+    /// whether there is peer access at all, and calls it PCIe.
+    fn link(dev: &Self::Device, peer: &Self::Device) -> Result<crate::Link> {
+        Ok(if Self::can_access_peer(dev, peer)? {
+            crate::Link::Pcie
+        } else {
+            crate::Link::None
+        })
+    }
+
+    /// The NUMA node of `dev`, where the platform says (Linux sysfs by PCI bus id).
+    fn numa_node(_dev: &Self::Device) -> Option<u32> {
+        None
+    }
+
     /// Bytes that name the physical device the same way in every process (a UUID): ranks of
     /// a multi-process group with equal ids share one GPU. The default, the ordinal, is only
     /// right when every process sees the same device numbering.

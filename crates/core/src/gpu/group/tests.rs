@@ -436,3 +436,43 @@ fn quantized_slots_fit_every_admitted_call() {
         }
     }
 }
+
+/// Without peer access the group still builds, the custom kernels say why they cannot run,
+/// and `Auto` never picks them; a forced topology is what the ranks report.
+#[test]
+fn no_peer_access_leaves_only_the_vendor_library() {
+    let config = GroupConfig::new(2)
+        .devices(vec![0, 1])
+        .topology(crate::Topology::parse("none", 2).unwrap());
+    let comms = GpuBackend::<Mock>::create_group(&config).expect("builds without peer access");
+    for s in [Strategy::OneShot, Strategy::TwoShot] {
+        let why = comms[0]
+            .strategy_available(s, DType::BF16, Precision::Exact)
+            .unwrap_err();
+        assert!(why.contains("peer access"), "{why}");
+    }
+    let why = comms[1]
+        .strategy_available(
+            Strategy::QuantizedTwoShot,
+            DType::BF16,
+            Precision::Lossy(Codec::Fp8E4M3),
+        )
+        .unwrap_err();
+    assert!(why.contains("peer access"), "{why}");
+    assert!(comms[0].topology().forced);
+    assert_eq!(comms[0].topology().missing_peer_access(), Some((0, 1)));
+
+    let pcie = GroupConfig::new(4)
+        .devices(vec![0, 1, 2, 3])
+        .topology(crate::Topology::parse("pcie:2x2", 4).unwrap());
+    let comms = GpuBackend::<Mock>::create_group(&pcie).unwrap();
+    assert!(comms[2].topology().pcie_only());
+    assert_eq!(
+        comms[2].topology().numa_groups(),
+        vec![vec![0, 1], vec![2, 3]]
+    );
+    assert_eq!(
+        comms[2].strategy_available(Strategy::TwoShot, DType::F16, Precision::Exact),
+        Ok(())
+    );
+}
