@@ -195,6 +195,7 @@ fn run(args: &Args) -> Result<ExitCode, BoxError> {
         writeln!(stdout)?;
     } else {
         writeln!(stdout, "{}", report::footer(&summary))?;
+        write!(stdout, "{}", report::traffic(&sweep.rows, world, dtype))?;
     }
     stdout.flush()?;
     if let Some(path) = &args.plot {

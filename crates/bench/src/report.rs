@@ -463,3 +463,46 @@ mod tests {
         assert_eq!(snr_text(20.004), "20.00");
     }
 }
+
+/// Bytes each rank sends (and receives) per call, at the sweep's largest size, for every
+/// strategy and precision that ran, against the exact two-shot on the same size: the traffic
+/// a bandwidth-bound link (PCIe) carries (`allreduce::layout::traffic_per_rank`).
+pub fn traffic(rows: &[crate::runner::RowResult], world: usize, dtype: allreduce::DType) -> String {
+    use allreduce::layout::traffic_per_rank;
+    use allreduce::{Precision, Strategy};
+    let Some(max) = rows.iter().map(|r| r.spec.count).max() else {
+        return String::new();
+    };
+    let exact = traffic_per_rank(Strategy::TwoShot, Precision::Exact, max, dtype, world);
+    let mut seen = Vec::new();
+    let mut s = String::new();
+    for r in rows.iter().filter(|r| r.spec.count == max) {
+        let crate::runner::Outcome::Done(m) = &r.outcome else {
+            continue;
+        };
+        let key = (m.ran, r.spec.precision);
+        if seen.contains(&key) {
+            continue;
+        }
+        seen.push(key);
+        if let (Some(t), Some(e)) = (
+            traffic_per_rank(m.ran, r.spec.precision, max, dtype, world),
+            exact,
+        ) {
+            if s.is_empty() {
+                s += &format!(
+                    "# Traffic per rank per call at {} ({world} ranks): bytes sent (= received), vs exact two-shot\n",
+                    format_size(max * dtype.size())
+                );
+            }
+            s += &format!(
+                "#   {:>9} {:<6} {:>14} B  {:>6.3}x\n",
+                m.ran.to_string(),
+                r.spec.precision.to_string(),
+                t,
+                t as f64 / e.max(1) as f64
+            );
+        }
+    }
+    s
+}

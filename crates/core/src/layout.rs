@@ -29,9 +29,75 @@ pub fn shard_range(n: usize, world: usize, rank: usize, granule: usize) -> Range
     start..end
 }
 
+/// Bytes one rank moves over the links per call (sent; received is the same by symmetry),
+/// for `n` elements of `dtype` on `world` ranks: what a strategy costs on a
+/// bandwidth-bound link (PCIe, or NVLink at large sizes), from the algorithms as written:
+///
+/// * one-shot: every peer reads our whole input: `(w-1) * B`;
+/// * two-shot (and a ring, NCCL's large-message algorithm): `2 (w-1)/w * B`;
+/// * quantized two-shot: our `w-1` encoded pieces for the other owners, then our encoded
+///   shard to the `w-1` others: `2 (w-1) * encoded_len(shard)`.
+///
+/// `None` for `Auto` (it names no algorithm) or a quantized call without a codec.
+pub fn traffic_per_rank(
+    strategy: crate::Strategy,
+    precision: crate::Precision,
+    n: usize,
+    dtype: DType,
+    world: usize,
+) -> Option<usize> {
+    use crate::{Precision, Strategy};
+    let w = world.max(1);
+    let bytes = n * dtype.size();
+    Some(match strategy {
+        Strategy::Auto => return None,
+        Strategy::OneShot => (w - 1) * bytes,
+        Strategy::TwoShot | Strategy::Vendor => 2 * (w - 1) * bytes / w,
+        Strategy::QuantizedTwoShot => match precision {
+            Precision::Exact => return None,
+            Precision::Lossy(codec) => {
+                2 * (w - 1) * codec.encoded_len(shard_len(n, w, QUANT_GRANULE))
+            }
+        },
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn quantized_traffic_is_the_codec_fraction_of_two_shot() {
+        use crate::{Codec, Precision, Strategy};
+        let n = 8 << 20;
+        let exact =
+            traffic_per_rank(Strategy::TwoShot, Precision::Exact, n, DType::BF16, 8).unwrap();
+        assert_eq!(exact, 2 * 7 * n * 2 / 8);
+        for (codec, bits) in [
+            (Codec::Fp8E4M3, 8.5),
+            (Codec::Int6, 6.5),
+            (Codec::Int4, 4.5),
+        ] {
+            let q = traffic_per_rank(
+                Strategy::QuantizedTwoShot,
+                Precision::Lossy(codec),
+                n,
+                DType::BF16,
+                8,
+            )
+            .unwrap();
+            let ratio = q as f64 / exact as f64;
+            assert!((ratio - bits / 16.0).abs() < 1e-3, "{codec}: {ratio}");
+        }
+        assert_eq!(
+            traffic_per_rank(Strategy::OneShot, Precision::Exact, 100, DType::F32, 4),
+            Some(1200)
+        );
+        assert_eq!(
+            traffic_per_rank(Strategy::Auto, Precision::Exact, 100, DType::F32, 4),
+            None
+        );
+    }
 
     #[test]
     fn shards_tile_the_buffer() {
