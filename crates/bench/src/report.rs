@@ -448,22 +448,6 @@ pub fn json_document(
     })
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn scientific_like_printf() {
-        assert_eq!(sci(0.007202), "7.202e-03");
-        assert_eq!(sci(1.5), "1.500e+00");
-        assert_eq!(sci(0.0), "0.000e+00");
-        assert_eq!(sci(12345.0), "1.234e+04");
-        assert_eq!(sci(f64::INFINITY), "inf");
-        assert_eq!(snr_text(f64::INFINITY), "inf");
-        assert_eq!(snr_text(20.004), "20.00");
-    }
-}
-
 /// Bytes each rank sends (and receives) per call, at the sweep's largest size, for every
 /// strategy and precision that ran, against the exact two-shot on the same size: the traffic
 /// a bandwidth-bound link (PCIe) carries (`allreduce::layout::traffic_per_rank`).
@@ -505,4 +489,20 @@ pub fn traffic(rows: &[crate::runner::RowResult], world: usize, dtype: allreduce
         }
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scientific_like_printf() {
+        assert_eq!(sci(0.007202), "7.202e-03");
+        assert_eq!(sci(1.5), "1.500e+00");
+        assert_eq!(sci(0.0), "0.000e+00");
+        assert_eq!(sci(12345.0), "1.234e+04");
+        assert_eq!(sci(f64::INFINITY), "inf");
+        assert_eq!(snr_text(f64::INFINITY), "inf");
+        assert_eq!(snr_text(20.004), "20.00");
+    }
 }
