@@ -28,7 +28,7 @@ echo "graphs rc=$?" >>"$OUT/conformance.log"
 for r in 2 4 8; do
   [ "$r" -le "$N" ] || continue
   devs=$(seq -s, 0 $((r - 1)))
-  ALLREDUCE_TEST_DEVICES=$devs timeout 900 $B/allreduce-bench --backend cuda --ranks $r \
+  timeout 900 $B/allreduce-bench --backend cuda --ranks $r --devices $devs \
     -b 8 -e 1G -f 2 -d bf16 --strategy oneshot,twoshot,quantized,vendor \
     --precision exact,fp8,q8,q6,q4,q8a,q4a --row-time 0.05 --baselines \
     --tune "$OUT/tuned.json" --plot "$OUT/busbw_r$r.svg" >"$OUT/sweep_r$r.txt" 2>&1

@@ -96,6 +96,11 @@ pub struct Args {
     #[arg(long, default_value_t = 8, value_name = "N")]
     pub ranks: usize,
 
+    /// GPU backends: device ordinals the ranks cycle through (e.g. 0,1,2,3: rank r on
+    /// devices[r % len]); default every rank on GPU 0 (virtual ranks)
+    #[arg(long, value_delimiter = ',', value_name = "LIST")]
+    pub devices: Vec<u32>,
+
     /// Backend: host, cuda or rocm (only the backends compiled into the library run)
     #[arg(long, default_value = "host", value_name = "NAME")]
     pub backend: BackendKind,

@@ -104,9 +104,16 @@ fn run(args: &Args) -> Result<ExitCode, BoxError> {
         .collect();
 
     let max_bytes = sizes.iter().copied().max().unwrap_or(0).max(1);
-    let config = GroupConfig::new(args.ranks)
+    let mut config = GroupConfig::new(args.ranks)
         .max_bytes(max_bytes)
         .timeout(Duration::from_secs_f64(args.timeout));
+    if !args.devices.is_empty() && args.backend != allreduce::BackendKind::Host {
+        config = config.devices(
+            (0..args.ranks)
+                .map(|r| args.devices[r % args.devices.len()])
+                .collect(),
+        );
+    }
     let comms = Communicator::new_group(args.backend, config).map_err(|e| {
         format!(
             "cannot build a {}-rank {} group: {e}",
