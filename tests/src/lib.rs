@@ -8,15 +8,13 @@
 pub mod check;
 pub mod data;
 pub mod harness;
-#[cfg(feature = "cuda")]
-pub mod harness_cuda;
-#[cfg(feature = "rocm")]
-pub mod harness_rocm;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+mod harness_gpu;
 mod suite;
 
 pub use harness::{Harness, HostHarness, RankArgs};
 #[cfg(feature = "cuda")]
-pub use harness_cuda::CudaHarness;
+pub use harness_gpu::cuda::CudaHarness;
 #[cfg(feature = "rocm")]
-pub use harness_rocm::RocmHarness;
+pub use harness_gpu::rocm::RocmHarness;
 pub use suite::{Test, TESTS};
