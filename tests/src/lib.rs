@@ -7,6 +7,7 @@
 
 pub mod check;
 pub mod data;
+mod graphs;
 pub mod harness;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 mod harness_gpu;

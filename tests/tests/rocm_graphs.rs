@@ -1,7 +1,6 @@
-//! HIP graph safety on virtual ranks (a port of cuda_graphs.rs; never run: no AMD GPU yet):
-//! graphs holding 1, 2 and 3 all-reduces (odd counts matter: a host-side ping-pong flag would be frozen at the wrong parity), each replayed 1000
-//! times with new input between replays, must give the eager results; eager calls between
-//! replays must stay in step with them. Skips with the reason when no GPU is usable.
+//! HIP graph safety on virtual ranks: the shared test of tests/src/graphs.rs over the ROCm
+//! backend. Never run: no AMD GPU has been available to this project yet. Skips with the
+//! reason when no GPU is usable.
 
 #[cfg(not(feature = "rocm"))]
 fn main() {
@@ -9,181 +8,19 @@ fn main() {
 }
 
 #[cfg(feature = "rocm")]
-fn main() {
-    graphs::run();
-}
+allreduce_conformance::gpu_graph_test!(
+    allreduce::rocm::testing,
+    Rocm,
+    "rocm",
+    allreduce::rocm::device_count
+);
 
 #[cfg(feature = "rocm")]
-mod graphs {
-    use allreduce::rocm::testing::{bind, Buffer, Graph, OwnedStream};
-    use allreduce::{
-        AllReduceOptions, BackendKind, BufMut, BufRef, Communicator, DType, Device, GroupConfig,
-        HostBytes, Strategy,
-    };
-
-    const REPLAYS: usize = 1000;
-
-    fn gpu_available() -> bool {
-        // Up to 8 virtual ranks on one GPU, each on its own hardware queue (see the backend's
-        // docs); read when HIP initialises, which the next call does.
-        if std::env::var_os("GPU_MAX_HW_QUEUES").is_none() {
-            std::env::set_var("GPU_MAX_HW_QUEUES", "16");
-        }
-        match allreduce::rocm::device_count() {
-            Ok(n) if n > 0 => true,
-            Ok(_) => {
-                println!("rocm_graphs skipped: the HIP runtime reports no ROCm device");
-                false
-            }
-            Err(e) => {
-                println!("rocm_graphs skipped: {e}");
-                false
-            }
-        }
+fn main() {
+    // Up to 8 virtual ranks on one GPU, each on its own hardware queue (see the backend's
+    // docs); read when HIP initialises, which the run's first call does.
+    if std::env::var_os("GPU_MAX_HW_QUEUES").is_none() {
+        std::env::set_var("GPU_MAX_HW_QUEUES", "16");
     }
-
-    /// Integer data: every sum is exact, so a stale or mixed-up replay cannot hide.
-    fn input(n: usize, dtype: DType, rank: usize, iteration: usize) -> HostBytes {
-        let mut b = HostBytes::zeroed(n * dtype.size());
-        for i in 0..n {
-            let v = ((rank * 7 + i * 3 + iteration * 5) % 23) as f32 - 11.0;
-            dtype.store_f32(b.as_mut_slice(), i, v);
-        }
-        b
-    }
-
-    fn expected(n: usize, world: usize, iteration: usize) -> Vec<f32> {
-        (0..n)
-            .map(|i| {
-                (0..world)
-                    .map(|r| ((r * 7 + i * 3 + iteration * 5) % 23) as f32 - 11.0)
-                    .sum()
-            })
-            .collect()
-    }
-
-    /// The calls a graph holds: (length, dtype, strategy).
-    fn calls(k: usize) -> Vec<(usize, DType, Strategy)> {
-        let all = [
-            (70_001, DType::BF16, Strategy::TwoShot),
-            (1000, DType::F16, Strategy::OneShot),
-            (5, DType::F32, Strategy::Auto),
-        ];
-        all[..k].to_vec()
-    }
-
-    fn run_rank(comm: &Communicator, k: usize) -> Result<(), String> {
-        let Device::Rocm(ordinal) = comm.device() else {
-            return Err("not a ROCm rank".into());
-        };
-        let e = |e: allreduce::Error| e.to_string();
-        let _dev = bind(ordinal).map_err(e)?;
-        let stream = OwnedStream::new().map_err(e)?;
-        let rank = comm.rank();
-        let world = comm.world_size();
-        let shapes = calls(k);
-        let mut bufs = Vec::new();
-        for &(n, dtype, _) in &shapes {
-            let bytes = n * dtype.size();
-            bufs.push((
-                Buffer::zeroed(bytes, &stream).map_err(e)?,
-                Buffer::zeroed(bytes, &stream).map_err(e)?,
-            ));
-        }
-        let enqueue = || -> allreduce::Result<()> {
-            for (&(n, dtype, strategy), (inp, out)) in shapes.iter().zip(&bufs) {
-                // SAFETY: the buffers hold n elements and outlive the graph.
-                let (iv, ov) = unsafe {
-                    (
-                        BufRef::from_raw(inp.addr(), n, dtype, comm.device()),
-                        BufMut::from_raw(out.addr(), n, dtype, comm.device()),
-                    )
-                };
-                comm.all_reduce(
-                    iv,
-                    ov,
-                    &AllReduceOptions::default()
-                        .strategy(strategy)
-                        .stream(stream.handle()),
-                )?;
-            }
-            Ok(())
-        };
-        let check = |iteration: usize, what: &str| -> Result<(), String> {
-            for (&(n, dtype, _), (_, out)) in shapes.iter().zip(&bufs) {
-                let mut h = HostBytes::zeroed(n * dtype.size());
-                out.download(h.as_mut_slice(), &stream).map_err(e)?;
-                let want = expected(n, world, iteration);
-                if let Some(i) = (0..n).find(|&i| dtype.load_f32(h.as_slice(), i) != want[i]) {
-                    return Err(format!(
-                    "rank {rank}, {k} calls, {what} {iteration}: element {i} of {n} {dtype} is {} not {}",
-                    dtype.load_f32(h.as_slice(), i),
-                    want[i]
-                ));
-                }
-            }
-            Ok(())
-        };
-        let upload = |iteration: usize| -> Result<(), String> {
-            for (&(n, dtype, _), (inp, _)) in shapes.iter().zip(&bufs) {
-                inp.upload(input(n, dtype, rank, iteration).as_slice(), &stream)
-                    .map_err(e)?;
-            }
-            Ok(())
-        };
-
-        // Eager first, then capture, then replay with new data each time; an eager round in the
-        // middle and at the end must agree with the replays around it.
-        upload(0)?;
-        enqueue().map_err(e)?;
-        comm.synchronize(stream.handle()).map_err(e)?;
-        check(0, "eager")?;
-        let graph = Graph::capture(&stream, enqueue).map_err(e)?;
-        for it in 1..=REPLAYS {
-            upload(it)?;
-            graph.launch(&stream).map_err(e)?;
-            comm.synchronize(stream.handle()).map_err(e)?;
-            check(it, "replay")?;
-            if it == REPLAYS / 2 {
-                upload(it + 7)?;
-                enqueue().map_err(e)?;
-                comm.synchronize(stream.handle()).map_err(e)?;
-                check(it + 7, "eager between replays")?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Panics (a failing test) on the first wrong replay.
-    pub fn run() {
-        if !gpu_available() {
-            return;
-        }
-        for world in [2usize, 4, 8] {
-            for k in 1..=3 {
-                let comms = Communicator::new_group(
-                    BackendKind::Rocm,
-                    GroupConfig::new(world).max_bytes(1 << 20),
-                )
-                .expect("group");
-                let start = std::time::Instant::now();
-                let results: Vec<Result<(), String>> = std::thread::scope(|s| {
-                    let hs: Vec<_> = comms
-                        .iter()
-                        .map(|c| s.spawn(move || run_rank(c, k)))
-                        .collect();
-                    hs.into_iter()
-                        .map(|h| h.join().expect("rank thread"))
-                        .collect()
-                });
-                for r in results {
-                    r.unwrap();
-                }
-                println!(
-                    "{world} ranks, graph of {k} all-reduces x {REPLAYS} replays: ok ({:.2} s)",
-                    start.elapsed().as_secs_f64()
-                );
-            }
-        }
-    }
+    graphs::run();
 }

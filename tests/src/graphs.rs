@@ -1,0 +1,218 @@
+//! Graph safety on virtual ranks, written once for every GPU backend: graphs holding 1, 2, 3
+//! and 4 all-reduces (odd counts matter: a host-side ping-pong flag would be frozen at the wrong
+//! parity; QuickReduce's was, and replays silently returned stale data), exact and quantized,
+//! each replayed 1000 times with new input between replays, must give the expected results;
+//! eager calls between replays must stay in step with them. The test binaries
+//! (tests/cuda_graphs.rs, tests/rocm_graphs.rs) instantiate it with [`gpu_graph_test!`] over
+//! their backend's `testing` helpers (`bind`, `Buffer`, `Graph`, `OwnedStream`).
+
+/// `gpu_graph_test!(path::to::testing, BackendKindVariant, "label", path::to::device_count)`
+/// defines `graphs::run()`, which panics on the first wrong replay and prints why it skips
+/// when no GPU is usable.
+#[macro_export]
+macro_rules! gpu_graph_test {
+    ($($testing:ident)::+, $kind:ident, $label:literal, $($count:ident)::+) => {
+mod graphs {
+        use $($testing)::+::{bind, Buffer, Graph, OwnedStream};
+        use allreduce::{
+            AllReduceOptions, BackendKind, BufMut, BufRef, Codec, Communicator, DType, Device,
+            GroupConfig, HostBytes, Precision, Strategy,
+        };
+
+        const REPLAYS: usize = 1000;
+
+        fn gpu_available() -> bool {
+            match $($count)::+() {
+                Ok(n) if n > 0 => true,
+                Ok(_) => {
+                    println!(concat!($label, "_graphs skipped: the runtime reports no GPU"));
+                    false
+                }
+                Err(e) => {
+                    println!(concat!($label, "_graphs skipped: {}"), e);
+                    false
+                }
+            }
+        }
+
+        /// Integer data: every sum is exact, so a stale or mixed-up replay cannot hide.
+        fn input(n: usize, dtype: DType, rank: usize, iteration: usize) -> HostBytes {
+            let mut b = HostBytes::zeroed(n * dtype.size());
+            for i in 0..n {
+                let v = ((rank * 7 + i * 3 + iteration * 5) % 23) as f32 - 11.0;
+                dtype.store_f32(b.as_mut_slice(), i, v);
+            }
+            b
+        }
+
+        fn expected(n: usize, world: usize, iteration: usize) -> Vec<f32> {
+            (0..n)
+                .map(|i| {
+                    (0..world)
+                        .map(|r| ((r * 7 + i * 3 + iteration * 5) % 23) as f32 - 11.0)
+                        .sum()
+                })
+                .collect()
+        }
+
+        /// The calls a graph holds: (length, dtype, strategy, precision).
+        fn calls(k: usize) -> Vec<(usize, DType, Strategy, Precision)> {
+            let all = [
+                (70_001, DType::BF16, Strategy::TwoShot, Precision::Exact),
+                (
+                    4097,
+                    DType::F16,
+                    Strategy::QuantizedTwoShot,
+                    Precision::Lossy(Codec::Int6Adaptive),
+                ),
+                (5, DType::F32, Strategy::Auto, Precision::Exact),
+                (1000, DType::F16, Strategy::OneShot, Precision::Exact),
+            ];
+            all[..k].to_vec()
+        }
+
+        /// What a call must produce: the exact integer sums, or for the quantized path the
+        /// format's definition over every rank's input (allreduce_conformance::check).
+        fn expected_bytes(
+            n: usize,
+            dtype: DType,
+            precision: Precision,
+            world: usize,
+            iteration: usize,
+        ) -> HostBytes {
+            match precision {
+                Precision::Exact => {
+                    let mut b = HostBytes::zeroed(n * dtype.size());
+                    for (i, v) in expected(n, world, iteration).into_iter().enumerate() {
+                        dtype.store_f32(b.as_mut_slice(), i, v);
+                    }
+                    b
+                }
+                Precision::Lossy(codec) => {
+                    let inputs: Vec<HostBytes> =
+                        (0..world).map(|r| input(n, dtype, r, iteration)).collect();
+                    $crate::check::quantized_expected(&inputs, dtype, codec)
+                }
+            }
+        }
+
+        fn run_rank(comm: &Communicator, k: usize) -> Result<(), String> {
+            let Device::$kind(ordinal) = comm.device() else {
+                return Err("not a CUDA rank".into());
+            };
+            let e = |e: allreduce::Error| e.to_string();
+            let _dev = bind(ordinal).map_err(e)?;
+            let stream = OwnedStream::new().map_err(e)?;
+            let rank = comm.rank();
+            let world = comm.world_size();
+            let shapes = calls(k);
+            let mut bufs = Vec::new();
+            for &(n, dtype, _, _) in &shapes {
+                let bytes = n * dtype.size();
+                bufs.push((
+                    Buffer::zeroed(bytes, &stream).map_err(e)?,
+                    Buffer::zeroed(bytes, &stream).map_err(e)?,
+                ));
+            }
+            let enqueue = || -> allreduce::Result<()> {
+                for (&(n, dtype, strategy, precision), (inp, out)) in shapes.iter().zip(&bufs) {
+                    // SAFETY: the buffers hold n elements and outlive the graph.
+                    let (iv, ov) = unsafe {
+                        (
+                            BufRef::from_raw(inp.addr(), n, dtype, comm.device()),
+                            BufMut::from_raw(out.addr(), n, dtype, comm.device()),
+                        )
+                    };
+                    comm.all_reduce(
+                        iv,
+                        ov,
+                        &AllReduceOptions::default()
+                            .strategy(strategy)
+                            .precision(precision)
+                            .stream(stream.handle()),
+                    )?;
+                }
+                Ok(())
+            };
+            let check = |iteration: usize, what: &str| -> Result<(), String> {
+                for (&(n, dtype, _, precision), (_, out)) in shapes.iter().zip(&bufs) {
+                    let mut h = HostBytes::zeroed(n * dtype.size());
+                    out.download(h.as_mut_slice(), &stream).map_err(e)?;
+                    let want = expected_bytes(n, dtype, precision, world, iteration);
+                    if let Some(i) = (0..n).find(|&i| {
+                        dtype.load_f32(h.as_slice(), i) != dtype.load_f32(want.as_slice(), i)
+                    }) {
+                        return Err(format!(
+                        "rank {rank}, {k} calls, {what} {iteration}: element {i} of {n} {dtype} ({precision}) is {} not {}",
+                        dtype.load_f32(h.as_slice(), i),
+                        dtype.load_f32(want.as_slice(), i)
+                    ));
+                    }
+                }
+                Ok(())
+            };
+            let upload = |iteration: usize| -> Result<(), String> {
+                for (&(n, dtype, _, _), (inp, _)) in shapes.iter().zip(&bufs) {
+                    inp.upload(input(n, dtype, rank, iteration).as_slice(), &stream)
+                        .map_err(e)?;
+                }
+                Ok(())
+            };
+
+            // Eager first, then capture, then replay with new data each time; an eager round in the
+            // middle and at the end must agree with the replays around it.
+            upload(0)?;
+            enqueue().map_err(e)?;
+            comm.synchronize(stream.handle()).map_err(e)?;
+            check(0, "eager")?;
+            let graph = Graph::capture(&stream, enqueue).map_err(e)?;
+            for it in 1..=REPLAYS {
+                upload(it)?;
+                graph.launch(&stream).map_err(e)?;
+                comm.synchronize(stream.handle()).map_err(e)?;
+                check(it, "replay")?;
+                if it == REPLAYS / 2 {
+                    upload(it + 7)?;
+                    enqueue().map_err(e)?;
+                    comm.synchronize(stream.handle()).map_err(e)?;
+                    check(it + 7, "eager between replays")?;
+                }
+            }
+            Ok(())
+        }
+
+        /// Panics (a failing test) on the first wrong replay.
+        pub fn run() {
+            if !gpu_available() {
+                return;
+            }
+            for world in [2usize, 4, 8] {
+                for k in 1..=4 {
+                    let comms = Communicator::new_group(
+                        BackendKind::$kind,
+                        GroupConfig::new(world).max_bytes(1 << 20),
+                    )
+                    .expect("group");
+                    let start = std::time::Instant::now();
+                    let results: Vec<Result<(), String>> = std::thread::scope(|s| {
+                        let hs: Vec<_> = comms
+                            .iter()
+                            .map(|c| s.spawn(move || run_rank(c, k)))
+                            .collect();
+                        hs.into_iter()
+                            .map(|h| h.join().expect("rank thread"))
+                            .collect()
+                    });
+                    for r in results {
+                        r.unwrap();
+                    }
+                    println!(
+                        "{world} ranks, graph of {k} all-reduces x {REPLAYS} replays: ok ({:.2} s)",
+                        start.elapsed().as_secs_f64()
+                    );
+                }
+            }
+        }
+}
+    };
+}
