@@ -89,21 +89,8 @@ pub(crate) fn find_hip_compiler_with(
     let exe = |name: &str| format!("{name}{}", env::consts::EXE_SUFFIX);
     let mut tried = Vec::new();
 
-    // An explicit HIP_CLANG that does not exist is a mistake to report, not a hint to skip.
     if let Some(v) = var("HIP_CLANG") {
-        let p = PathBuf::from(&v);
-        if p.is_file() {
-            return Ok(p);
-        }
-        if p.components().count() == 1 {
-            if let Some(p) = search_path(var("PATH"), &v) {
-                return Ok(p);
-            }
-        }
-        return Err(format!(
-            "HIP_CLANG={} is not a file (nor a command on PATH); {HOW_TO_GET_HIP}",
-            p.display()
-        ));
+        return crate::explicit_compiler("HIP_CLANG", &v, var("PATH"), HOW_TO_GET_HIP);
     }
 
     if let Some(rocm) = var("ROCM_PATH") {
@@ -156,38 +143,7 @@ pub(crate) fn find_hip_compiler_with(
 }
 
 /// What [`compile_hip_code_objects`] compiles.
-#[derive(Clone, Debug, Default)]
-pub struct HipOptions {
-    /// File stem of the outputs: `<out_dir>/<name>.<arch>.hsaco` and `<out_dir>/<name>.hip.rs`.
-    pub name: String,
-    /// The one translation unit; it `#include`s everything else.
-    pub source: PathBuf,
-    /// `-I` directories. Every file under them is watched for changes.
-    pub include_dirs: Vec<PathBuf>,
-    /// gfx target IDs (`gfx942`, or with features: `gfx942:xnack-`), all required. `None`:
-    /// `ALLREDUCE_HIP_ARCHS` (comma or space separated), else [`DEFAULT_HIP_ARCHS`] plus those
-    /// of [`OPTIONAL_HIP_ARCHS`] the compiler knows.
-    pub archs: Option<Vec<String>>,
-    /// `None`: `OUT_DIR` (set by cargo for build scripts).
-    pub out_dir: Option<PathBuf>,
-    /// `None`: [`find_hip_compiler`].
-    pub compiler: Option<PathBuf>,
-    /// Print `cargo:rerun-if-*` and `cargo:warning` lines; on in build scripts, off in tests.
-    pub cargo_directives: bool,
-}
-
-impl HipOptions {
-    /// Options for a build script: default targets, `OUT_DIR`, [`find_hip_compiler`], cargo
-    /// directives on.
-    pub fn new(name: impl Into<String>, source: impl Into<PathBuf>) -> Self {
-        HipOptions {
-            name: name.into(),
-            source: source.into(),
-            cargo_directives: true,
-            ..Default::default()
-        }
-    }
-}
+pub type HipOptions = crate::KernelOptions;
 
 /// One compiled target.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -85,22 +85,8 @@ fn find_nvcc_with(
     let exe = nvcc_file_name();
     let mut tried = Vec::new();
 
-    // An explicit NVCC that does not exist is a mistake to report, not a hint to skip.
     if let Some(v) = var("NVCC") {
-        let p = PathBuf::from(&v);
-        if p.is_file() {
-            return Ok(p);
-        }
-        if p.components().count() == 1 {
-            if let Some(p) = search_path(var("PATH"), &v) {
-                return Ok(p);
-            }
-        }
-        return Err(format!(
-            "NVCC={} is not a file (nor a command on PATH); {}",
-            p.display(),
-            HOW_TO_GET_NVCC
-        ));
+        return explicit_compiler("NVCC", &v, var("PATH"), HOW_TO_GET_NVCC);
     }
 
     for key in ["CUDA_HOME", "CUDA_PATH"] {
@@ -165,37 +151,66 @@ fn venv_nvcc(venv: &Path, exe: &str) -> Option<PathBuf> {
     })
 }
 
-fn search_path(path: Option<OsString>, exe: impl AsRef<Path>) -> Option<PathBuf> {
+/// A compiler named by a variable (`NVCC`, `HIP_CLANG`): a file, or a bare command on `PATH`.
+/// One that does not exist is a mistake to report, not a hint to look elsewhere.
+pub(crate) fn explicit_compiler(
+    name: &str,
+    value: &OsString,
+    path: Option<OsString>,
+    how_to_get: &str,
+) -> Result<PathBuf, String> {
+    let p = PathBuf::from(value);
+    if p.is_file() {
+        return Ok(p);
+    }
+    if p.components().count() == 1 {
+        if let Some(found) = search_path(path, value) {
+            return Ok(found);
+        }
+    }
+    Err(format!(
+        "{name}={} is not a file (nor a command on PATH); {how_to_get}",
+        p.display()
+    ))
+}
+
+pub(crate) fn search_path(path: Option<OsString>, exe: impl AsRef<Path>) -> Option<PathBuf> {
     env::split_paths(&path?)
         .map(|d| d.join(exe.as_ref()))
         .find(|p| p.is_file())
 }
 
-/// What [`compile_fatbin`] compiles.
+/// What a kernel compile takes, for either vendor: [`compile_fatbin`] (nvcc) and
+/// [`compile_hip_code_objects`] (a HIP clang). The vendors differ in how they are driven, not
+/// in what they are asked.
 #[derive(Clone, Debug, Default)]
-pub struct FatbinOptions {
-    /// File stem of the output: the fatbin is `<out_dir>/<name>.fatbin`.
+pub struct KernelOptions {
+    /// File stem of the outputs: `<out_dir>/<name>.fatbin` (CUDA), or
+    /// `<out_dir>/<name>.<arch>.hsaco` and `<out_dir>/<name>.hip.rs` (HIP).
     pub name: String,
-    /// The one translation unit; it `#include`s everything else. nvcc cannot put several
-    /// sources into one `--fatbin` without relocatable device code, which we do not want.
+    /// The one translation unit; it `#include`s everything else. (nvcc cannot put several
+    /// sources into one `--fatbin` without relocatable device code, which we do not want.)
     pub source: PathBuf,
     /// `-I` directories. Every file under them is watched for changes.
     pub include_dirs: Vec<PathBuf>,
-    /// `sm_XX` names (or bare `XX`). `None`: `ALLREDUCE_CUDA_ARCHS` (comma or space
-    /// separated), else [`DEFAULT_ARCHS`].
+    /// Targets, all required. CUDA: `sm_XX` names (or bare `XX`); `None`:
+    /// `ALLREDUCE_CUDA_ARCHS` (comma or space separated), else [`DEFAULT_ARCHS`]. HIP: gfx
+    /// target IDs (`gfx942`, or with features `gfx942:xnack-`); `None`: `ALLREDUCE_HIP_ARCHS`,
+    /// else [`DEFAULT_HIP_ARCHS`] plus those of [`OPTIONAL_HIP_ARCHS`] the compiler knows.
     pub archs: Option<Vec<String>>,
     /// `None`: `OUT_DIR` (set by cargo for build scripts).
     pub out_dir: Option<PathBuf>,
-    /// `None`: [`find_nvcc`].
-    pub nvcc: Option<PathBuf>,
+    /// `None`: [`find_nvcc`] or [`find_hip_compiler`].
+    pub compiler: Option<PathBuf>,
     /// Print `cargo:rerun-if-*` and `cargo:warning` lines; on in build scripts, off in tests.
     pub cargo_directives: bool,
 }
 
-impl FatbinOptions {
-    /// Options for a build script: default archs, `OUT_DIR`, [`find_nvcc`], cargo directives on.
+impl KernelOptions {
+    /// Options for a build script: default targets, `OUT_DIR`, the compiler found on this
+    /// machine, cargo directives on.
     pub fn new(name: impl Into<String>, source: impl Into<PathBuf>) -> Self {
-        FatbinOptions {
+        KernelOptions {
             name: name.into(),
             source: source.into(),
             cargo_directives: true,
@@ -203,6 +218,9 @@ impl FatbinOptions {
         }
     }
 }
+
+/// What [`compile_fatbin`] compiles.
+pub type FatbinOptions = KernelOptions;
 
 /// Compiles `opts.source` into `<out_dir>/<name>.fatbin` and returns that path.
 ///
@@ -228,7 +246,7 @@ pub fn compile_fatbin(opts: &FatbinOptions) -> Result<PathBuf, String> {
     };
     let gencodes = gencode_args(&archs)?;
     let out_dir = resolve_out_dir(opts.out_dir.as_deref())?;
-    let nvcc = match &opts.nvcc {
+    let nvcc = match &opts.compiler {
         Some(p) => p.clone(),
         None => find_nvcc()?,
     };
@@ -556,7 +574,7 @@ mod tests {
             include_dirs: vec![t.0.join("inc")],
             archs: Some(vec!["sm_90".into()]),
             out_dir: Some(t.0.join("out")),
-            nvcc: Some(fake),
+            compiler: Some(fake),
             cargo_directives: false,
         };
         let out = compile_fatbin(&opts).unwrap();

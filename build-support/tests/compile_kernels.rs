@@ -44,7 +44,7 @@ fn compile(nvcc: &Path, root: &Path, archs: &[&str], out: &Path) -> PathBuf {
         include_dirs: vec![root.join("kernels-common/include")],
         archs: Some(archs.iter().map(|a| a.to_string()).collect()),
         out_dir: Some(out.to_path_buf()),
-        nvcc: Some(nvcc.to_path_buf()),
+        compiler: Some(nvcc.to_path_buf()),
         cargo_directives: false,
     };
     let start = Instant::now();
