@@ -395,8 +395,14 @@ impl CudaComm {
 
     /// Whether any rank's kernel has timed out: then the group is out of step for good.
     fn aborted(&self) -> Option<String> {
-        (0..self.group.world).find_map(|r| {
-            let c = Group::read_control(self.group.control(r));
+        self.group.aborted()
+    }
+}
+
+impl Group {
+    fn aborted(&self) -> Option<String> {
+        (0..self.world).find_map(|r| {
+            let c = Group::read_control(self.control(r));
             (c.error == abi::ERROR_TIMEOUT).then(|| {
                 format!(
                     "rank {} timed out at block {} waiting for epoch {}",
@@ -556,5 +562,41 @@ impl BackendComm for CudaComm {
             Some(reason) => Err(Error::Aborted { reason }),
             None => Ok(()),
         }
+    }
+
+    fn create_fused_group(
+        &self,
+        config: &allreduce_core::FusedConfig,
+    ) -> Result<Option<Vec<Box<dyn allreduce_core::FusedComm>>>> {
+        crate::fused::create_group(GroupHandle(self.group.clone()), config).map(Some)
+    }
+}
+
+/// What the fused kernels (fused.rs) need of a group; keeps the group alive.
+pub(crate) struct GroupHandle(Arc<Group>);
+
+impl GroupHandle {
+    pub(crate) fn world(&self) -> usize {
+        self.0.world
+    }
+    pub(crate) fn grid(&self) -> u32 {
+        self.0.grid
+    }
+    pub(crate) fn timeout_ns(&self) -> u64 {
+        self.0.timeout.as_nanos().min(u64::MAX as u128) as u64
+    }
+    /// Every rank's exact-kernel workspace base (their headers hold the abort word).
+    pub(crate) fn workspaces(&self) -> [u64; MAX_WORLD] {
+        self.0.peers
+    }
+    /// The device address of `rank`'s Control.
+    pub(crate) fn control(&self, rank: usize) -> u64 {
+        self.0.control(rank).dev
+    }
+    pub(crate) fn device(&self, rank: usize) -> &driver::Device {
+        &self.0.devices[self.0.rank_device[rank]]
+    }
+    pub(crate) fn aborted(&self) -> Option<String> {
+        self.0.aborted()
     }
 }

@@ -5,12 +5,15 @@
 //! value, not a panic); [`abi`] mirrors the kernels' structs; `comm` builds groups and
 //! launches; `nccl` is `Strategy::Vendor` (libnccl loaded at run time; without it the
 //! strategy is unavailable, with the reason). The kernels come from `kernels-cuda/` (+ `kernels-common/`), compiled ahead of
-//! time by build-support into one fatbin embedded in this crate.
+//! time by build-support into two fatbins embedded in this crate (`fused` holds the
+//! all-reduce fused with residual + RMSNorm, kernels-cuda/fused.cu).
 
 pub mod abi;
 mod comm;
 pub mod driver;
+mod fused;
 mod nccl;
 pub mod testing;
 
 pub use comm::{Cuda, CudaComm};
+pub use fused::{CudaFused, NormBuffers, RmsNormKernel};

@@ -148,6 +148,7 @@ fn auto_picks_oneshot_for_few_tokens_and_twoshot_for_many() {
 }
 
 #[test]
+#[allow(clippy::needless_range_loop)]
 fn reference_matches_an_unfused_pipeline_by_value() {
     let (tokens, hidden, dtype) = (3, 8, DType::BF16);
     let n = tokens * hidden;
