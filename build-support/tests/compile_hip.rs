@@ -179,7 +179,11 @@ fn hip_fused_kernels_compile_for_gfx942_and_gfx90a() {
     for o in &objs {
         let bytes = std::fs::read(&o.path).unwrap();
         assert!(bytes.starts_with(b"\x7fELF"), "{}: not an ELF", o.arch);
-        for k in ["ar_fused_oneshot_bf16", "ar_fused_twoshot_f16", "ar_rmsnorm_f32"] {
+        for k in [
+            "ar_fused_oneshot_bf16",
+            "ar_fused_twoshot_f16",
+            "ar_rmsnorm_f32",
+        ] {
             let name = format!("{k}.kd");
             assert!(
                 bytes.windows(name.len()).any(|w| w == name.as_bytes()),

@@ -28,9 +28,9 @@ const ITERS: usize = 200;
 const GRAPH_CALLS: usize = 20;
 const GRAPH_REPLAYS: usize = 10;
 
-/// Per tokens: (fused eager, unfused eager, fused graph, unfused graph) in seconds per call,
-/// and the strategy the fused call ran.
-type Times = Vec<(usize, [f64; 4], Strategy)>;
+/// Per tokens: (fused eager, unfused eager, fused graph, unfused graph, fused one-shot eager,
+/// fused two-shot eager) in seconds per call, and the strategy Auto ran.
+type Times = Vec<(usize, [f64; 6], Strategy)>;
 
 struct Bufs {
     input: Buffer,
@@ -85,7 +85,7 @@ fn rank_loop(
         let n = t * hidden;
         let mut strategy = Strategy::Auto;
         // SAFETY (both closures): prefixes of this rank's live buffers, 16-byte aligned.
-        let fused = || -> allreduce::Result<Strategy> {
+        let fused_with = |strategy: Strategy| -> allreduce::Result<Strategy> {
             unsafe {
                 let args = FusedArgs::new(
                     FusionPattern::ResidualRmsNorm,
@@ -101,10 +101,12 @@ fn rank_loop(
                     EPS,
                     Some(BufMut::from_raw(b.norm.addr(), n, dtype, dev)),
                 )
+                .strategy(strategy)
                 .stream(stream.handle());
                 comm.all_reduce_fusion(ws, args)
             }
         };
+        let fused = || fused_with(Strategy::Auto);
         let unfused = || -> allreduce::Result<()> {
             unsafe {
                 comm.all_reduce(
@@ -146,11 +148,20 @@ fn rank_loop(
             Ok(start.elapsed().as_secs_f64() / calls as f64)
         };
         let fused_unit = || fused().map(|_| ());
-        let mut best = [f64::INFINITY; 4];
+        let mut best = [f64::INFINITY; 6];
         for _ in 0..2 {
             best[0] = best[0].min(time(&fused_unit, ITERS)?);
             best[1] = best[1].min(time(&unfused, ITERS)?);
         }
+        // The two fused kernels forced, for the Auto table (two-shot needs a row per rank).
+        let one = || fused_with(Strategy::OneShot).map(|_| ());
+        let two = || fused_with(Strategy::TwoShot).map(|_| ());
+        best[4] = time(&one, ITERS)?;
+        best[5] = if t >= comm.world_size() {
+            time(&two, ITERS)?
+        } else {
+            f64::NAN
+        };
         // Graphs of GRAPH_CALLS calls, replayed.
         let gf = Graph::capture(&stream, || (0..GRAPH_CALLS).try_for_each(|_| fused_unit()))
             .map_err(e)?;
@@ -185,8 +196,18 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
          all_reduce(Auto) + residual/RMSNorm kernel"
     );
     println!(
-        "# {:>6} {:>6} {:>8} | {:>9} {:>9} {:>6} | {:>9} {:>9} {:>6}",
-        "hidden", "tokens", "fused", "eager", "unfused", "ratio", "graph", "unfused", "ratio"
+        "# {:>6} {:>6} {:>8} | {:>9} {:>9} {:>6} | {:>9} {:>9} {:>6} | {:>9} {:>9}",
+        "hidden",
+        "tokens",
+        "fused",
+        "eager",
+        "unfused",
+        "ratio",
+        "graph",
+        "unfused",
+        "ratio",
+        "1shot",
+        "2shot"
     );
     for &hidden in &args.fused_hidden {
         let bytes = max_tokens * hidden * dtype.size();
@@ -219,7 +240,7 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
             .into_iter()
             .collect::<Result<Vec<Times>, String>>()?;
         for (i, &(t, _, strategy)) in results[0].iter().enumerate() {
-            let mut worst = [0f64; 4];
+            let mut worst = [0f64; 6];
             for r in &results {
                 for (w, t) in worst.iter_mut().zip(r[i].1) {
                     *w = w.max(t);
@@ -227,7 +248,7 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
             }
             let us = worst.map(|s| s * 1e6);
             println!(
-                "  {:>6} {:>6} {:>8} | {:>9.2} {:>9.2} {:>6.3} | {:>9.2} {:>9.2} {:>6.3}",
+                "  {:>6} {:>6} {:>8} | {:>9.2} {:>9.2} {:>6.3} | {:>9.2} {:>9.2} {:>6.3} | {:>9.2} {:>9.2}",
                 hidden,
                 t,
                 strategy.name(),
@@ -236,7 +257,9 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
                 us[0] / us[1],
                 us[2],
                 us[3],
-                us[2] / us[3]
+                us[2] / us[3],
+                us[4],
+                us[5]
             );
         }
     }

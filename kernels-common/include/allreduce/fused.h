@@ -199,24 +199,35 @@ AR_DEVICE float shfl_xor(float v, int mask) {
 #endif
 }
 
-// Sum (or max) over the block, the same value in every thread. Deterministic: a butterfly in
-// each warp, then every thread adds the warps' totals in warp order. `scratch` holds one float
-// per warp and is free again on return.
+// Sum (or max) over the block of each of kMaxVecs values, the same totals in every thread.
+// Deterministic: a butterfly in each warp, then every thread combines the warps' totals in warp
+// order. `scratch` holds kMaxVecs floats per warp and is free again on return.
 template <bool kMax>
-AR_DEVICE float block_reduce(float v, float* scratch) {
+AR_DEVICE void block_reduce(float (&v)[kMaxVecs], float* scratch) {
+  constexpr int kWarps = kThreads / kWarpSize;
 #pragma unroll
-  for (int m = kWarpSize / 2; m > 0; m >>= 1) {
-    const float o = shfl_xor(v, m);
-    v = kMax ? max_f(v, o) : v + o;
+  for (int i = 0; i < kMaxVecs; ++i) {
+#pragma unroll
+    for (int m = kWarpSize / 2; m > 0; m >>= 1) {
+      const float o = shfl_xor(v[i], m);
+      v[i] = kMax ? max_f(v[i], o) : v[i] + o;
+    }
   }
   const unsigned warp = thread_x() / kWarpSize;
-  if (thread_x() % kWarpSize == 0) scratch[warp] = v;
+  if (thread_x() % kWarpSize == 0) {
+#pragma unroll
+    for (int i = 0; i < kMaxVecs; ++i) scratch[i * kWarps + warp] = v[i];
+  }
   sync_block();
-  float total = scratch[0];
-  for (int w = 1; w < kThreads / kWarpSize; ++w) total = kMax ? max_f(total, scratch[w]) : total + scratch[w];
+#pragma unroll
+  for (int i = 0; i < kMaxVecs; ++i) {
+    float total = scratch[i * kWarps];
+    for (int w = 1; w < kWarps; ++w) total = kMax ? max_f(total, scratch[i * kWarps + w]) : total + scratch[i * kWarps + w];
+    v[i] = total;
+  }
   sync_block();  // everyone has read scratch before the next reduction writes it
-  return total;
 }
+constexpr int kScratch = kMaxVecs * (kThreads / kWarpSize);
 
 // ---- Deadlines ---------------------------------------------------------------------------------
 
@@ -254,6 +265,25 @@ AR_DEVICE bool poll(const uint4* p, uint4& v, const FusedArgs& a, uint32_t calls
   }
 }
 
+template <typename T>
+AR_DEVICE uint4* slot(const FusedArgs& a, char* base, uint32_t buffer, uint32_t s);
+
+// Vector v of every rank's slot: all world loads in flight at once, then a poll only for the
+// ones not there yet (polling one rank after the other would cost world round trips).
+template <typename T>
+AR_DEVICE bool poll_all(const FusedArgs& a, uint32_t buffer, u64 v, uint4 (&raw)[kMaxWorld],
+                        uint32_t calls) {
+  char* self = a.lamport[a.rank];
+#pragma unroll
+  for (int r = 0; r < kMaxWorld; ++r)
+    if (r < int(a.world)) raw[r] = ld_volatile(slot<T>(a, self, buffer, r) + v);
+#pragma unroll
+  for (int r = 0; r < kMaxWorld; ++r)
+    if (r < int(a.world) && has_sentinel<T>(raw[r]) && !poll<T>(slot<T>(a, self, buffer, r) + v, raw[r], a, calls))
+      return false;
+  return true;
+}
+
 // ---- Addressing --------------------------------------------------------------------------------
 
 template <typename T>
@@ -263,29 +293,54 @@ AR_DEVICE uint4* slot(const FusedArgs& a, char* base, uint32_t buffer, uint32_t 
 
 // ---- The row epilogue: residual add, RMSNorm, FP8 ----------------------------------------------
 
-// Row t, once this thread's vectors of the all-reduced row are in `row` (vector j = thread_x()
-// + i * kThreads for every i with j < row_vecs). Every thread of the block calls it (block
-// reductions). Loops over i are unrolled with a guard so `row` stays in registers.
+// A block handles its rows (t = block, block + G, ...) in batches: a row takes vpr =
+// ceil(row_vecs / kThreads) vectors per thread, so kMaxVecs / vpr rows fit in a thread's
+// registers at once, and their loads and polls overlap. Slot i of a thread is row
+// t0 + (i / vpr) * G of the batch, vector j = thread_x() + (i % vpr) * kThreads.
+struct Batch {
+  uint32_t t0, vpr, rows;
+  u64 row_vecs;
+  AR_DEVICE Batch(uint32_t t0_, u64 row_vecs_)
+      : t0(t0_), vpr(uint32_t((row_vecs_ + kThreads - 1) / kThreads)), rows(0), row_vecs(row_vecs_) {
+    rows = kMaxVecs / vpr;
+  }
+  AR_DEVICE uint32_t row_of(int i) const { return i / vpr; }
+  AR_DEVICE uint32_t token(int i) const { return t0 + row_of(i) * grid_dim_x(); }
+  AR_DEVICE u64 vec(int i) const { return thread_x() + (i % vpr) * kThreads; }
+  AR_DEVICE bool valid(int i, uint32_t tokens) const {
+    return row_of(i) < rows && token(i) < tokens && vec(i) < row_vecs;
+  }
+  // Whether slots i and k hold the same row (true for k == i).
+  AR_DEVICE bool same_row(int i, int k) const { return row_of(i) == row_of(k); }
+  AR_DEVICE uint32_t stride() const { return rows * grid_dim_x(); }
+};
+
+// The epilogue of a batch, once this thread's all-reduced vectors are in `row`. Every thread
+// of the block calls it (block reductions). The per-row sum of squares is, for every slot of
+// the row in slot order, the block's deterministic sum of that slot: the same arithmetic for
+// any batch size, so the fused kernels and the unfused norm kernel give the same bits. Loops
+// over slots are unrolled with guards so `row` stays in registers.
 template <typename T>
-AR_DEVICE void epilogue(const FusedArgs& a, uint32_t t, uint4 (&row)[kMaxVecs], float* scratch) {
+AR_DEVICE void epilogue(const FusedArgs& a, const Batch& bt, uint4 (&row)[kMaxVecs], float* scratch) {
   constexpr int E = Packed<T>::kElems;
-  const u64 row_vecs = a.hidden / E;
-  const u64 base = (u64)t * row_vecs;
-  const unsigned tid = thread_x();
+  bool valid[kMaxVecs];
+#pragma unroll
+  for (int i = 0; i < kMaxVecs; ++i) valid[i] = bt.valid(i, a.tokens);
   if (a.allreduce_out) {
 #pragma unroll
     for (int i = 0; i < kMaxVecs; ++i)
-      if (tid + i * kThreads < row_vecs) static_cast<uint4*>(a.allreduce_out)[base + tid + i * kThreads] = row[i];
+      if (valid[i]) static_cast<uint4*>(a.allreduce_out)[(u64)bt.token(i) * bt.row_vecs + bt.vec(i)] = row[i];
   }
   if (a.pattern == kPatternAllReduce) return;
 
   // Residual add, rounded once to T; the sum of squares is taken of the rounded values (what
   // an RMSNorm kernel reading residual_out would see).
-  float ss = 0.0f;
+  float part[kMaxVecs];
 #pragma unroll
   for (int i = 0; i < kMaxVecs; ++i) {
-    if (tid + i * kThreads >= row_vecs) continue;
-    const u64 v = base + tid + i * kThreads;
+    part[i] = 0.0f;
+    if (!valid[i]) continue;
+    const u64 v = (u64)bt.token(i) * bt.row_vecs + bt.vec(i);
     float x[E], r[E];
     Packed<T>::to_f32(row[i], x);
     Packed<T>::to_f32(static_cast<const uint4*>(a.residual_in)[v], r);
@@ -295,37 +350,50 @@ AR_DEVICE void epilogue(const FusedArgs& a, uint32_t t, uint4 (&row)[kMaxVecs], 
     if (a.residual_out) static_cast<uint4*>(a.residual_out)[v] = row[i];
     Packed<T>::to_f32(row[i], x);
 #pragma unroll
-    for (int k = 0; k < E; ++k) ss += x[k] * x[k];
+    for (int k = 0; k < E; ++k) part[i] += x[k] * x[k];
   }
-  ss = block_reduce<false>(ss, scratch);
-  const float inv = div_rn(1.0f, sqrt_rn(div_rn(ss, float(a.hidden)) + a.eps));
-
-  float amax = 0.0f;
+  block_reduce<false>(part, scratch);
+  float inv[kMaxVecs];
 #pragma unroll
   for (int i = 0; i < kMaxVecs; ++i) {
-    const u64 j = tid + i * kThreads;
-    if (j >= row_vecs) continue;
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kMaxVecs; ++k)
+      if (bt.same_row(i, k)) ss += part[k];
+    inv[i] = div_rn(1.0f, sqrt_rn(div_rn(ss, float(a.hidden)) + a.eps));
+  }
+
+  float amax[kMaxVecs];
+#pragma unroll
+  for (int i = 0; i < kMaxVecs; ++i) {
+    amax[i] = 0.0f;
+    if (!valid[i]) continue;
+    const u64 j = bt.vec(i);
     float x[E], g[E];
     Packed<T>::to_f32(row[i], x);
     Packed<T>::to_f32(static_cast<const uint4*>(a.gamma)[j], g);
 #pragma unroll
-    for (int k = 0; k < E; ++k) x[k] = (x[k] * inv) * g[k];
+    for (int k = 0; k < E; ++k) x[k] = (x[k] * inv[i]) * g[k];
     row[i] = Packed<T>::from_f32(x);
-    if (a.norm_out) static_cast<uint4*>(a.norm_out)[base + j] = row[i];
+    if (a.norm_out) static_cast<uint4*>(a.norm_out)[(u64)bt.token(i) * bt.row_vecs + j] = row[i];
     Packed<T>::to_f32(row[i], x);
 #pragma unroll
-    for (int k = 0; k < E; ++k) amax = max_f(amax, x[k] < 0.0f ? -x[k] : x[k]);
+    for (int k = 0; k < E; ++k) amax[i] = max_f(amax[i], x[k] < 0.0f ? -x[k] : x[k]);
   }
   if (a.pattern != kPatternNormFp8) return;
 
-  amax = block_reduce<true>(amax, scratch);
-  const bool usable = amax > 0.0f && amax <= 3.4028234e38f;
-  const float scale = usable ? div_rn(amax, 448.0f) : 1.0f;
-  const float mul = usable ? div_rn(448.0f, amax) : 1.0f;
+  block_reduce<true>(amax, scratch);
 #pragma unroll
   for (int i = 0; i < kMaxVecs; ++i) {
-    const u64 j = tid + i * kThreads;
-    if (j >= row_vecs) continue;
+    if (!valid[i]) continue;
+    float m = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kMaxVecs; ++k)
+      if (bt.same_row(i, k)) m = max_f(m, amax[k]);
+    const bool usable = m > 0.0f && m <= 3.4028234e38f;
+    const float scale = usable ? div_rn(m, 448.0f) : 1.0f;
+    const float mul = usable ? div_rn(448.0f, m) : 1.0f;
+    const u64 v = (u64)bt.token(i) * bt.row_vecs + bt.vec(i);
     float x[E];
     Packed<T>::to_f32(row[i], x);
     uint32_t w[E / 4];
@@ -335,11 +403,11 @@ AR_DEVICE void epilogue(const FusedArgs& a, uint32_t t, uint4 (&row)[kMaxVecs], 
 #pragma unroll
       for (int k = 0; k < 4; ++k) w[q] |= f32_to_e4m3(x[4 * q + k] * mul) << (8 * k);
     }
-    uint32_t* dst = reinterpret_cast<uint32_t*>(a.quant_out + (base + j) * E);
+    uint32_t* dst = reinterpret_cast<uint32_t*>(a.quant_out + v * E);
 #pragma unroll
     for (int q = 0; q < E / 4; ++q) dst[q] = w[q];
+    if (bt.vec(i) == 0) a.scale_out[bt.token(i)] = scale;
   }
-  if (tid == 0) a.scale_out[t] = scale;
 }
 
 // ---- Kernel bodies -----------------------------------------------------------------------------
@@ -420,7 +488,7 @@ AR_DEVICE void refill(const FusedArgs& a, const Call& c) {
 // and runs the epilogue. One hop.
 template <typename T>
 __device__ void oneshot(const FusedArgs& a) {
-  __shared__ float scratch[kThreads / kWarpSize];
+  __shared__ float scratch[kScratch];
   constexpr int E = Packed<T>::kElems;
   Call c;
   if (!begin(a, c)) return;
@@ -435,27 +503,22 @@ __device__ void oneshot(const FusedArgs& a) {
   // ---- Phase 2: refill the stale buffer (overlaps the peers' pushes in flight).
   refill<T>(a, c);
 
-  // ---- Phase 3: per row (one block each), wait for every rank's vectors, reduce, epilogue.
-  char* self = a.lamport[a.rank];
-  for (uint32_t t = block_x(); t < a.tokens; t += grid_dim_x()) {
+  // ---- Phase 3: per batch of rows (rows of one block: t = block, block + G, ...), wait for
+  // every rank's vectors, reduce, epilogue.
+  for (Batch bt(block_x(), row_vecs); bt.t0 < a.tokens; bt.t0 += bt.stride()) {
     uint4 row[kMaxVecs];
     bool ok = true;
 #pragma unroll
     for (int i = 0; i < kMaxVecs; ++i) {
-      const u64 j = thread_x() + i * kThreads;
-      if (j >= row_vecs || !ok) continue;
-      const u64 v = (u64)t * row_vecs + j;
-      // All ranks' vectors first, then the sum in rank order from rank 0's value: every rank
+      if (!bt.valid(i, a.tokens) || !ok) continue;
+      // All ranks' vectors, then the sum in rank order from rank 0's value: every rank
       // computes the same bits.
       uint4 raw[kMaxWorld];
-#pragma unroll
-      for (int r = 0; r < kMaxWorld; ++r)
-        if (r < int(a.world) && ok) ok = poll<T>(slot<T>(a, self, c.buffer, r) + v, raw[r], a, c.calls);
-      if (!ok) continue;
-      row[i] = reduce<T>(raw, a.world);
+      ok = poll_all<T>(a, c.buffer, (u64)bt.token(i) * row_vecs + bt.vec(i), raw, c.calls);
+      if (ok) row[i] = reduce<T>(raw, a.world);
     }
     if (sync_block_or(!ok)) return;
-    epilogue<T>(a, t, row, scratch);
+    epilogue<T>(a, bt, row, scratch);
   }
   finish(a, c, false);
 }
@@ -466,7 +529,7 @@ __device__ void oneshot(const FusedArgs& a) {
 // receives 2 x the message instead of world x.
 template <typename T>
 __device__ void twoshot(const FusedArgs& a) {
-  __shared__ float scratch[kThreads / kWarpSize];
+  __shared__ float scratch[kScratch];
   constexpr int E = Packed<T>::kElems;
   Call c;
   if (!begin(a, c)) return;
@@ -492,26 +555,27 @@ __device__ void twoshot(const FusedArgs& a) {
   bool ok = true;
   for (u64 v = lo + first; v < hi && ok; v += stride) {
     uint4 raw[kMaxWorld];
-#pragma unroll
-    for (int r = 0; r < kMaxWorld; ++r)
-      if (r < int(a.world) && ok) ok = poll<T>(slot<T>(a, self, c.buffer, r) + v, raw[r], a, c.calls);
+    ok = poll_all<T>(a, c.buffer, v, raw, c.calls);
     if (!ok) break;
     const uint4 sum = reduce<T>(raw, a.world);
     for (uint32_t p = 0; p < a.world; ++p) st_volatile(slot<T>(a, a.lamport[p], c.buffer, a.world) + v, sum);
   }
   if (sync_block_or(!ok)) return;
 
-  // ---- Phase 3: every row from the gather slot, then the epilogue.
-  for (uint32_t t = block_x(); t < a.tokens; t += grid_dim_x()) {
+  // ---- Phase 3: every row from the gather slot (a batch's loads in flight together), then
+  // the epilogue.
+  for (Batch bt(block_x(), row_vecs); bt.t0 < a.tokens; bt.t0 += bt.stride()) {
     uint4 row[kMaxVecs];
+    const uint4* gathered = slot<T>(a, self, c.buffer, a.world);
 #pragma unroll
-    for (int i = 0; i < kMaxVecs; ++i) {
-      const u64 j = thread_x() + i * kThreads;
-      if (j < row_vecs && ok)
-        ok = poll<T>(slot<T>(a, self, c.buffer, a.world) + (u64)t * row_vecs + j, row[i], a, c.calls);
-    }
+    for (int i = 0; i < kMaxVecs; ++i)
+      if (bt.valid(i, a.tokens)) row[i] = ld_volatile(gathered + (u64)bt.token(i) * row_vecs + bt.vec(i));
+#pragma unroll
+    for (int i = 0; i < kMaxVecs; ++i)
+      if (bt.valid(i, a.tokens) && ok && has_sentinel<T>(row[i]))
+        ok = poll<T>(gathered + (u64)bt.token(i) * row_vecs + bt.vec(i), row[i], a, c.calls);
     if (sync_block_or(!ok)) return;
-    epilogue<T>(a, t, row, scratch);
+    epilogue<T>(a, bt, row, scratch);
   }
   finish(a, c, true);
 }
@@ -520,17 +584,15 @@ __device__ void twoshot(const FusedArgs& a) {
 // already in `input`; any grid. No state, no polling, no -0.0 rule.
 template <typename T>
 __device__ void norm_only(const FusedArgs& a) {
-  __shared__ float scratch[kThreads / kWarpSize];
+  __shared__ float scratch[kScratch];
   constexpr int E = Packed<T>::kElems;
   const u64 row_vecs = a.hidden / E;
-  for (uint32_t t = block_x(); t < a.tokens; t += grid_dim_x()) {
+  for (Batch bt(block_x(), row_vecs); bt.t0 < a.tokens; bt.t0 += bt.stride()) {
     uint4 row[kMaxVecs];
 #pragma unroll
-    for (int i = 0; i < kMaxVecs; ++i) {
-      const u64 j = thread_x() + i * kThreads;
-      if (j < row_vecs) row[i] = static_cast<const uint4*>(a.input)[(u64)t * row_vecs + j];
-    }
-    epilogue<T>(a, t, row, scratch);
+    for (int i = 0; i < kMaxVecs; ++i)
+      if (bt.valid(i, a.tokens)) row[i] = static_cast<const uint4*>(a.input)[(u64)bt.token(i) * row_vecs + bt.vec(i)];
+    epilogue<T>(a, bt, row, scratch);
   }
 }
 
