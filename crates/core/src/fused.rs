@@ -222,13 +222,16 @@ impl FusedMetadata {
     }
 }
 
-/// The default one-shot/two-shot switch over the per-rank bytes of a call. One-shot moves
-/// `world` times the message into every rank, two-shot twice the message in two hops, so
-/// one-shot wins while latency dominates. Starting values from TensorRT-LLM's MIN_LATENCY
-/// rule (one-shot up to 128 tokens) and FlashInfer's size rule, scaled to bytes; the fused
-/// bench (`allreduce-bench --fused`) measures the crossover.
+/// The default one-shot/two-shot switch over the per-rank bytes of a call
+/// (`tokens * hidden * dtype.size()`). One-shot moves `world` times the message into every
+/// rank in one hop, two-shot twice the message in two hops, so one-shot wins while latency
+/// dominates. Thresholds measured on one H200 with virtual ranks (docs/benchmarks.md, fused
+/// section: the forced one-shot and two-shot columns): one-shot up to 128 KiB at 2 ranks and
+/// 64 KiB above. Virtual ranks share one GPU's memory, which charges one-shot `world` times its
+/// real per-GPU traffic, so on distinct GPUs the crossover is expected higher (TensorRT-LLM
+/// keeps one-shot up to 128 tokens); the multi-GPU table is issue 9's to measure.
 pub fn default_table() -> SelectionTable {
-    const MIB: usize = 1 << 20;
+    const KIB: usize = 1 << 10;
     let rule = |world: (usize, usize), max_bytes, strategy| Rule {
         world,
         max_bytes,
@@ -238,9 +241,9 @@ pub fn default_table() -> SelectionTable {
     };
     SelectionTable {
         rules: vec![
-            rule((1, 2), 8 * MIB, Strategy::OneShot),
-            rule((3, 4), 2 * MIB, Strategy::OneShot),
-            rule((5, usize::MAX), MIB, Strategy::OneShot),
+            rule((1, 1), usize::MAX, Strategy::OneShot),
+            rule((2, 2), 128 * KIB, Strategy::OneShot),
+            rule((3, usize::MAX), 64 * KIB, Strategy::OneShot),
         ],
         fallback: Strategy::TwoShot,
     }

@@ -120,7 +120,8 @@ fn auto_picks_oneshot_for_few_tokens_and_twoshot_for_many() {
     let mut out = HostBytes::zeroed(4096 * 4096 * 2);
     for (tokens, want) in [
         (1, Strategy::OneShot),
-        (128, Strategy::OneShot),
+        (8, Strategy::OneShot),
+        (16, Strategy::TwoShot),
         (2048, Strategy::TwoShot),
     ] {
         let n = tokens * 4096;
