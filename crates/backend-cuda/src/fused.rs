@@ -103,6 +103,8 @@ impl Kernels {
 /// What every rank's workspace shares: the group, the per-rank allocations, the kernels.
 struct Shared {
     group: GroupHandle,
+    /// Blocks per launch, the same on every rank (see `fused_grid`).
+    grid: u32,
     meta: Vec<FusedMetadata>,
     lamport: Vec<DeviceMem>,
     state: Vec<DeviceMem>,
@@ -168,9 +170,12 @@ pub(crate) fn create_group(
         hidden = config.hidden,
         dtype = %config.dtype,
         bytes_per_rank = meta[0].buffer_size,
+        grid = fused_grid(&group),
         "cuda fused workspace"
     );
+    let grid = fused_grid(&group);
     let shared = Arc::new(Shared {
+        grid,
         group,
         meta,
         lamport,
@@ -186,6 +191,27 @@ pub(crate) fn create_group(
             }) as Box<dyn FusedComm>
         })
         .collect())
+}
+
+/// Blocks per fused launch: one per SM for each rank of the busiest GPU, at most 64 (the
+/// per-block state's size). More than the exact kernels' 36 when few ranks share a GPU: the
+/// fused kernels' phases are latency-bound loops, so more threads means more loads in flight.
+/// Every rank's grid still co-resides with room to spare (the kernels fit two blocks per SM,
+/// and all ranks of a GPU together ask for at most one per SM), which the polls need.
+fn fused_grid(group: &GroupHandle) -> u32 {
+    let world = group.world();
+    let busiest = (0..world)
+        .map(|r| {
+            let o = group.device(r).ordinal;
+            (0..world).filter(|&q| group.device(q).ordinal == o).count()
+        })
+        .max()
+        .unwrap_or(1) as u32;
+    let sms = (0..world)
+        .map(|r| group.device(r).sm_count)
+        .min()
+        .unwrap_or(1);
+    (sms / busiest).clamp(1, crate::abi::MAX_BLOCKS as u32)
 }
 
 /// -0.0 in every element (the Lamport "not written yet"), and wait for it.
@@ -223,7 +249,7 @@ fn warm_up(s: &Shared, dtype: DType) -> Result<()> {
         let k = &s.kernels[rank];
         for f in [k.oneshot[d], k.twoshot[d], k.norm[d]] {
             // SAFETY: tokens = 0 and world = 1: only this rank's state is touched.
-            unsafe { driver::launch(f, s.group.grid(), THREADS, std::ptr::null_mut(), &args)? };
+            unsafe { driver::launch(f, s.grid, THREADS, std::ptr::null_mut(), &args)? };
         }
     }
     for rank in 0..s.meta.len() {
@@ -313,7 +339,7 @@ impl FusedComm for CudaFused {
         // SAFETY: FusedArgs mirrors the kernel's parameter; the workspaces live as long as
         // `shared`, and `prepare_fused` validated the caller's buffers (device, sizes,
         // alignment, overlap).
-        unsafe { driver::launch(f, s.group.grid(), THREADS, call.stream.as_raw() as _, &args) }
+        unsafe { driver::launch(f, s.grid, THREADS, call.stream.as_raw() as _, &args) }
     }
 }
 

@@ -40,6 +40,7 @@ namespace ar {
 namespace fused {
 
 constexpr int kMaxVecs = 4;  // 16-byte vectors of one row per thread: a row is held in registers
+constexpr int kPushUnroll = 4;  // input vectors each thread loads before pushing them
 constexpr uint32_t kPatternAllReduce = 0, kPatternNorm = 1, kPatternNormFp8 = 2;
 
 // One block's call state; kMaxBlocks of them per rank (the workspace's "flag" region).
@@ -140,6 +141,17 @@ AR_DEVICE void st_volatile(uint4* p, const uint4& v) {
   asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
                "r"(v.z), "r"(v.w)
                : "memory");
+#endif
+}
+
+// Ask for a line in L1 ahead of a load whose address is known before the data it waits for:
+// the epilogue's residual and gamma loads then cost an L1 hit instead of an L2 round trip
+// after the poll. No-op on HIP.
+AR_DEVICE void prefetch_l1(const void* p) {
+#if AR_HIP
+  (void)p;
+#else
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
 #endif
 }
 
@@ -315,6 +327,18 @@ struct Batch {
   AR_DEVICE uint32_t stride() const { return rows * grid_dim_x(); }
 };
 
+// Before waiting for a batch: prefetch the residual and gamma vectors its epilogue will read.
+template <typename T>
+AR_DEVICE void prefetch_epilogue(const FusedArgs& a, const Batch& bt) {
+  if (a.pattern == kPatternAllReduce) return;
+#pragma unroll
+  for (int i = 0; i < kMaxVecs; ++i) {
+    if (!bt.valid(i, a.tokens)) continue;
+    prefetch_l1(static_cast<const uint4*>(a.residual_in) + (u64)bt.token(i) * bt.row_vecs + bt.vec(i));
+    if (uint32_t(i) < bt.vpr) prefetch_l1(static_cast<const uint4*>(a.gamma) + bt.vec(i));
+  }
+}
+
 // The epilogue of a batch, once this thread's all-reduced vectors are in `row`. Every thread
 // of the block calls it (block reductions). The per-row sum of squares is, for every slot of
 // the row in slot order, the block's deterministic sum of that slot: the same arithmetic for
@@ -435,16 +459,17 @@ struct Call {
   bool prev_twoshot;
 };
 
-// Read this block's state (every thread) and decide whether to run at all.
-AR_DEVICE bool begin(const FusedArgs& a, Call& c) {
+// Read this block's state (every thread). No abort check here, unlike the exact kernels: it
+// would put a load and a block barrier in front of the first push, and a kernel launched after
+// an abort leaves at its first poll's check anyway (its pushes land in buffers of a group that
+// must be rebuilt).
+AR_DEVICE void begin(const FusedArgs& a, Call& c) {
   const BlockState s = a.state[block_x()];
   c.calls = s.calls;
   c.buffer = s.calls % 3;
   c.stale = (s.calls + 2) % 3;
   c.prev_tokens = s.prev_tokens;
   c.prev_twoshot = s.prev_twoshot != 0;
-  const bool aborted = thread_x() == 0 && ld_relaxed_sys(abort_word(a.ws[a.rank])) != 0;
-  return !sync_block_or(aborted);
 }
 
 AR_DEVICE void finish(const FusedArgs& a, const Call& c, bool twoshot) {
@@ -491,14 +516,24 @@ __device__ void oneshot(const FusedArgs& a) {
   __shared__ float scratch[kScratch];
   constexpr int E = Packed<T>::kElems;
   Call c;
-  if (!begin(a, c)) return;
+  begin(a, c);
   const u64 row_vecs = a.hidden / E, nvec = (u64)a.tokens * row_vecs;
   const u64 stride = (u64)grid_dim_x() * kThreads, first = (u64)block_x() * kThreads + thread_x();
 
-  // ---- Phase 1: push our rows into slot `rank` of every rank's current buffer.
-  for (u64 v = first; v < nvec; v += stride) {
-    const uint4 x = plus_zero<T>(static_cast<const uint4*>(a.input)[v]);
-    for (uint32_t p = 0; p < a.world; ++p) st_volatile(slot<T>(a, a.lamport[p], c.buffer, a.rank) + v, x);
+  // ---- Phase 1: push our rows into slot `rank` of every rank's current buffer, kPushUnroll
+  // loads in flight per thread (the grid is small, so one load at a time would leave this
+  // phase latency-bound).
+  for (u64 v0 = first; v0 < nvec; v0 += kPushUnroll * stride) {
+    uint4 x[kPushUnroll];
+#pragma unroll
+    for (int u = 0; u < kPushUnroll; ++u)
+      if (v0 + u * stride < nvec) x[u] = plus_zero<T>(static_cast<const uint4*>(a.input)[v0 + u * stride]);
+#pragma unroll
+    for (int u = 0; u < kPushUnroll; ++u) {
+      if (v0 + u * stride >= nvec) continue;
+      for (uint32_t p = 0; p < a.world; ++p)
+        st_volatile(slot<T>(a, a.lamport[p], c.buffer, a.rank) + v0 + u * stride, x[u]);
+    }
   }
   // ---- Phase 2: refill the stale buffer (overlaps the peers' pushes in flight).
   refill<T>(a, c);
@@ -508,6 +543,7 @@ __device__ void oneshot(const FusedArgs& a) {
   for (Batch bt(block_x(), row_vecs); bt.t0 < a.tokens; bt.t0 += bt.stride()) {
     uint4 row[kMaxVecs];
     bool ok = true;
+    prefetch_epilogue<T>(a, bt);
 #pragma unroll
     for (int i = 0; i < kMaxVecs; ++i) {
       if (!bt.valid(i, a.tokens) || !ok) continue;
@@ -532,7 +568,7 @@ __device__ void twoshot(const FusedArgs& a) {
   __shared__ float scratch[kScratch];
   constexpr int E = Packed<T>::kElems;
   Call c;
-  if (!begin(a, c)) return;
+  begin(a, c);
   const u64 row_vecs = a.hidden / E, nvec = (u64)a.tokens * row_vecs;
   const u64 stride = (u64)grid_dim_x() * kThreads, first = (u64)block_x() * kThreads + thread_x();
   const u64 per = (a.tokens + a.world - 1) / a.world;
@@ -541,10 +577,18 @@ __device__ void twoshot(const FusedArgs& a) {
   // (no 64-bit division per vector).
   {
     uint32_t owner = 0;
-    for (u64 v = first; v < nvec; v += stride) {
-      while (v >= (owner + 1ull) * per * row_vecs) ++owner;
-      const uint4 x = plus_zero<T>(static_cast<const uint4*>(a.input)[v]);
-      st_volatile(slot<T>(a, a.lamport[owner], c.buffer, a.rank) + v, x);
+    for (u64 v0 = first; v0 < nvec; v0 += kPushUnroll * stride) {
+      uint4 x[kPushUnroll];
+#pragma unroll
+      for (int u = 0; u < kPushUnroll; ++u)
+        if (v0 + u * stride < nvec) x[u] = plus_zero<T>(static_cast<const uint4*>(a.input)[v0 + u * stride]);
+#pragma unroll
+      for (int u = 0; u < kPushUnroll; ++u) {
+        const u64 v = v0 + u * stride;
+        if (v >= nvec) continue;
+        while (v >= (owner + 1ull) * per * row_vecs) ++owner;
+        st_volatile(slot<T>(a, a.lamport[owner], c.buffer, a.rank) + v, x[u]);
+      }
     }
   }
   refill<T>(a, c);
@@ -567,6 +611,7 @@ __device__ void twoshot(const FusedArgs& a) {
   for (Batch bt(block_x(), row_vecs); bt.t0 < a.tokens; bt.t0 += bt.stride()) {
     uint4 row[kMaxVecs];
     const uint4* gathered = slot<T>(a, self, c.buffer, a.world);
+    prefetch_epilogue<T>(a, bt);
 #pragma unroll
     for (int i = 0; i < kMaxVecs; ++i)
       if (bt.valid(i, a.tokens)) row[i] = ld_volatile(gathered + (u64)bt.token(i) * row_vecs + bt.vec(i));
@@ -589,6 +634,7 @@ __device__ void norm_only(const FusedArgs& a) {
   const u64 row_vecs = a.hidden / E;
   for (Batch bt(block_x(), row_vecs); bt.t0 < a.tokens; bt.t0 += bt.stride()) {
     uint4 row[kMaxVecs];
+    prefetch_epilogue<T>(a, bt);
 #pragma unroll
     for (int i = 0; i < kMaxVecs; ++i)
       if (bt.valid(i, a.tokens)) row[i] = static_cast<const uint4*>(a.input)[(u64)bt.token(i) * row_vecs + bt.vec(i)];
