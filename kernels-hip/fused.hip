@@ -14,9 +14,16 @@ constexpr int kWavesPerSimd = kBlocksPerCu * (kThreads / kWarpSize) / kSimdsPerC
 #define AR_KERNEL                                                                     \
   extern "C" __global__ void __attribute__((amdgpu_flat_work_group_size(1, kThreads), \
                                             amdgpu_waves_per_eu(kWavesPerSimd)))
-#define AR_FUSED_KERNELS(SUFFIX, T)                                                           \
-  AR_KERNEL ar_fused_oneshot_##SUFFIX(AR_GRID_CONSTANT const FusedArgs a) { oneshot<T>(a); } \
-  AR_KERNEL ar_fused_twoshot_##SUFFIX(AR_GRID_CONSTANT const FusedArgs a) { twoshot<T>(a); } \
+// One instance per world size the kernels are specialised for (2, 4, 8: rank arrays sized to
+// the world, fewer registers) and one for any world (w0: the world from the arguments).
+#define AR_FUSED_WORLD(SUFFIX, T, W)                                                            \
+  AR_KERNEL ar_fused_oneshot_##SUFFIX##_w##W(AR_GRID_CONSTANT const FusedArgs a) { oneshot<T, W>(a); } \
+  AR_KERNEL ar_fused_twoshot_##SUFFIX##_w##W(AR_GRID_CONSTANT const FusedArgs a) { twoshot<T, W>(a); }
+#define AR_FUSED_KERNELS(SUFFIX, T) \
+  AR_FUSED_WORLD(SUFFIX, T, 0)      \
+  AR_FUSED_WORLD(SUFFIX, T, 2)      \
+  AR_FUSED_WORLD(SUFFIX, T, 4)      \
+  AR_FUSED_WORLD(SUFFIX, T, 8)      \
   AR_KERNEL ar_rmsnorm_##SUFFIX(AR_GRID_CONSTANT const FusedArgs a) { norm_only<T>(a); }
 
 AR_FUSED_KERNELS(f32, float)

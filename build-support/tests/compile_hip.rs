@@ -180,8 +180,8 @@ fn hip_fused_kernels_compile_for_gfx942_and_gfx90a() {
         let bytes = std::fs::read(&o.path).unwrap();
         assert!(bytes.starts_with(b"\x7fELF"), "{}: not an ELF", o.arch);
         for k in [
-            "ar_fused_oneshot_bf16",
-            "ar_fused_twoshot_f16",
+            "ar_fused_oneshot_bf16_w8",
+            "ar_fused_twoshot_f16_w0",
             "ar_rmsnorm_f32",
         ] {
             let name = format!("{k}.kd");

@@ -81,20 +81,24 @@ unsafe impl Send for Kernels {}
 unsafe impl Sync for Kernels {}
 
 impl Kernels {
-    /// Load on the bound device (eagerly: see `Module::function`).
-    fn load() -> Result<Self> {
+    /// Load on the bound device (eagerly: see `Module::function`) the instances for groups of
+    /// `world` ranks: specialised for 2, 4 and 8, generic otherwise.
+    fn load(world: usize) -> Result<Self> {
         let module = Module::load(FUSED_FATBIN)?;
-        let set = |prefix: &str| -> Result<[CUfunction; 3]> {
-            let f = |suffix: &str| {
-                let name = std::ffi::CString::new(format!("{prefix}_{suffix}")).expect("no NUL");
+        let w = if matches!(world, 2 | 4 | 8) { world } else { 0 };
+        let set = |prefix: &str, tail: &str| -> Result<[CUfunction; 3]> {
+            let f = |dtype: &str| {
+                let name =
+                    std::ffi::CString::new(format!("{prefix}_{dtype}{tail}")).expect("no NUL");
                 module.function(&name)
             };
             Ok([f("f32")?, f("f16")?, f("bf16")?])
         };
+        let tail = format!("_w{w}");
         Ok(Kernels {
-            oneshot: set("ar_fused_oneshot")?,
-            twoshot: set("ar_fused_twoshot")?,
-            norm: set("ar_rmsnorm")?,
+            oneshot: set("ar_fused_oneshot", &tail)?,
+            twoshot: set("ar_fused_twoshot", &tail)?,
+            norm: set("ar_rmsnorm", "")?,
             _module: module,
         })
     }
@@ -157,7 +161,7 @@ pub(crate) fn create_group(
         let k = match loaded.iter().find(|(o, _)| *o == dev.ordinal) {
             Some((_, k)) => k.clone(),
             None => {
-                let k = Arc::new(Kernels::load()?);
+                let k = Arc::new(Kernels::load(world)?);
                 loaded.push((dev.ordinal, k.clone()));
                 k
             }
@@ -367,7 +371,7 @@ pub struct NormBuffers {
 impl RmsNormKernel {
     pub fn load() -> Result<Self> {
         Ok(RmsNormKernel {
-            kernels: Kernels::load()?,
+            kernels: Kernels::load(0)?,
         })
     }
 
