@@ -743,6 +743,32 @@ mod fused {
                 }
             }
         }
+        // 3 ranks: the generic kernels (the world read from the arguments, not compiled in).
+        {
+            let mut cases = Vec::new();
+            for (i, &t) in [1usize, 7, 128].iter().enumerate() {
+                for strategy in [Strategy::Auto, Strategy::OneShot, Strategy::TwoShot] {
+                    let pattern = FusionPattern::ALL[i % 3];
+                    cases.push(Case {
+                        tokens: t,
+                        pattern,
+                        strategy,
+                        seed: 40 + i,
+                    });
+                }
+            }
+            let f = run_group(3, DType::BF16, 4096, &cases);
+            println!(
+                "3 ranks bf16 hidden 4096: {} cases, {} failures",
+                cases.len(),
+                f.len()
+            );
+            for m in f.iter().take(5) {
+                println!("  FAIL {m}");
+            }
+            cases_run += cases.len();
+            failures.extend(f);
+        }
         for &world in worlds {
             for k in 1..=3 {
                 let start = Instant::now();
