@@ -3,6 +3,34 @@
 //! `trtllm_create_ipc_workspace_for_all_reduce_fusion`, and
 //! [`Communicator::all_reduce_fusion`], FlashInfer's `allreduce_fusion(input, workspace,
 //! pattern, ...)`. Semantics and tolerances: `allreduce_core::fused`.
+//!
+//! ```
+//! use allreduce::{
+//!     BackendKind, BufMut, BufRef, Communicator, FusedArgs, FusedConfig, FusedWorkspace,
+//!     FusionPattern, GroupConfig,
+//! };
+//!
+//! let (tokens, hidden) = (2, 8);
+//! let comms = Communicator::new_group(BackendKind::Host, GroupConfig::new(2)).unwrap();
+//! let ws = FusedWorkspace::create_group(&comms, FusedConfig::new(16, hidden, f32::DTYPE)).unwrap();
+//! # use allreduce::Element;
+//! std::thread::scope(|s| {
+//!     for (comm, ws) in comms.iter().zip(&ws) {
+//!         s.spawn(move || {
+//!             let x = vec![1.0f32; tokens * hidden];
+//!             let residual = vec![1.0f32; tokens * hidden];
+//!             let gamma = vec![2.0f32; hidden];
+//!             let (mut res_out, mut norm) = (vec![0f32; tokens * hidden], vec![0f32; tokens * hidden]);
+//!             let args = FusedArgs::new(FusionPattern::ResidualRmsNorm, tokens, BufRef::from_slice(&x))
+//!                 .residual(BufRef::from_slice(&residual), Some(BufMut::from_slice(&mut res_out)))
+//!                 .rms_norm(BufRef::from_slice(&gamma), 0.0, Some(BufMut::from_slice(&mut norm)));
+//!             comm.all_reduce_fusion(ws, args).unwrap();
+//!             assert!(res_out.iter().all(|&v| v == 3.0)); // 1 + 1 summed, + 1
+//!             assert!(norm.iter().all(|&v| v == 2.0)); // 3 / rms(3) * 2
+//!         });
+//!     }
+//! });
+//! ```
 
 use allreduce_core::fused::{self, prepare_fused, FusedCall};
 use allreduce_core::{
