@@ -161,8 +161,8 @@ fn hip_kernels_compile_for_default_archs() {
 }
 
 /// The fused all-reduce + RMSNorm kernels (kernels-hip/fused.hip, issue 6) build for AMD too;
-/// nothing runs them there yet. gfx942 only: 27 kernels take about 40 s per target on CI's
-/// two cores, and the code is the same for gfx90a.
+/// nothing runs them there yet. gfx942 only: the code is the same for gfx90a, and CI's two
+/// cores are slow at it.
 #[test]
 fn hip_fused_kernels_compile_for_gfx942() {
     let Some((cc, root)) = setup() else { return };
@@ -181,7 +181,7 @@ fn hip_fused_kernels_compile_for_gfx942() {
         let bytes = std::fs::read(&o.path).unwrap();
         assert!(bytes.starts_with(b"\x7fELF"), "{}: not an ELF", o.arch);
         for k in [
-            "ar_fused_oneshot_bf16_w8",
+            "ar_fused_oneshot_bf16_w0",
             "ar_fused_twoshot_f16_w0",
             "ar_rmsnorm_f32",
         ] {
