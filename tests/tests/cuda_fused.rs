@@ -695,6 +695,61 @@ mod fused {
         results.into_iter().collect()
     }
 
+    /// Rank 1 never calls: rank 0's polls must give up at the deadline and report it, and the
+    /// group must refuse further calls.
+    fn run_timeout() -> Result<(), String> {
+        let (dtype, hidden) = (DType::BF16, 2048);
+        let comms = Communicator::new_group(
+            BackendKind::Cuda,
+            GroupConfig::new(2)
+                .devices(vec![0; 2])
+                .max_bytes(1 << 16)
+                .timeout(Duration::from_millis(500)),
+        )
+        .map_err(|e| e.to_string())?;
+        let ws = FusedWorkspace::create_group(&comms, FusedConfig::new(4, hidden, dtype))
+            .map_err(|e| e.to_string())?;
+        let comm = &comms[0];
+        let Device::Cuda(ordinal) = comm.device() else {
+            unreachable!()
+        };
+        let e = |e: allreduce::Error| e.to_string();
+        let _dev = bind(ordinal).map_err(e)?;
+        let stream = OwnedStream::new().map_err(e)?;
+        stream.warm().map_err(e)?;
+        let dev = comm.device();
+        let (x, out) = (
+            Buffer::zeroed(hidden * 2, &stream).map_err(e)?,
+            Buffer::zeroed(hidden * 2, &stream).map_err(e)?,
+        );
+        stream.synchronize().map_err(e)?;
+        let call = || unsafe {
+            // SAFETY: live buffers of `hidden` bf16 elements.
+            let args = FusedArgs::new(
+                FusionPattern::AllReduce,
+                1,
+                BufRef::from_raw(x.addr(), hidden, dtype, dev),
+            )
+            .allreduce_out(BufMut::from_raw(out.addr(), hidden, dtype, dev))
+            .stream(stream.handle());
+            comm.all_reduce_fusion(&ws[0], args)
+        };
+        let start = Instant::now();
+        call().map_err(e)?;
+        match comm.synchronize(stream.handle()) {
+            Err(allreduce::Error::Timeout { .. }) => {}
+            other => return Err(format!("expected a timeout, got {other:?}")),
+        }
+        let waited = start.elapsed();
+        if waited > Duration::from_secs(5) {
+            return Err(format!("the timeout took {waited:?} for a 500 ms deadline"));
+        }
+        match call() {
+            Err(allreduce::Error::Aborted { .. }) => Ok(()),
+            other => Err(format!("expected Aborted after the timeout, got {other:?}")),
+        }
+    }
+
     pub fn run() {
         if !gpu_available() {
             return;
@@ -782,6 +837,13 @@ mod fused {
                         failures.push(m);
                     }
                 }
+            }
+        }
+        match run_timeout() {
+            Ok(()) => println!("a missing rank: Timeout at the deadline, then Aborted: ok"),
+            Err(m) => {
+                println!("a missing rank: FAIL {m}");
+                failures.push(m);
             }
         }
         println!("cuda_fused: {cases_run} cases, {} failures", failures.len());
