@@ -513,9 +513,9 @@ AR_DEVICE void refill(const FusedArgs& a, const Call& c) {
     for (u64 v = first; v < c.prev_tokens * row_vecs; v += stride) gathered[v] = s;
   }
   const u64 n = (hi - lo) * row_vecs;
-  for (u64 v = first; v < n * world; v += stride) {
-    const uint32_t src = uint32_t(v / n);
-    slot<T>(a, self, c.stale, src)[lo * row_vecs + v % n] = s;
+  for (uint32_t src = 0; src < world; ++src) {
+    uint4* rows = slot<T>(a, self, c.stale, src) + lo * row_vecs;
+    for (u64 v = first; v < n; v += stride) rows[v] = s;
   }
 }
 
