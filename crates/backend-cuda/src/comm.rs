@@ -579,6 +579,9 @@ impl GroupHandle {
     pub(crate) fn world(&self) -> usize {
         self.0.world
     }
+    pub(crate) fn grid(&self) -> u32 {
+        self.0.grid
+    }
     pub(crate) fn timeout_ns(&self) -> u64 {
         self.0.timeout.as_nanos().min(u64::MAX as u128) as u64
     }
