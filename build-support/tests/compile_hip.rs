@@ -159,3 +159,39 @@ fn hip_kernels_compile_for_default_archs() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The fused all-reduce + RMSNorm kernels (kernels-hip/fused.hip, issue 6) build for the
+/// required targets too; nothing runs them on AMD yet.
+#[test]
+fn hip_fused_kernels_compile_for_gfx942_and_gfx90a() {
+    let Some((cc, root)) = setup() else { return };
+    let dir = scratch("fused");
+    let opts = HipOptions {
+        name: "fused".into(),
+        source: root.join("kernels-hip/fused.hip"),
+        include_dirs: vec![root.join("kernels-common/include")],
+        archs: Some(vec!["gfx942".into(), "gfx90a".into()]),
+        out_dir: Some(dir.clone()),
+        compiler: Some(cc.to_path_buf()),
+        cargo_directives: false,
+    };
+    let objs = compile_hip_code_objects(&opts).unwrap_or_else(|e| panic!("{e}"));
+    for o in &objs {
+        let bytes = std::fs::read(&o.path).unwrap();
+        assert!(bytes.starts_with(b"\x7fELF"), "{}: not an ELF", o.arch);
+        for k in [
+            "ar_fused_oneshot_bf16",
+            "ar_fused_twoshot_f16",
+            "ar_rmsnorm_f32",
+        ] {
+            let name = format!("{k}.kd");
+            assert!(
+                bytes.windows(name.len()).any(|w| w == name.as_bytes()),
+                "{}: kernel {k} missing",
+                o.arch
+            );
+        }
+    }
+    assert_eq!(objs.len(), 2);
+    let _ = std::fs::remove_dir_all(&dir);
+}

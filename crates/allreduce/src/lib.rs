@@ -37,7 +37,11 @@ pub use allreduce_core::{
     Error, GroupConfig, HostBytes, Link, Precision, RawBuffer, ReduceOp, Result, Rule,
     SelectionTable, Strategy, Stream, Topology,
 };
+pub use allreduce_core::{fused, Fp8BufMut, FusedArgs, FusedConfig, FusedMetadata, FusionPattern};
+
+mod fusion;
 use allreduce_core::{prepare, Backend, BackendComm};
+pub use fusion::FusedWorkspace;
 
 /// The CUDA backend's own API: device memory, streams and graphs for tests and the bench.
 #[cfg(feature = "cuda")]

@@ -6,12 +6,15 @@
 //! `allreduce_core::gpu::GpuRuntime`, under the group logic shared with the ROCm backend;
 //! `nccl` is `Strategy::Vendor` (libnccl loaded at run time; without it the
 //! strategy is unavailable, with the reason). The kernels come from `kernels-cuda/` (+ `kernels-common/`), compiled ahead of
-//! time by build-support into one fatbin embedded in this crate.
+//! time by build-support into two fatbins embedded in this crate (`fused` holds the
+//! all-reduce fused with residual + RMSNorm, kernels-cuda/fused.cu).
 
 pub mod abi;
 pub mod driver;
+mod fused;
 mod nccl;
 mod runtime;
 pub mod testing;
 
+pub use fused::{CudaFused, NormBuffers, RmsNormKernel};
 pub use runtime::{Cuda, CudaComm, CudaRuntime};

@@ -169,6 +169,13 @@ impl GpuRuntime for CudaRuntime {
             .and_then(|n| u32::try_from(n).ok())
     }
 
+    fn create_fused_group(
+        group: allreduce_core::gpu::GroupView<CudaRuntime>,
+        config: &allreduce_core::FusedConfig,
+    ) -> Result<Option<Vec<Box<dyn allreduce_core::FusedComm>>>> {
+        crate::fused::create_group(group, config).map(Some)
+    }
+
     fn device_id(dev: &driver::Device) -> Vec<u8> {
         let mut uuid = sys::CUuuid { bytes: [0; 16] };
         // SAFETY: a valid device handle; a failure falls back to the ordinal below.

@@ -144,6 +144,30 @@ pub struct Args {
     )]
     pub hidden: usize,
 
+    /// CUDA only: instead of the sweep, time the fused all-reduce + residual + RMSNorm
+    /// against the unfused pipeline (our all-reduce, then a residual + RMSNorm kernel) on the
+    /// same inputs in the same run, for every --tokens x --fused-hidden (dtype -d, --ranks)
+    #[arg(long)]
+    pub fused: bool,
+
+    /// --fused: token counts (rows), comma-separated
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1,8,32,128",
+        value_name = "LIST"
+    )]
+    pub tokens: Vec<usize>,
+
+    /// --fused: hidden sizes (row lengths), comma-separated
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "4096,8192",
+        value_name = "LIST"
+    )]
+    pub fused_hidden: Vec<usize>,
+
     /// Deadline, in seconds, of every wait for a peer inside the library
     #[arg(long, default_value_t = 60.0, value_name = "SECONDS")]
     pub timeout: f64,

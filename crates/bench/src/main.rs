@@ -6,6 +6,8 @@ mod baselines;
 mod buffers;
 mod cli;
 mod data;
+#[cfg(feature = "cuda")]
+mod fused;
 mod metrics;
 mod plot;
 mod report;
@@ -54,6 +56,9 @@ fn describe(row: &RowSpec) -> String {
 }
 
 fn run(args: &Args) -> Result<ExitCode, BoxError> {
+    if args.fused {
+        return run_fused(args);
+    }
     if !(args.row_time.is_finite() && args.row_time > 0.0) {
         return Err(format!(
             "--row-time must be a positive number of seconds, not {}",
@@ -351,4 +356,19 @@ fn codec_bench(_: &Args, _: &[Communicator], _: usize, _: &mut dyn Write) -> Res
 #[cfg(not(feature = "cuda"))]
 fn baselines(_: &Args, _: &[Communicator], _: &[usize], _: &mut dyn Write) -> Result<(), BoxError> {
     Err("--baselines needs a build with --features cuda".into())
+}
+
+/// `--fused`: fused against unfused, same run, same inputs.
+#[cfg(feature = "cuda")]
+fn run_fused(args: &Args) -> Result<ExitCode, BoxError> {
+    if args.backend != allreduce::BackendKind::Cuda {
+        return Err("--fused times the CUDA kernels: use it with --backend cuda".into());
+    }
+    fused::run(args)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_fused(_: &Args) -> Result<ExitCode, BoxError> {
+    Err("--fused needs a build with --features cuda".into())
 }

@@ -348,6 +348,16 @@ pub trait BackendComm: Send + Sync {
     fn topology(&self) -> Option<&Topology> {
         None
     }
+
+    /// Fused all-reduce workspaces for every rank of this rank's group (element r is rank
+    /// r's), or `None` when the backend has no fused kernels: the facade then runs the
+    /// all-reduce and the epilogue separately (the host backend does).
+    fn create_fused_group(
+        &self,
+        _config: &crate::FusedConfig,
+    ) -> Result<Option<Vec<Box<dyn crate::FusedComm>>>> {
+        Ok(None)
+    }
 }
 
 /// Exchanges small byte messages among the ranks of a multi-process group (like NCCL's

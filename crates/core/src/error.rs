@@ -67,6 +67,20 @@ pub enum Error {
     #[error("invalid group configuration: {0}")]
     InvalidConfig(String),
 
+    /// A call asked for more than its workspace was created for (the fused all-reduce's
+    /// `max_tokens`).
+    #[error("{requested} {what} exceed the workspace's maximum of {max}")]
+    WorkspaceExceeded {
+        what: &'static str,
+        requested: usize,
+        max: usize,
+    },
+
+    /// A call's arguments do not fit together (a missing or mis-sized buffer of the fused
+    /// all-reduce, say); nothing was enqueued.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
     /// A driver or library needed by the backend could not be loaded.
     #[error("{library} is unavailable: {detail}")]
     LibraryUnavailable {
@@ -104,6 +118,8 @@ impl Error {
                 | Error::StrategyUnavailable { .. }
                 | Error::RankMismatch { .. }
                 | Error::PeerRejected { .. }
+                | Error::WorkspaceExceeded { .. }
+                | Error::InvalidArgument(_)
         )
     }
 }

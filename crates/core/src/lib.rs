@@ -14,12 +14,14 @@
 //! | [`gpu`]     | `GpuRuntime` (what a vendor runtime provides) and the group logic every GPU backend shares |
 //! | [`layout`]  | how buffers are cut into per-rank shards                               |
 //! | [`select`]  | the table behind `Strategy::Auto`                                      |
+//! | [`fused`]   | the fused all-reduce + residual + RMSNorm (+ FP8): validation, reference |
 
 pub mod backend;
 pub mod buffer;
 pub mod codec;
 pub mod dtype;
 pub mod error;
+pub mod fused;
 pub mod gpu;
 pub mod layout;
 pub mod op;
@@ -33,6 +35,9 @@ pub use backend::{
 pub use buffer::{BufMut, BufRef, Device, HostBytes, RawBuffer, Stream};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
+pub use fused::{
+    Fp8BufMut, FusedArgs, FusedCall, FusedComm, FusedConfig, FusedMetadata, FusionPattern,
+};
 pub use op::{Codec, Precision, ReduceOp, Strategy};
 pub use select::{Rule, SelectionTable};
 pub use topology::{Link, Topology};

@@ -610,6 +610,52 @@ impl<R: GpuRuntime> Drop for Group<R> {
     }
 }
 
+/// What a backend's own extra kernels (the CUDA fused all-reduce) need of a group: its shape,
+/// every rank's workspace (whose header holds the abort word) and Control, and the devices.
+/// Keeps the group alive. In-process groups only: every rank's Control and device are here.
+pub struct GroupView<R: GpuRuntime>(Arc<Group<R>>);
+
+impl<R: GpuRuntime> GroupView<R> {
+    pub fn world(&self) -> usize {
+        self.0.world
+    }
+    /// Blocks per launch, the same on every rank (all ranks' grids must be co-resident).
+    pub fn grid(&self) -> u32 {
+        self.0.grid
+    }
+    pub fn timeout_ns(&self) -> u64 {
+        self.0.timeout.as_nanos().min(u64::MAX as u128) as u64
+    }
+    /// Every rank's workspace base, rank order.
+    pub fn workspaces(&self) -> [u64; MAX_WORLD] {
+        self.0.peers
+    }
+    /// Whether this process drives every rank (not a group of one process per rank).
+    pub fn in_process(&self) -> bool {
+        self.0.local.len() == self.0.world
+    }
+    /// The device address of `rank`'s Control (a rank of this process).
+    pub fn control(&self, rank: usize) -> u64 {
+        R::host_mapped_ptrs(self.0.control(rank)).1
+    }
+    /// `rank`'s device (a rank of this process).
+    pub fn device(&self, rank: usize) -> &R::Device {
+        &self.0.devices[self.0.rank_device[rank]]
+    }
+    /// Why the group is out of step for good (a kernel timed out), if it is.
+    pub fn aborted(&self) -> Option<String> {
+        self.0.local.iter().find_map(|&r| {
+            let c = Group::<R>::read_control(self.0.control(r));
+            (c.error == abi::ERROR_TIMEOUT).then(|| {
+                format!(
+                    "rank {} timed out at block {} waiting for epoch {}",
+                    c.rank, c.block, c.epoch
+                )
+            })
+        })
+    }
+}
+
 /// One rank of a GPU group.
 pub struct GpuComm<R: GpuRuntime> {
     rank: usize,
@@ -723,15 +769,7 @@ impl<R: GpuRuntime> GpuComm<R> {
 
     /// Whether any rank's kernel has timed out: then the group is out of step for good.
     fn aborted(&self) -> Option<String> {
-        self.group.local.iter().find_map(|&r| {
-            let c = Group::<R>::read_control(self.group.control(r));
-            (c.error == abi::ERROR_TIMEOUT).then(|| {
-                format!(
-                    "rank {} timed out at block {} waiting for epoch {}",
-                    c.rank, c.block, c.epoch
-                )
-            })
-        })
+        GroupView(self.group.clone()).aborted()
     }
 }
 
@@ -878,6 +916,21 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
 
     fn topology(&self) -> Option<&crate::Topology> {
         Some(&self.group.topology)
+    }
+
+    fn create_fused_group(
+        &self,
+        config: &crate::FusedConfig,
+    ) -> Result<Option<Vec<Box<dyn crate::FusedComm>>>> {
+        let view = GroupView(self.group.clone());
+        if !view.in_process() {
+            return Err(Error::InvalidConfig(
+                "fused workspaces are built for in-process groups; a group of one process per \
+                 rank does not have them yet"
+                    .into(),
+            ));
+        }
+        R::create_fused_group(view, config)
     }
 
     fn synchronize(&self, stream: Stream) -> Result<()> {

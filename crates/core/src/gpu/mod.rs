@@ -21,7 +21,7 @@ use crate::{Call, Device, GroupConfig, Result, SelectionTable, Stream};
 pub mod abi;
 mod group;
 
-pub use group::{GpuBackend, GpuComm};
+pub use group::{GpuBackend, GpuComm, GroupView};
 
 /// The device operations the shared group logic needs from a vendor runtime.
 ///
@@ -169,6 +169,16 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
             "the {} backend has no multi-process vendor library",
             Self::NAME
         )))
+    }
+
+    /// Fused all-reduce workspaces for every rank of `group` (the backend's own kernels, e.g.
+    /// CUDA's Lamport all-reduce + RMSNorm), or `None` where the runtime has none: the facade
+    /// then runs the all-reduce and the epilogue separately.
+    fn create_fused_group(
+        _group: GroupView<Self>,
+        _config: &crate::FusedConfig,
+    ) -> Result<Option<Vec<Box<dyn crate::FusedComm>>>> {
+        Ok(None)
     }
 
     /// A handle another process can open to map `mem` (CUDA/HIP IPC handles), for groups

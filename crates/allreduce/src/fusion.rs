@@ -1,0 +1,199 @@
+//! The fused all-reduce + residual add + RMSNorm (+ FP8) on the facade: a [`FusedWorkspace`]
+//! per rank, created for a whole group like FlashInfer's
+//! `trtllm_create_ipc_workspace_for_all_reduce_fusion`, and
+//! [`Communicator::all_reduce_fusion`], FlashInfer's `allreduce_fusion(input, workspace,
+//! pattern, ...)`. Semantics and tolerances: `allreduce_core::fused`.
+//!
+//! ```
+//! use allreduce::{
+//!     BackendKind, BufMut, BufRef, Communicator, FusedArgs, FusedConfig, FusedWorkspace,
+//!     FusionPattern, GroupConfig,
+//! };
+//!
+//! let (tokens, hidden) = (2, 8);
+//! let comms = Communicator::new_group(BackendKind::Host, GroupConfig::new(2)).unwrap();
+//! let ws = FusedWorkspace::create_group(&comms, FusedConfig::new(16, hidden, f32::DTYPE)).unwrap();
+//! # use allreduce::Element;
+//! std::thread::scope(|s| {
+//!     for (comm, ws) in comms.iter().zip(&ws) {
+//!         s.spawn(move || {
+//!             let x = vec![1.0f32; tokens * hidden];
+//!             let residual = vec![1.0f32; tokens * hidden];
+//!             let gamma = vec![2.0f32; hidden];
+//!             let (mut res_out, mut norm) = (vec![0f32; tokens * hidden], vec![0f32; tokens * hidden]);
+//!             let args = FusedArgs::new(FusionPattern::ResidualRmsNorm, tokens, BufRef::from_slice(&x))
+//!                 .residual(BufRef::from_slice(&residual), Some(BufMut::from_slice(&mut res_out)))
+//!                 .rms_norm(BufRef::from_slice(&gamma), 0.0, Some(BufMut::from_slice(&mut norm)));
+//!             comm.all_reduce_fusion(ws, args).unwrap();
+//!             assert!(res_out.iter().all(|&v| v == 3.0)); // 1 + 1 summed, + 1
+//!             assert!(norm.iter().all(|&v| v == 2.0)); // 3 / rms(3) * 2
+//!         });
+//!     }
+//! });
+//! ```
+
+use allreduce_core::fused::{self, prepare_fused, FusedCall};
+use allreduce_core::{
+    AllReduceOptions, BufMut, BufRef, Device, Error, FusedArgs, FusedComm, FusedConfig,
+    FusedMetadata, RawBuffer, Result, SelectionTable, Strategy,
+};
+
+use crate::Communicator;
+
+/// One rank's fused workspace: Lamport buffers sized for `max_tokens x hidden` of one dtype
+/// on GPU backends; on backends without fused kernels (the host) only its metadata, and the
+/// call runs the all-reduce and the epilogue one after the other.
+pub struct FusedWorkspace {
+    meta: FusedMetadata,
+    table: SelectionTable,
+    native: Option<Box<dyn FusedComm>>,
+}
+
+impl FusedWorkspace {
+    /// Workspaces for every rank of the group `comms` (all of it, in rank order, as
+    /// `Communicator::new_group` returned it); element r is rank r's.
+    pub fn create_group(comms: &[Communicator], config: FusedConfig) -> Result<Vec<Self>> {
+        config.validate()?;
+        let world = comms.len();
+        if world == 0
+            || comms
+                .iter()
+                .enumerate()
+                .any(|(r, c)| c.rank() != r || c.world_size() != world)
+        {
+            return Err(Error::InvalidConfig(
+                "a fused workspace is created for a whole group: pass every rank's communicator, in rank order".into(),
+            ));
+        }
+        let table = config
+            .selection
+            .clone()
+            .unwrap_or_else(fused::default_table);
+        let natives = comms[0].comm.create_fused_group(&config)?;
+        let mut natives: Vec<Option<Box<dyn FusedComm>>> = match natives {
+            Some(v) => v.into_iter().map(Some).collect(),
+            None => (0..world).map(|_| None).collect(),
+        };
+        Ok((0..world)
+            .map(|r| FusedWorkspace {
+                meta: natives[r]
+                    .as_ref()
+                    .map(|n| n.metadata().clone())
+                    .unwrap_or_else(|| FusedMetadata::new(&config, r, world)),
+                table: table.clone(),
+                native: natives[r].take(),
+            })
+            .collect())
+    }
+
+    /// Sizes and shape (FlashInfer's workspace metadata).
+    pub fn metadata(&self) -> &FusedMetadata {
+        &self.meta
+    }
+
+    /// Whether calls run as one fused kernel (otherwise: all-reduce, then the epilogue).
+    pub fn is_fused(&self) -> bool {
+        self.native.is_some()
+    }
+}
+
+impl std::fmt::Debug for FusedWorkspace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FusedWorkspace")
+            .field("meta", &self.meta)
+            .field("fused", &self.is_fused())
+            .finish()
+    }
+}
+
+impl Communicator {
+    /// `allreduce_out = sum over ranks of input`, then, by `args.pattern`,
+    /// `residual_out = allreduce_out + residual_in`, `norm_out = RMSNorm(residual_out) * gamma`
+    /// and FP8 codes of `norm_out` with a scale per token. `ws` is this rank's workspace.
+    /// Returns the strategy that ran. Arguments the workspace cannot take are refused with an
+    /// error before anything is enqueued.
+    pub fn all_reduce_fusion(&self, ws: &FusedWorkspace, args: FusedArgs<'_>) -> Result<Strategy> {
+        let comm = &*self.comm;
+        if ws.meta.rank != comm.rank() || ws.meta.world != comm.world_size() {
+            return Err(Error::InvalidArgument(format!(
+                "workspace of rank {} of {} used by rank {} of {}",
+                ws.meta.rank,
+                ws.meta.world,
+                comm.rank(),
+                comm.world_size()
+            )));
+        }
+        let limits = comm.limits();
+        let call = prepare_fused(&args, &ws.meta, &ws.table, limits.device, limits.align)?;
+        let _span = tracing::debug_span!(
+            "all_reduce_fusion",
+            rank = comm.rank(),
+            tokens = call.tokens,
+            pattern = %call.pattern,
+            strategy = %call.strategy,
+        )
+        .entered();
+        match &ws.native {
+            Some(n) => n.run(&call)?,
+            None => self.composed(&call)?,
+        }
+        Ok(call.strategy)
+    }
+
+    /// The fused call as two steps, on host memory: the exact all-reduce, then the epilogue.
+    fn composed(&self, call: &FusedCall) -> Result<()> {
+        if call.input.device != Device::Host {
+            return Err(Error::StrategyUnavailable {
+                strategy: call.strategy,
+                reason: "this backend has no fused kernels, and the unfused fallback runs on host memory only".into(),
+            });
+        }
+        let (dtype, n) = (call.dtype, call.tokens * call.hidden);
+        let mut scratch = allreduce_core::HostBytes::zeroed(n * dtype.size());
+        let target = call.allreduce_out.unwrap_or(scratch.view_mut(dtype).raw());
+        // SAFETY: prepare_fused checked that these host views have the lengths and dtypes
+        // their callers' borrows (held by `args` for this call) promise.
+        unsafe {
+            let input = BufRef::from_raw(call.input.addr, n, dtype, Device::Host);
+            let output = BufMut::from_raw(target.addr, n, dtype, Device::Host);
+            self.all_reduce(
+                input,
+                output,
+                &AllReduceOptions::default()
+                    .strategy(call.strategy)
+                    .stream(call.stream),
+            )?;
+            let bytes = |b: RawBuffer| std::slice::from_raw_parts(b.addr as *const u8, b.bytes());
+            let out = fused::epilogue(
+                bytes(target),
+                dtype,
+                call.tokens,
+                call.hidden,
+                call.residual_in.map(bytes),
+                call.gamma.map(bytes),
+                call.eps,
+                call.pattern,
+            );
+            let write = |b: Option<RawBuffer>, src: &[u8]| {
+                if let Some(b) = b {
+                    std::ptr::copy_nonoverlapping(src.as_ptr(), b.addr as *mut u8, src.len());
+                }
+            };
+            write(Some(target), &out.allreduce);
+            write(call.residual_out, &out.residual);
+            write(call.norm_out, &out.norm);
+            if let Some((addr, _)) = call.quant_out {
+                std::ptr::copy_nonoverlapping(out.quant.as_ptr(), addr as *mut u8, out.quant.len());
+            }
+            if let Some(s) = call.scale_out {
+                std::ptr::copy_nonoverlapping(
+                    out.scale.as_ptr(),
+                    s.addr as *mut f32,
+                    out.scale.len(),
+                );
+            }
+        }
+        drop(scratch);
+        Ok(())
+    }
+}

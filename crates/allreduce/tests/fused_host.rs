@@ -1,0 +1,155 @@
+//! The fused call on the host backend (all-reduce, then the epilogue) against the reference,
+//! bit for bit, and the workspace's refusals.
+
+use allreduce::fused::{self, FusedOutputs};
+use allreduce::{
+    BackendKind, BufMut, BufRef, Communicator, DType, Error, Fp8BufMut, FusedArgs, FusedConfig,
+    FusedWorkspace, FusionPattern, GroupConfig, HostBytes, Strategy,
+};
+
+fn data(dtype: DType, n: usize, seed: usize) -> HostBytes {
+    let mut b = HostBytes::zeroed(n * dtype.size());
+    for i in 0..n {
+        let v = match (i + seed) % 13 {
+            0 => -0.0,
+            k => ((i * 31 + seed * 17) % 97) as f32 / 16.0 - 3.0 + k as f32 * 0.01,
+        };
+        dtype.store_f32(b.as_mut_slice(), i, v);
+    }
+    b
+}
+
+fn run(
+    world: usize,
+    tokens: usize,
+    hidden: usize,
+    dtype: DType,
+    pattern: FusionPattern,
+    strategy: Strategy,
+) {
+    let comms = Communicator::new_group(BackendKind::Host, GroupConfig::new(world)).unwrap();
+    let ws = FusedWorkspace::create_group(&comms, FusedConfig::new(64, hidden, dtype)).unwrap();
+    assert!(!ws[0].is_fused());
+    let n = tokens * hidden;
+    let inputs: Vec<HostBytes> = (0..world).map(|r| data(dtype, n, r)).collect();
+    let residual = data(dtype, n, 99);
+    let gamma = data(dtype, hidden, 7);
+    let refs: Vec<&[u8]> = inputs.iter().map(|b| b.as_slice()).collect();
+    let want = fused::reference(
+        &refs,
+        dtype,
+        tokens,
+        hidden,
+        Some(residual.as_slice()),
+        Some(gamma.as_slice()),
+        1e-5,
+        pattern,
+    );
+    let got: Vec<FusedOutputs> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .zip(&ws)
+            .zip(&inputs)
+            .map(|((c, w), x)| {
+                let (residual, gamma) = (&residual, &gamma);
+                s.spawn(move || {
+                    let mut ar = HostBytes::zeroed(n * dtype.size());
+                    let mut res = HostBytes::zeroed(n * dtype.size());
+                    let mut norm = HostBytes::zeroed(n * dtype.size());
+                    let mut quant = vec![0u8; n];
+                    let mut scale = vec![0f32; tokens];
+                    let mut args = FusedArgs::new(pattern, tokens, x.view(dtype))
+                        .allreduce_out(ar.view_mut(dtype))
+                        .strategy(strategy);
+                    if pattern.has_norm() {
+                        args = args
+                            .residual(residual.view(dtype), Some(res.view_mut(dtype)))
+                            .rms_norm(gamma.view(dtype), 1e-5, Some(norm.view_mut(dtype)));
+                    }
+                    if pattern == FusionPattern::ResidualRmsNormFp8 {
+                        args = args.fp8(
+                            Fp8BufMut::from_slice(&mut quant),
+                            BufMut::from_slice(&mut scale),
+                        );
+                    }
+                    c.all_reduce_fusion(w, args).unwrap();
+                    let has = pattern.has_norm();
+                    let fp8 = pattern == FusionPattern::ResidualRmsNormFp8;
+                    FusedOutputs {
+                        allreduce: ar.as_slice().to_vec(),
+                        residual: if has { res.as_slice().to_vec() } else { vec![] },
+                        norm: if has {
+                            norm.as_slice().to_vec()
+                        } else {
+                            vec![]
+                        },
+                        quant: if fp8 { quant } else { vec![] },
+                        scale: if fp8 { scale } else { vec![] },
+                    }
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, g) in got.iter().enumerate() {
+        assert_eq!(
+            g, &want,
+            "rank {r}, {world} ranks, {tokens}x{hidden} {dtype} {pattern}"
+        );
+    }
+}
+
+#[test]
+fn host_fused_matches_the_reference() {
+    for dtype in [DType::F16, DType::BF16, DType::F32] {
+        for pattern in FusionPattern::ALL {
+            for (world, tokens) in [(2, 1), (3, 7), (4, 16)] {
+                for strategy in [Strategy::Auto, Strategy::OneShot, Strategy::TwoShot] {
+                    run(world, tokens, 64, dtype, pattern, strategy);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn host_fused_refuses_what_the_workspace_cannot_take() {
+    let comms = Communicator::new_group(BackendKind::Host, GroupConfig::new(2)).unwrap();
+    let ws = FusedWorkspace::create_group(&comms, FusedConfig::new(4, 64, DType::BF16)).unwrap();
+    let m = ws[1].metadata();
+    assert_eq!((m.rank, m.world, m.max_tokens, m.hidden), (1, 2, 4, 64));
+    assert_eq!(m.lamport_buffer_size, 3 * 3 * 4 * 64 * 2);
+    let x = HostBytes::zeroed(8 * 64 * 2);
+    let mut out = HostBytes::zeroed(8 * 64 * 2);
+    let e = comms[0]
+        .all_reduce_fusion(
+            &ws[0],
+            FusedArgs::new(FusionPattern::AllReduce, 8, x.view(DType::BF16))
+                .allreduce_out(out.view_mut(DType::BF16)),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::WorkspaceExceeded {
+                requested: 8,
+                max: 4,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // The other rank's workspace.
+    let e = comms[0]
+        .all_reduce_fusion(
+            &ws[1],
+            FusedArgs::new(FusionPattern::AllReduce, 8, x.view(DType::BF16))
+                .allreduce_out(out.view_mut(DType::BF16)),
+        )
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    let _ = BufRef::from_slice(&[0f32; 1]);
+    assert!(
+        FusedWorkspace::create_group(&comms[1..], FusedConfig::new(4, 64, DType::BF16)).is_err()
+    );
+}

@@ -1,0 +1,267 @@
+//! `--fused` (CUDA): the fused all-reduce + residual + RMSNorm against the unfused pipeline,
+//! our all-reduce (`Strategy::Auto`) followed by the residual + RMSNorm kernel, in the same
+//! run, on the same inputs and buffers.
+//!
+//! Per (hidden, tokens), every rank thread runs warm-up calls, then alternately a timed loop of
+//! fused calls and a timed loop of unfused pairs, twice each, and keeps its faster loop of
+//! each; the row's time is the slowest rank's. Two modes: eager (one launch per kernel per
+//! call, as a framework without graphs runs them) and graph (the loop captured into a CUDA
+//! graph of `GRAPH_CALLS` calls and replayed, as vLLM/TRT-LLM decode runs them: no host
+//! launch cost).
+
+use std::sync::Barrier;
+use std::time::Instant;
+
+use allreduce::cuda::testing::{bind, Buffer, Graph, OwnedStream};
+use allreduce::cuda::{NormBuffers, RmsNormKernel};
+use allreduce::{
+    AllReduceOptions, BufMut, BufRef, Communicator, DType, Device, FusedArgs, FusedConfig,
+    FusedWorkspace, FusionPattern, GroupConfig, HostBytes, Strategy,
+};
+
+use crate::cli::Args;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+const EPS: f32 = 1e-6;
+const ITERS: usize = 200;
+const GRAPH_CALLS: usize = 20;
+const GRAPH_REPLAYS: usize = 10;
+
+/// Per tokens: (fused eager, unfused eager, fused graph, unfused graph, fused one-shot eager,
+/// fused two-shot eager) in seconds per call, and the strategy Auto ran.
+type Times = Vec<(usize, [f64; 6], Strategy)>;
+
+struct Bufs {
+    input: Buffer,
+    residual: Buffer,
+    gamma: Buffer,
+    res_out: Buffer,
+    norm: Buffer,
+    ar: Buffer,
+}
+
+fn fill(dtype: DType, n: usize, seed: usize) -> HostBytes {
+    let mut b = HostBytes::zeroed(n * dtype.size());
+    for i in 0..n {
+        let v = ((i * 7 + seed * 13) % 23) as f32 / 8.0 - 1.4;
+        dtype.store_f32(b.as_mut_slice(), i, v);
+    }
+    b
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rank_loop(
+    comm: &Communicator,
+    ws: &FusedWorkspace,
+    dtype: DType,
+    hidden: usize,
+    tokens: &[usize],
+    barrier: &Barrier,
+) -> Result<Times, String> {
+    let e = |e: allreduce::Error| e.to_string();
+    let Device::Cuda(ordinal) = comm.device() else {
+        return Err("not a CUDA rank".into());
+    };
+    let dev = comm.device();
+    let _d = bind(ordinal).map_err(e)?;
+    let stream = OwnedStream::new().map_err(e)?;
+    stream.warm().map_err(e)?;
+    let kernel = RmsNormKernel::load().map_err(e)?;
+    let max = tokens.iter().copied().max().unwrap_or(1) * hidden;
+    let bytes = max * dtype.size();
+    let b = Bufs {
+        input: Buffer::from_host(fill(dtype, max, comm.rank()).as_slice(), &stream).map_err(e)?,
+        residual: Buffer::from_host(fill(dtype, max, 99).as_slice(), &stream).map_err(e)?,
+        gamma: Buffer::from_host(fill(dtype, hidden, 5).as_slice(), &stream).map_err(e)?,
+        res_out: Buffer::zeroed(bytes, &stream).map_err(e)?,
+        norm: Buffer::zeroed(bytes, &stream).map_err(e)?,
+        ar: Buffer::zeroed(bytes, &stream).map_err(e)?,
+    };
+    stream.synchronize().map_err(e)?;
+    barrier.wait();
+    let mut out = Vec::new();
+    for &t in tokens {
+        let n = t * hidden;
+        let mut strategy = Strategy::Auto;
+        // SAFETY (both closures): prefixes of this rank's live buffers, 16-byte aligned.
+        let fused_with = |strategy: Strategy| -> allreduce::Result<Strategy> {
+            unsafe {
+                let args = FusedArgs::new(
+                    FusionPattern::ResidualRmsNorm,
+                    t,
+                    BufRef::from_raw(b.input.addr(), n, dtype, dev),
+                )
+                .residual(
+                    BufRef::from_raw(b.residual.addr(), n, dtype, dev),
+                    Some(BufMut::from_raw(b.res_out.addr(), n, dtype, dev)),
+                )
+                .rms_norm(
+                    BufRef::from_raw(b.gamma.addr(), hidden, dtype, dev),
+                    EPS,
+                    Some(BufMut::from_raw(b.norm.addr(), n, dtype, dev)),
+                )
+                .strategy(strategy)
+                .stream(stream.handle());
+                comm.all_reduce_fusion(ws, args)
+            }
+        };
+        let fused = || fused_with(Strategy::Auto);
+        let unfused = || -> allreduce::Result<()> {
+            unsafe {
+                comm.all_reduce(
+                    BufRef::from_raw(b.input.addr(), n, dtype, dev),
+                    BufMut::from_raw(b.ar.addr(), n, dtype, dev),
+                    &AllReduceOptions::default().stream(stream.handle()),
+                )?;
+                kernel.launch(
+                    dtype,
+                    FusionPattern::ResidualRmsNorm,
+                    &NormBuffers {
+                        input: b.ar.addr() as u64,
+                        residual_in: b.residual.addr() as u64,
+                        residual_out: b.res_out.addr() as u64,
+                        norm_out: b.norm.addr() as u64,
+                        gamma: b.gamma.addr() as u64,
+                        ..Default::default()
+                    },
+                    t,
+                    hidden,
+                    EPS,
+                    1024,
+                    stream.handle(),
+                )
+            }
+        };
+        for _ in 0..10 {
+            strategy = fused().map_err(e)?;
+            unfused().map_err(e)?;
+        }
+        comm.synchronize(stream.handle()).map_err(e)?;
+        let time = |f: &dyn Fn() -> allreduce::Result<()>, calls: usize| -> Result<f64, String> {
+            barrier.wait();
+            let start = Instant::now();
+            for _ in 0..calls {
+                f().map_err(e)?;
+            }
+            comm.synchronize(stream.handle()).map_err(e)?;
+            Ok(start.elapsed().as_secs_f64() / calls as f64)
+        };
+        let fused_unit = || fused().map(|_| ());
+        let mut best = [f64::INFINITY; 6];
+        for _ in 0..2 {
+            best[0] = best[0].min(time(&fused_unit, ITERS)?);
+            best[1] = best[1].min(time(&unfused, ITERS)?);
+        }
+        // The two fused kernels forced, for the Auto table (two-shot needs a row per rank).
+        let one = || fused_with(Strategy::OneShot).map(|_| ());
+        let two = || fused_with(Strategy::TwoShot).map(|_| ());
+        best[4] = time(&one, ITERS)?;
+        best[5] = if t >= comm.world_size() {
+            time(&two, ITERS)?
+        } else {
+            f64::NAN
+        };
+        // Graphs of GRAPH_CALLS calls, replayed.
+        let gf = Graph::capture(&stream, || (0..GRAPH_CALLS).try_for_each(|_| fused_unit()))
+            .map_err(e)?;
+        let gu =
+            Graph::capture(&stream, || (0..GRAPH_CALLS).try_for_each(|_| unfused())).map_err(e)?;
+        gf.launch(&stream).map_err(e)?;
+        gu.launch(&stream).map_err(e)?;
+        comm.synchronize(stream.handle()).map_err(e)?;
+        let per = GRAPH_CALLS * GRAPH_REPLAYS;
+        for _ in 0..2 {
+            best[2] = best[2].min(
+                time(&|| gf.launch(&stream), GRAPH_REPLAYS)? * GRAPH_REPLAYS as f64 / per as f64,
+            );
+            best[3] = best[3].min(
+                time(&|| gu.launch(&stream), GRAPH_REPLAYS)? * GRAPH_REPLAYS as f64 / per as f64,
+            );
+        }
+        barrier.wait();
+        out.push((t, best, strategy));
+    }
+    barrier.wait();
+    Ok(out)
+}
+
+pub fn run(args: &Args) -> Result<(), BoxError> {
+    let dtype = args.dtype;
+    let world = args.ranks;
+    let max_tokens = args.tokens.iter().copied().max().unwrap_or(1);
+    println!(
+        "# allreduce-bench --fused: {world} ranks (virtual, one GPU unless the group says \
+         otherwise), {dtype}, residual + RMSNorm; us per call, slowest rank; unfused = \
+         all_reduce(Auto) + residual/RMSNorm kernel"
+    );
+    println!(
+        "# {:>6} {:>6} {:>8} | {:>9} {:>9} {:>6} | {:>9} {:>9} {:>6} | {:>9} {:>9}",
+        "hidden",
+        "tokens",
+        "fused",
+        "eager",
+        "unfused",
+        "ratio",
+        "graph",
+        "unfused",
+        "ratio",
+        "1shot",
+        "2shot"
+    );
+    for &hidden in &args.fused_hidden {
+        let bytes = max_tokens * hidden * dtype.size();
+        let comms = Communicator::new_group(
+            args.backend,
+            GroupConfig::new(world)
+                .max_bytes(bytes)
+                .timeout(std::time::Duration::from_secs_f64(args.timeout)),
+        )?;
+        let ws = FusedWorkspace::create_group(&comms, FusedConfig::new(max_tokens, hidden, dtype))?;
+        let barrier = Barrier::new(world);
+        let results: Vec<Result<Times, String>> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .iter()
+                .zip(&ws)
+                .map(|(c, w)| {
+                    let barrier = &barrier;
+                    let tokens = &args.tokens;
+                    s.spawn(move || rank_loop(c, w, dtype, hidden, tokens, barrier))
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err("rank thread panicked".into()))
+                })
+                .collect()
+        });
+        let results = results
+            .into_iter()
+            .collect::<Result<Vec<Times>, String>>()?;
+        for (i, &(t, _, strategy)) in results[0].iter().enumerate() {
+            let mut worst = [0f64; 6];
+            for r in &results {
+                for (w, t) in worst.iter_mut().zip(r[i].1) {
+                    *w = w.max(t);
+                }
+            }
+            let us = worst.map(|s| s * 1e6);
+            println!(
+                "  {:>6} {:>6} {:>8} | {:>9.2} {:>9.2} {:>6.3} | {:>9.2} {:>9.2} {:>6.3} | {:>9.2} {:>9.2}",
+                hidden,
+                t,
+                strategy.name(),
+                us[0],
+                us[1],
+                us[0] / us[1],
+                us[2],
+                us[3],
+                us[2] / us[3],
+                us[4],
+                us[5]
+            );
+        }
+    }
+    Ok(())
+}

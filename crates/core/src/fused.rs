@@ -1,0 +1,739 @@
+//! The fused all-reduce + residual add + RMSNorm (+ FP8) operation: its workspace description,
+//! per-call validation, the `Auto` switch between one-shot and two-shot, and the host
+//! reference every backend is checked against.
+//!
+//! Semantics (the same on every backend, and what an unfused pipeline computes, so the fused
+//! call is a drop-in replacement for "all-reduce, then a residual + RMSNorm kernel"):
+//!
+//! ```text
+//! a[t, i]   = round_T(sum over ranks 0..world-1 of x_r[t, i], f32, rank order)   (-0.0 -> +0.0)
+//! r[t, i]   = round_T(a[t, i] + residual[t, i])                                   residual_out
+//! inv[t]    = 1 / sqrt(sum_i r[t, i]^2 / hidden + eps)
+//! n[t, i]   = round_T((r[t, i] * inv[t]) * gamma[i])                              norm_out
+//! amax[t]   = max_i |n[t, i]|;  scale[t] = amax[t] / 448 (1 when amax is 0)       scale_out
+//! q[t, i]   = e4m3(n[t, i] * (448 / amax[t]))  (saturating, nearest even)         quant_out
+//! ```
+//!
+//! The one deviation from the unfused all-reduce: a sum that rounds to -0.0 comes out as
+//! +0.0. The GPU kernels are Lamport kernels whose buffers are pre-filled with -0.0 as the
+//! "not written yet" sentinel, so a -0.0 can never travel (inputs are pushed as +0.0, and the
+//! two-shot's reduced rows are pushed the same way); every rank must see the same bits, so
+//! the canonical result is +0.0 everywhere. By value (`==`) the fused and unfused results
+//! are equal, since -0.0 == +0.0 and `x + -0.0 == x + +0.0` for every non-zero x.
+//!
+//! The all-reduce output and the residual output are bitwise reproducible across backends.
+//! The RMSNorm sums squares in a backend-specific order (the GPU reduces a row across a
+//! thread block), so `norm_out` may differ from the host reference by one unit in the last
+//! place of T, and `quant_out` by one E4M3 step: [`norm_tolerance`] is the bound tests use.
+
+use std::fmt;
+
+use half::{bf16, f16};
+
+use crate::codec::f32_to_e4m3;
+use crate::{
+    BufMut, BufRef, DType, Device, Error, Precision, RawBuffer, Result, Rule, SelectionTable,
+    Strategy, Stream,
+};
+
+/// What the fused call computes after the all-reduce (TensorRT-LLM's / FlashInfer's
+/// `AllReduceFusionPattern` 0, 1 and 2/4 with per-token dynamic FP8 scales).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum FusionPattern {
+    /// Only the all-reduce (`allreduce_out` required).
+    AllReduce,
+    /// All-reduce, residual add, RMSNorm (`residual_in`, `gamma`, `norm_out` required).
+    #[default]
+    ResidualRmsNorm,
+    /// As `ResidualRmsNorm`, plus the normalized rows quantized to FP8 E4M3 with one f32 scale
+    /// per token (`quant_out`, `scale_out` required; `norm_out` optional).
+    ResidualRmsNormFp8,
+}
+
+impl FusionPattern {
+    pub const ALL: [FusionPattern; 3] = [
+        FusionPattern::AllReduce,
+        FusionPattern::ResidualRmsNorm,
+        FusionPattern::ResidualRmsNormFp8,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            FusionPattern::AllReduce => "allreduce",
+            FusionPattern::ResidualRmsNorm => "residual_rmsnorm",
+            FusionPattern::ResidualRmsNormFp8 => "residual_rmsnorm_fp8",
+        }
+    }
+
+    /// Whether the pattern runs the residual add and the RMSNorm.
+    pub const fn has_norm(self) -> bool {
+        !matches!(self, FusionPattern::AllReduce)
+    }
+
+    /// The code the GPU kernels take (kernels-common/include/allreduce/fused.h).
+    pub const fn code(self) -> u32 {
+        match self {
+            FusionPattern::AllReduce => 0,
+            FusionPattern::ResidualRmsNorm => 1,
+            FusionPattern::ResidualRmsNormFp8 => 2,
+        }
+    }
+}
+
+impl fmt::Display for FusionPattern {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What a fused workspace is created for (FlashInfer's
+/// `trtllm_create_ipc_workspace_for_all_reduce_fusion(max_token_num, hidden_dim,
+/// use_fp32_lamport)`). Calls beyond these sizes are refused with
+/// [`Error::WorkspaceExceeded`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct FusedConfig {
+    pub max_tokens: usize,
+    pub hidden: usize,
+    pub dtype: DType,
+    /// Lamport buffers hold f32 rather than T. Required for (and only for) f32 data: 16-bit
+    /// data is accumulated in f32 whatever the buffers hold, so f32 buffers for it would only
+    /// double the traffic.
+    pub fp32_lamport: bool,
+    /// The one-shot/two-shot switch of `Strategy::Auto`, over the per-rank message size in
+    /// bytes (`tokens * hidden * dtype.size()`); `None` uses [`default_table`].
+    pub selection: Option<SelectionTable>,
+}
+
+/// Largest hidden size the kernels keep in registers (one row per thread block, 512
+/// threads, at most 4 vectors of 16 bytes per thread).
+pub const MAX_HIDDEN_BYTES: usize = 512 * 4 * 16;
+
+impl FusedConfig {
+    pub fn new(max_tokens: usize, hidden: usize, dtype: DType) -> Self {
+        FusedConfig {
+            max_tokens,
+            hidden,
+            dtype,
+            fp32_lamport: dtype == DType::F32,
+            selection: None,
+        }
+    }
+
+    pub fn fp32_lamport(mut self, yes: bool) -> Self {
+        self.fp32_lamport = yes;
+        self
+    }
+
+    pub fn selection(mut self, table: SelectionTable) -> Self {
+        self.selection = Some(table);
+        self
+    }
+
+    /// Elements per 16-byte vector of this dtype: `hidden` must be a multiple.
+    pub fn vector_elems(&self) -> usize {
+        16 / self.dtype.size()
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let bad = |s: String| Err(Error::InvalidConfig(format!("fused workspace: {s}")));
+        if self.max_tokens == 0 || self.hidden == 0 {
+            return bad("max_tokens and hidden must be positive".into());
+        }
+        if self.hidden % self.vector_elems() != 0 {
+            return bad(format!(
+                "hidden {} is not a multiple of {} ({} elements are one 16-byte vector)",
+                self.hidden,
+                self.vector_elems(),
+                self.dtype
+            ));
+        }
+        if self.hidden * self.dtype.size() > MAX_HIDDEN_BYTES {
+            return bad(format!(
+                "hidden {} {} is over the kernels' {} bytes per row",
+                self.hidden, self.dtype, MAX_HIDDEN_BYTES
+            ));
+        }
+        if self.fp32_lamport != (self.dtype == DType::F32) {
+            return bad(format!(
+                "fp32_lamport must be {} for {} data (f32 buffers carry f32 data; 16-bit data \
+                 is accumulated in f32 either way)",
+                self.dtype == DType::F32,
+                self.dtype
+            ));
+        }
+        // Element offsets are 32-bit in the kernels.
+        if self.max_tokens.saturating_mul(self.hidden) >= 1 << 31 {
+            return bad("max_tokens * hidden must be below 2^31".into());
+        }
+        Ok(())
+    }
+
+    /// Bytes per Lamport element.
+    pub fn lamport_elem(&self) -> usize {
+        if self.fp32_lamport {
+            4
+        } else {
+            self.dtype.size()
+        }
+    }
+}
+
+/// Sizes of one rank's fused workspace (FlashInfer's `create_metadata=True` dict).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FusedMetadata {
+    pub rank: usize,
+    pub world: usize,
+    pub max_tokens: usize,
+    pub hidden: usize,
+    pub dtype: DType,
+    pub fp32_lamport: bool,
+    /// Bytes of one of the three Lamport buffers: `world` rank-indexed slots of
+    /// `max_tokens * hidden` elements (one-shot pushes, two-shot reduce-scatter) and one more
+    /// (the two-shot's gathered rows).
+    pub lamport_comm_size: usize,
+    /// `3 * lamport_comm_size`: the triple buffer.
+    pub lamport_buffer_size: usize,
+    /// Bytes of device-side call state (per-block call counters and the previous call's
+    /// token count: what lets a captured graph replay).
+    pub flag_size: usize,
+    /// Everything this rank allocates for the workspace.
+    pub buffer_size: usize,
+}
+
+/// Per-block state bytes (64 blocks x 16 bytes), mirrored by fused.h.
+pub const FLAG_BYTES: usize = 64 * 16;
+
+impl FusedMetadata {
+    pub fn new(config: &FusedConfig, rank: usize, world: usize) -> Self {
+        let row = config.hidden * config.lamport_elem();
+        let lamport_comm_size = (world + 1) * config.max_tokens * row;
+        FusedMetadata {
+            rank,
+            world,
+            max_tokens: config.max_tokens,
+            hidden: config.hidden,
+            dtype: config.dtype,
+            fp32_lamport: config.fp32_lamport,
+            lamport_comm_size,
+            lamport_buffer_size: 3 * lamport_comm_size,
+            flag_size: FLAG_BYTES,
+            buffer_size: 3 * lamport_comm_size + FLAG_BYTES,
+        }
+    }
+}
+
+/// The default one-shot/two-shot switch over the per-rank bytes of a call
+/// (`tokens * hidden * dtype.size()`). One-shot moves `world` times the message into every
+/// rank in one hop, two-shot twice the message in two hops, so one-shot wins while latency
+/// dominates. Thresholds measured on one H200 with virtual ranks (docs/benchmarks.md, fused
+/// section: the forced one-shot and two-shot columns): one-shot up to 128 KiB at 2 ranks and
+/// 64 KiB above. Virtual ranks share one GPU's memory, which charges one-shot `world` times its
+/// real per-GPU traffic, so on distinct GPUs the crossover is expected higher (TensorRT-LLM
+/// keeps one-shot up to 128 tokens); the multi-GPU table is issue 9's to measure.
+pub fn default_table() -> SelectionTable {
+    const KIB: usize = 1 << 10;
+    let rule = |world: (usize, usize), max_bytes, strategy| Rule {
+        world,
+        min_bytes: 0,
+        max_bytes,
+        dtype: None,
+        lossy: None,
+        codec: None,
+        strategy,
+    };
+    SelectionTable {
+        rules: vec![
+            rule((1, 1), usize::MAX, Strategy::OneShot),
+            rule((2, 2), 128 * KIB, Strategy::OneShot),
+            rule((3, usize::MAX), 64 * KIB, Strategy::OneShot),
+        ],
+        fallback: Strategy::TwoShot,
+    }
+}
+
+/// A writable byte buffer for FP8 codes (one byte per element).
+#[derive(Debug)]
+pub struct Fp8BufMut<'a> {
+    addr: usize,
+    len: usize,
+    device: Device,
+    _borrow: std::marker::PhantomData<&'a mut [u8]>,
+}
+
+impl<'a> Fp8BufMut<'a> {
+    pub fn from_slice(s: &'a mut [u8]) -> Self {
+        Fp8BufMut {
+            addr: s.as_mut_ptr() as usize,
+            len: s.len(),
+            device: Device::Host,
+            _borrow: std::marker::PhantomData,
+        }
+    }
+
+    /// # Safety
+    /// `addr` must point to `len` writable bytes on `device` until every operation enqueued
+    /// with this view has completed.
+    pub unsafe fn from_raw(addr: usize, len: usize, device: Device) -> Self {
+        Fp8BufMut {
+            addr,
+            len,
+            device,
+            _borrow: std::marker::PhantomData,
+        }
+    }
+
+    /// Address, length in bytes, device.
+    pub fn parts(&self) -> (usize, usize, Device) {
+        (self.addr, self.len, self.device)
+    }
+}
+
+/// One fused call's buffers and options (FlashInfer's `allreduce_fusion` arguments).
+/// Rows are `hidden` elements of the workspace's dtype; `tokens` rows per buffer.
+#[derive(Debug)]
+pub struct FusedArgs<'a> {
+    pub pattern: FusionPattern,
+    pub tokens: usize,
+    pub input: BufRef<'a>,
+    pub allreduce_out: Option<BufMut<'a>>,
+    pub residual_in: Option<BufRef<'a>>,
+    pub residual_out: Option<BufMut<'a>>,
+    pub norm_out: Option<BufMut<'a>>,
+    /// FP8 E4M3 codes of the normalized rows, `tokens * hidden` bytes.
+    pub quant_out: Option<Fp8BufMut<'a>>,
+    /// One f32 per token: the dequantization scale (`value = code * scale`).
+    pub scale_out: Option<BufMut<'a>>,
+    /// `hidden` elements of the workspace's dtype.
+    pub gamma: Option<BufRef<'a>>,
+    pub eps: f32,
+    /// `Auto` (the workspace's table), `OneShot` or `TwoShot`.
+    pub strategy: Strategy,
+    pub stream: Stream,
+}
+
+impl<'a> FusedArgs<'a> {
+    pub fn new(pattern: FusionPattern, tokens: usize, input: BufRef<'a>) -> Self {
+        FusedArgs {
+            pattern,
+            tokens,
+            input,
+            allreduce_out: None,
+            residual_in: None,
+            residual_out: None,
+            norm_out: None,
+            quant_out: None,
+            scale_out: None,
+            gamma: None,
+            eps: 1e-6,
+            strategy: Strategy::Auto,
+            stream: Stream::NULL,
+        }
+    }
+    pub fn allreduce_out(mut self, b: BufMut<'a>) -> Self {
+        self.allreduce_out = Some(b);
+        self
+    }
+    pub fn residual(mut self, residual_in: BufRef<'a>, residual_out: Option<BufMut<'a>>) -> Self {
+        self.residual_in = Some(residual_in);
+        self.residual_out = residual_out;
+        self
+    }
+    pub fn rms_norm(mut self, gamma: BufRef<'a>, eps: f32, norm_out: Option<BufMut<'a>>) -> Self {
+        self.gamma = Some(gamma);
+        self.eps = eps;
+        self.norm_out = norm_out;
+        self
+    }
+    pub fn fp8(mut self, quant_out: Fp8BufMut<'a>, scale_out: BufMut<'a>) -> Self {
+        self.quant_out = Some(quant_out);
+        self.scale_out = Some(scale_out);
+        self
+    }
+    pub fn strategy(mut self, s: Strategy) -> Self {
+        self.strategy = s;
+        self
+    }
+    pub fn stream(mut self, s: Stream) -> Self {
+        self.stream = s;
+        self
+    }
+}
+
+/// A validated fused call; absent outputs are `None`, and `strategy` is concrete.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FusedCall {
+    pub pattern: FusionPattern,
+    pub tokens: usize,
+    pub hidden: usize,
+    pub dtype: DType,
+    pub input: RawBuffer,
+    pub allreduce_out: Option<RawBuffer>,
+    pub residual_in: Option<RawBuffer>,
+    pub residual_out: Option<RawBuffer>,
+    pub norm_out: Option<RawBuffer>,
+    /// Address and byte length.
+    pub quant_out: Option<(usize, usize)>,
+    pub scale_out: Option<RawBuffer>,
+    pub gamma: Option<RawBuffer>,
+    pub eps: f32,
+    pub strategy: Strategy,
+    pub stream: Stream,
+}
+
+/// Validate `args` against the workspace `meta`; resolve `Auto` through `table`.
+/// `device` and `align` are the communicator's.
+pub fn prepare_fused(
+    args: &FusedArgs<'_>,
+    meta: &FusedMetadata,
+    table: &SelectionTable,
+    device: Device,
+    align: usize,
+) -> Result<FusedCall> {
+    let (tokens, hidden, dtype) = (args.tokens, meta.hidden, meta.dtype);
+    if tokens > meta.max_tokens {
+        return Err(Error::WorkspaceExceeded {
+            what: "tokens",
+            requested: tokens,
+            max: meta.max_tokens,
+        });
+    }
+    let elems = tokens * hidden;
+    let check = |name: &'static str, b: RawBuffer, len: usize, dt: DType| -> Result<RawBuffer> {
+        if b.dtype != dt {
+            return Err(Error::InvalidArgument(format!(
+                "{name} is {} but the fused workspace is for {dt}",
+                b.dtype
+            )));
+        }
+        if b.len != len {
+            return Err(Error::InvalidArgument(format!(
+                "{name} has {} elements, expected {len} ({tokens} tokens x hidden {hidden})",
+                b.len
+            )));
+        }
+        if b.device != device {
+            return Err(Error::WrongDevice {
+                buffer: b.device,
+                comm: device,
+            });
+        }
+        if len > 0 && b.addr % align != 0 {
+            return Err(Error::Misaligned {
+                addr: b.addr,
+                align,
+            });
+        }
+        Ok(b)
+    };
+    let input = check("input", args.input.raw(), elems, dtype)?;
+    let out = |name, b: &Option<BufMut<'_>>| {
+        b.as_ref()
+            .map(|b| check(name, b.raw(), elems, dtype))
+            .transpose()
+    };
+    let allreduce_out = out("allreduce_out", &args.allreduce_out)?;
+    let residual_out = out("residual_out", &args.residual_out)?;
+    let norm_out = out("norm_out", &args.norm_out)?;
+    let residual_in = args
+        .residual_in
+        .as_ref()
+        .map(|b| check("residual_in", b.raw(), elems, dtype))
+        .transpose()?;
+    let gamma = args
+        .gamma
+        .as_ref()
+        .map(|b| check("gamma", b.raw(), hidden, dtype))
+        .transpose()?;
+    let scale_out = args
+        .scale_out
+        .as_ref()
+        .map(|b| check("scale_out", b.raw(), tokens, DType::F32))
+        .transpose()?;
+    let quant_out = match &args.quant_out {
+        None => None,
+        Some(q) => {
+            let (addr, len, dev) = q.parts();
+            if len != elems {
+                return Err(Error::InvalidArgument(format!(
+                    "quant_out has {len} bytes, expected {elems} (one FP8 code per element)"
+                )));
+            }
+            if dev != device {
+                return Err(Error::WrongDevice {
+                    buffer: dev,
+                    comm: device,
+                });
+            }
+            if len > 0 && addr % align != 0 {
+                return Err(Error::Misaligned { addr, align });
+            }
+            Some((addr, len))
+        }
+    };
+    let need = |what: &str, present: bool| -> Result<()> {
+        if present {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "pattern {} needs {what}",
+                args.pattern
+            )))
+        }
+    };
+    match args.pattern {
+        FusionPattern::AllReduce => need("allreduce_out", allreduce_out.is_some())?,
+        FusionPattern::ResidualRmsNorm => {
+            need("residual_in", residual_in.is_some())?;
+            need("gamma", gamma.is_some())?;
+            need("norm_out", norm_out.is_some())?;
+        }
+        FusionPattern::ResidualRmsNormFp8 => {
+            need("residual_in", residual_in.is_some())?;
+            need("gamma", gamma.is_some())?;
+            need("quant_out", quant_out.is_some())?;
+            need("scale_out", scale_out.is_some())?;
+        }
+    }
+    if !args.pattern.has_norm()
+        && (residual_out.is_some() || norm_out.is_some() || quant_out.is_some())
+    {
+        return Err(Error::InvalidArgument(
+            "pattern allreduce writes only allreduce_out".into(),
+        ));
+    }
+    if args.pattern != FusionPattern::ResidualRmsNormFp8 && quant_out.is_some() {
+        return Err(Error::InvalidArgument(format!(
+            "pattern {} writes no quant_out",
+            args.pattern
+        )));
+    }
+    if !(args.eps.is_finite() && args.eps >= 0.0) {
+        return Err(Error::InvalidArgument(format!(
+            "eps must be finite and non-negative, not {}",
+            args.eps
+        )));
+    }
+    // Outputs must not overlap each other or the inputs, except in place: allreduce_out may
+    // be the input, and residual_out may be residual_in (vLLM's fused_add_rms_norm updates
+    // the residual in place). Both are safe in the kernels: an input row is pushed to the
+    // peers before any rank can finish that row, and the residual row is read and written by
+    // the same threads.
+    let same = |a: RawBuffer, b: Option<RawBuffer>| b.is_some_and(|b| b == a);
+    let reads = [Some(input), residual_in, gamma];
+    let writes = [
+        allreduce_out,
+        residual_out,
+        norm_out,
+        scale_out,
+        quant_out.map(|(addr, len)| RawBuffer {
+            addr,
+            len: len.div_ceil(4),
+            dtype: DType::F32,
+            device,
+        }),
+    ];
+    for (i, w) in writes.iter().enumerate() {
+        let Some(w) = *w else { continue };
+        let in_place = |r: &RawBuffer| {
+            (i == 0 && *r == input && same(w, Some(input)))
+                || (i == 1 && same(w, residual_in) && Some(*r) == residual_in)
+        };
+        let clash = reads
+            .iter()
+            .flatten()
+            .any(|r| r.overlaps(&w) && !in_place(r))
+            || writes[i + 1..].iter().flatten().any(|o| o.overlaps(&w));
+        if clash {
+            return Err(Error::InvalidArgument(
+                "fused outputs must not overlap each other or the inputs (in place: \
+                 allreduce_out = input, residual_out = residual_in)"
+                    .into(),
+            ));
+        }
+    }
+    let strategy = match args.strategy {
+        Strategy::Auto => {
+            if tokens < meta.world {
+                // Two-shot splits rows among ranks: with fewer rows than ranks it cannot.
+                Strategy::OneShot
+            } else {
+                table.choose(
+                    elems * dtype.size(),
+                    meta.world,
+                    dtype,
+                    Precision::Exact,
+                    |s| matches!(s, Strategy::OneShot | Strategy::TwoShot),
+                )
+            }
+        }
+        s @ (Strategy::OneShot | Strategy::TwoShot) => s,
+        s => {
+            return Err(Error::StrategyUnavailable {
+                strategy: s,
+                reason: "the fused call runs oneshot or twoshot".into(),
+            })
+        }
+    };
+    Ok(FusedCall {
+        pattern: args.pattern,
+        tokens,
+        hidden,
+        dtype,
+        input,
+        allreduce_out,
+        residual_in,
+        residual_out,
+        norm_out,
+        quant_out,
+        scale_out,
+        gamma,
+        eps: args.eps,
+        strategy,
+        stream: args.stream,
+    })
+}
+
+/// A backend's fused workspace for one rank (created for all ranks of a group at once).
+pub trait FusedComm: Send + Sync {
+    fn metadata(&self) -> &FusedMetadata;
+    /// Enqueue a validated call on `call.stream`. Device-side failures (a poll past its
+    /// deadline) surface through the communicator's `synchronize`.
+    fn run(&self, call: &FusedCall) -> Result<()>;
+}
+
+// ---- Host reference ----------------------------------------------------------------------
+
+/// Outputs of the reference, each in its own dtype's bytes (little endian).
+#[derive(Clone, Debug, PartialEq)]
+pub struct FusedOutputs {
+    pub allreduce: Vec<u8>,
+    pub residual: Vec<u8>,
+    pub norm: Vec<u8>,
+    pub quant: Vec<u8>,
+    pub scale: Vec<f32>,
+}
+
+/// Round to T and back, with -0.0 as +0.0 (see the module docs).
+fn round_canonical(dtype: DType, v: f32) -> f32 {
+    let r = match dtype {
+        DType::F32 => v,
+        DType::F16 => f16::from_f32(v).to_f32(),
+        DType::BF16 => bf16::from_f32(v).to_f32(),
+    };
+    if r == 0.0 {
+        0.0
+    } else {
+        r
+    }
+}
+
+/// The fused reference from every rank's input (`inputs[r]`: rank r's `tokens * hidden`
+/// elements): the all-reduce as the exact path computes it (f32 in rank order from rank 0's
+/// value, one rounding), then [`epilogue`].
+#[allow(clippy::too_many_arguments)]
+pub fn reference(
+    inputs: &[&[u8]],
+    dtype: DType,
+    tokens: usize,
+    hidden: usize,
+    residual: Option<&[u8]>,
+    gamma: Option<&[u8]>,
+    eps: f32,
+    pattern: FusionPattern,
+) -> FusedOutputs {
+    let n = tokens * hidden;
+    let mut sum = vec![0u8; n * dtype.size()];
+    for i in 0..n {
+        let mut acc = dtype.load_f32(inputs[0], i);
+        for x in &inputs[1..] {
+            acc += dtype.load_f32(x, i);
+        }
+        dtype.store_f32(&mut sum, i, acc);
+    }
+    epilogue(&sum, dtype, tokens, hidden, residual, gamma, eps, pattern)
+}
+
+/// Everything after the all-reduce, from its rounded output `summed`: what the host backend
+/// runs after its exact all-reduce, and what the GPU kernels compute per row.
+#[allow(clippy::too_many_arguments)]
+pub fn epilogue(
+    summed: &[u8],
+    dtype: DType,
+    tokens: usize,
+    hidden: usize,
+    residual: Option<&[u8]>,
+    gamma: Option<&[u8]>,
+    eps: f32,
+    pattern: FusionPattern,
+) -> FusedOutputs {
+    let n = tokens * hidden;
+    let size = dtype.size();
+    let mut out = FusedOutputs {
+        allreduce: vec![0u8; n * size],
+        residual: Vec::new(),
+        norm: Vec::new(),
+        quant: Vec::new(),
+        scale: Vec::new(),
+    };
+    for i in 0..n {
+        let a = round_canonical(dtype, dtype.load_f32(summed, i));
+        dtype.store_f32(&mut out.allreduce, i, a);
+    }
+    if !pattern.has_norm() {
+        return out;
+    }
+    let (residual, gamma) = (
+        residual.expect("validated: residual"),
+        gamma.expect("validated: gamma"),
+    );
+    out.residual = vec![0u8; n * size];
+    out.norm = vec![0u8; n * size];
+    let mut row = vec![0f32; hidden];
+    for t in 0..tokens {
+        let mut sum_sq = 0f32;
+        for (i, r) in row.iter_mut().enumerate() {
+            let k = t * hidden + i;
+            let v = dtype.load_f32(&out.allreduce, k) + dtype.load_f32(residual, k);
+            dtype.store_f32(&mut out.residual, k, v);
+            *r = dtype.load_f32(&out.residual, k);
+            sum_sq += *r * *r;
+        }
+        let inv = 1.0 / (sum_sq / hidden as f32 + eps).sqrt();
+        let mut amax = 0f32;
+        for (i, &r) in row.iter().enumerate() {
+            let k = t * hidden + i;
+            dtype.store_f32(&mut out.norm, k, (r * inv) * dtype.load_f32(gamma, i));
+            amax = amax.max(dtype.load_f32(&out.norm, k).abs());
+        }
+        if pattern == FusionPattern::ResidualRmsNormFp8 {
+            let (scale, mul) = fp8_scale(amax);
+            out.scale.push(scale);
+            for i in 0..hidden {
+                let k = t * hidden + i;
+                out.quant
+                    .push(f32_to_e4m3(dtype.load_f32(&out.norm, k) * mul));
+            }
+        }
+    }
+    out
+}
+
+/// (dequantization scale, quantization multiplier) for a row whose largest magnitude is
+/// `amax`. The kernels compute the same two IEEE operations.
+pub fn fp8_scale(amax: f32) -> (f32, f32) {
+    if amax > 0.0 && amax.is_finite() {
+        (amax / 448.0, 448.0 / amax)
+    } else {
+        (1.0, 1.0)
+    }
+}
+
+/// The bound `norm_out` is held to against [`reference`]: one unit in the last place of T at
+/// the reference value (the sum of squares is reduced in another order on the GPU, which can
+/// move `inv` by an f32 ulp or two and the rounded result across one T boundary).
+pub fn norm_tolerance(dtype: DType, reference: f32) -> f32 {
+    (2.0 * dtype.unit_roundoff() * reference.abs() as f64 + dtype.min_subnormal()) as f32
+}
+
+#[cfg(test)]
+mod tests;

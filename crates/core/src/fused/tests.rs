@@ -1,0 +1,220 @@
+use super::*;
+use crate::HostBytes;
+
+fn bytes(dtype: DType, v: &[f32]) -> Vec<u8> {
+    let mut b = vec![0u8; v.len() * dtype.size()];
+    for (i, &x) in v.iter().enumerate() {
+        dtype.store_f32(&mut b, i, x);
+    }
+    b
+}
+
+fn meta(max_tokens: usize, hidden: usize, dtype: DType, world: usize) -> FusedMetadata {
+    FusedMetadata::new(&FusedConfig::new(max_tokens, hidden, dtype), 0, world)
+}
+
+#[test]
+fn metadata_sizes() {
+    let m = meta(128, 4096, DType::BF16, 8);
+    assert_eq!(m.lamport_comm_size, 9 * 128 * 4096 * 2);
+    assert_eq!(m.lamport_buffer_size, 3 * m.lamport_comm_size);
+    assert_eq!(m.buffer_size, m.lamport_buffer_size + FLAG_BYTES);
+    let f = FusedConfig::new(16, 1024, DType::F32);
+    assert!(f.fp32_lamport);
+    assert_eq!(
+        FusedMetadata::new(&f, 0, 2).lamport_comm_size,
+        3 * 16 * 1024 * 4
+    );
+}
+
+#[test]
+fn config_is_checked() {
+    assert!(FusedConfig::new(8, 4096, DType::BF16).validate().is_ok());
+    for bad in [
+        FusedConfig::new(0, 4096, DType::BF16),
+        FusedConfig::new(8, 4100, DType::BF16),
+        FusedConfig::new(8, 32768, DType::BF16),
+        FusedConfig::new(8, 4096, DType::BF16).fp32_lamport(true),
+        FusedConfig::new(8, 4096, DType::F32).fp32_lamport(false),
+    ] {
+        assert!(
+            matches!(bad.validate(), Err(Error::InvalidConfig(_))),
+            "{bad:?}"
+        );
+    }
+}
+
+#[test]
+fn calls_beyond_the_workspace_are_refused() {
+    let m = meta(4, 64, DType::F16, 2);
+    let t = default_table();
+    let input = HostBytes::zeroed(5 * 64 * 2);
+    let mut out = HostBytes::zeroed(5 * 64 * 2);
+    let args = FusedArgs::new(FusionPattern::AllReduce, 5, input.view(DType::F16))
+        .allreduce_out(out.view_mut(DType::F16));
+    let e = prepare_fused(&args, &m, &t, Device::Host, 16).unwrap_err();
+    assert_eq!(
+        e,
+        Error::WorkspaceExceeded {
+            what: "tokens",
+            requested: 5,
+            max: 4
+        }
+    );
+    assert!(e.is_rejection());
+    // dtype and length mismatches, missing outputs.
+    let input = HostBytes::zeroed(4 * 64 * 2);
+    let mut out = HostBytes::zeroed(4 * 64 * 2);
+    let args = FusedArgs::new(FusionPattern::AllReduce, 4, input.view(DType::BF16))
+        .allreduce_out(out.view_mut(DType::BF16));
+    assert!(matches!(
+        prepare_fused(&args, &m, &t, Device::Host, 16),
+        Err(Error::InvalidArgument(_))
+    ));
+    let args = FusedArgs::new(FusionPattern::ResidualRmsNorm, 4, input.view(DType::F16));
+    let e = prepare_fused(&args, &m, &t, Device::Host, 16).unwrap_err();
+    assert!(e.to_string().contains("residual_in"), "{e}");
+    let args = FusedArgs::new(FusionPattern::AllReduce, 3, input.view(DType::F16))
+        .allreduce_out(out.view_mut(DType::F16));
+    assert!(matches!(
+        prepare_fused(&args, &m, &t, Device::Host, 16),
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+#[test]
+fn misaligned_and_overlapping_buffers_are_refused() {
+    let m = meta(4, 64, DType::F16, 2);
+    let t = default_table();
+    let input = HostBytes::zeroed(4 * 64 * 2 + 32);
+    let mut out = HostBytes::zeroed(4 * 64 * 2);
+    let addr = input.as_slice().as_ptr() as usize + 2;
+    // SAFETY: in bounds of `input`, which outlives the view.
+    let shifted = unsafe { BufRef::from_raw(addr, 4 * 64, DType::F16, Device::Host) };
+    let args = FusedArgs::new(FusionPattern::AllReduce, 4, shifted)
+        .allreduce_out(out.view_mut(DType::F16));
+    assert!(matches!(
+        prepare_fused(&args, &m, &t, Device::Host, 16),
+        Err(Error::Misaligned { .. })
+    ));
+    let base = input.as_slice().as_ptr() as usize;
+    // SAFETY: views of `input`, never written here (prepare only validates).
+    let (i, o) = unsafe {
+        (
+            BufRef::from_raw(base, 4 * 64, DType::F16, Device::Host),
+            BufMut::from_raw(base + 16, 4 * 64, DType::F16, Device::Host),
+        )
+    };
+    let args = FusedArgs::new(FusionPattern::AllReduce, 4, i).allreduce_out(o);
+    assert!(matches!(
+        prepare_fused(&args, &m, &t, Device::Host, 16),
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+#[test]
+fn auto_picks_oneshot_for_few_tokens_and_twoshot_for_many() {
+    let t = default_table();
+    let m = meta(4096, 4096, DType::BF16, 8);
+    let input = HostBytes::zeroed(4096 * 4096 * 2);
+    let mut out = HostBytes::zeroed(4096 * 4096 * 2);
+    for (tokens, want) in [
+        (1, Strategy::OneShot),
+        (8, Strategy::OneShot),
+        (16, Strategy::TwoShot),
+        (2048, Strategy::TwoShot),
+    ] {
+        let n = tokens * 4096;
+        // SAFETY: prefixes of live buffers.
+        let (i, o) = unsafe {
+            (
+                BufRef::from_raw(
+                    input.as_slice().as_ptr() as usize,
+                    n,
+                    DType::BF16,
+                    Device::Host,
+                ),
+                BufMut::from_raw(
+                    out.as_mut_slice().as_mut_ptr() as usize,
+                    n,
+                    DType::BF16,
+                    Device::Host,
+                ),
+            )
+        };
+        let args = FusedArgs::new(FusionPattern::AllReduce, tokens, i).allreduce_out(o);
+        let call = prepare_fused(&args, &m, &t, Device::Host, 16).unwrap();
+        assert_eq!(call.strategy, want, "{tokens} tokens");
+    }
+}
+
+#[test]
+#[allow(clippy::needless_range_loop)]
+fn reference_matches_an_unfused_pipeline_by_value() {
+    let (tokens, hidden, dtype) = (3, 8, DType::BF16);
+    let n = tokens * hidden;
+    let x0: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+    let mut x1: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+    let mut x0 = x0;
+    // A position where every rank holds -0.0: the fused sum is +0.0, the plain one -0.0.
+    x0[5] = -0.0;
+    x1[5] = -0.0;
+    let res: Vec<f32> = (0..n).map(|i| i as f32 * 0.01 - 0.1).collect();
+    let gamma: Vec<f32> = (0..hidden).map(|i| 1.0 + i as f32 * 0.125).collect();
+    let (b0, b1, br, bg) = (
+        bytes(dtype, &x0),
+        bytes(dtype, &x1),
+        bytes(dtype, &res),
+        bytes(dtype, &gamma),
+    );
+    let out = reference(
+        &[&b0, &b1],
+        dtype,
+        tokens,
+        hidden,
+        Some(&br),
+        Some(&bg),
+        1e-6,
+        FusionPattern::ResidualRmsNormFp8,
+    );
+    assert_eq!(
+        dtype.load_f32(&out.allreduce, 5).to_bits(),
+        0,
+        "+0.0, not -0.0"
+    );
+    for t in 0..tokens {
+        let mut r = vec![0f32; hidden];
+        let mut ss = 0f32;
+        for i in 0..hidden {
+            let k = t * hidden + i;
+            let a = round_canonical(dtype, dtype.load_f32(&b0, k) + dtype.load_f32(&b1, k));
+            assert_eq!(dtype.load_f32(&out.allreduce, k), a);
+            r[i] = round_canonical(dtype, a + dtype.load_f32(&br, k));
+            assert_eq!(dtype.load_f32(&out.residual, k), r[i]);
+            ss += r[i] * r[i];
+        }
+        let inv = 1.0 / (ss / hidden as f32 + 1e-6).sqrt();
+        let mut amax = 0f32;
+        for i in 0..hidden {
+            let want = round_canonical(dtype, r[i] * inv * gamma[i]);
+            let got = dtype.load_f32(&out.norm, t * hidden + i);
+            assert_eq!(got, want);
+            amax = amax.max(got.abs());
+        }
+        assert_eq!(out.scale[t], amax / 448.0);
+        // Dequantized codes are within an E4M3 step of the normalized values.
+        for i in 0..hidden {
+            let k = t * hidden + i;
+            let deq = crate::codec::e4m3_to_f32(out.quant[k]) * out.scale[t];
+            let v = dtype.load_f32(&out.norm, k);
+            assert!((deq - v).abs() <= v.abs() / 8.0 + 1e-6, "{deq} vs {v}");
+        }
+    }
+}
+
+#[test]
+fn fp8_scale_handles_zero_rows() {
+    assert_eq!(fp8_scale(0.0), (1.0, 1.0));
+    assert_eq!(fp8_scale(448.0), (1.0, 1.0));
+    assert_eq!(fp8_scale(2.0), (2.0 / 448.0, 224.0));
+}

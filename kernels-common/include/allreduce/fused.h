@@ -1,0 +1,600 @@
+// Lamport all-reduce fused with residual add + RMSNorm (+ FP8 E4M3 with a scale per token):
+// the kernel bodies for every vendor. kernels-cuda/fused.cu and kernels-hip/fused.hip wrap
+// them in extern "C" kernels. Semantics (what every output holds, the -0.0 rule, the
+// tolerance of the norm) are allreduce_core::fused's module docs; the host side of this ABI
+// is crates/backend-cuda/src/fused.rs.
+//
+// Lamport (TensorRT-LLM's allReduceFusionKernels.cu, FlashInfer's trtllm_allreduce_fusion):
+// every element of the receive buffers is pre-filled with -0.0, a value no sender ever
+// writes (inputs that are -0.0 are pushed as +0.0). A sender pushes 16-byte vectors straight
+// into the receivers' buffers; a receiver polls its own buffer until no element of the vector
+// it needs is -0.0 any more. The data is its own flag: no barrier, no flag word, one hop.
+// Buffers come in threes: call k writes buffer k % 3 and, before reading, refills buffer
+// (k - 1) % 3 (its own, which peers wrote in call k - 1) with -0.0. Peers write that buffer
+// again only in call k + 2, which they cannot start before finishing call k + 1, which needs
+// our call k + 1 pushes, which our stream orders after this kernel: so no peer write can meet
+// our refill. (Two buffers would not do: a peer may start call k + 1, writing buffer
+// (k + 1) % 2 = (k - 1) % 2, while we still refill it in call k.)
+//
+// State that changes per call (the call count, whose remainder picks the buffer, and the
+// previous call's shape, which says what to refill) lives in device memory, one copy per
+// block, advanced by the kernel: a captured CUDA graph replays correctly. Every block of every
+// rank runs every call, so all copies agree.
+//
+// Every poll has the deadline of sync.h: every kSpinsBeforeCheck polls it reads the group's
+// abort word and the clock; past the deadline it records the failure in this rank's Control
+// and sets the abort word of every rank, exactly like the exact kernels' barrier.
+//
+// Launch contract: grid = the communicator's G blocks (the same on every rank and call; all
+// ranks' grids co-resident, since blocks poll data other ranks' blocks push); block =
+// kThreads. hidden * sizeof(T) <= kThreads * kMaxVecs * 16, hidden a multiple of one vector;
+// every buffer 16-byte aligned.
+#pragma once
+
+#include "allreduce/abi.h"
+#include "allreduce/shim.h"
+#include "allreduce/sync.h"
+#include "allreduce/vec.h"
+
+namespace ar {
+namespace fused {
+
+constexpr int kMaxVecs = 4;  // 16-byte vectors of one row per thread: a row is held in registers
+constexpr uint32_t kPatternAllReduce = 0, kPatternNorm = 1, kPatternNormFp8 = 2;
+
+// One block's call state; kMaxBlocks of them per rank (the workspace's "flag" region).
+struct BlockState {
+  uint32_t calls;        // calls this block has run: calls % 3 is this call's buffer
+  uint32_t prev_tokens;  // rows of the previous call (what to refill)
+  uint32_t prev_twoshot; // whether the previous call was two-shot (which slots it wrote)
+  uint32_t pad;
+};
+static_assert(sizeof(BlockState) == 16 && kMaxBlocks * sizeof(BlockState) == 1024, "BlockState");
+
+// Passed by value (__grid_constant__ on CUDA). Null output pointers are outputs not asked for.
+// One Lamport buffer (of three, `comm_bytes` apart) holds world + 1 slots of `max_elems`
+// elements: slot s receives rank s's rows; slot `world` receives the two-shot's reduced rows.
+struct FusedArgs {
+  const void* input;       // tokens x hidden T; for the unfused norm kernel: the all-reduce output
+  void* allreduce_out;
+  const void* residual_in;
+  void* residual_out;
+  void* norm_out;
+  uint8_t* quant_out;
+  float* scale_out;
+  const void* gamma;       // hidden T
+  char* lamport[kMaxWorld];  // every rank's Lamport base, rank order
+  char* ws[kMaxWorld];       // every rank's exact-kernel workspace (its Header holds the abort word)
+  BlockState* state;       // this rank's
+  Control* control;        // this rank's
+  u64 comm_bytes;          // bytes of one of the three Lamport buffers
+  u64 max_elems;           // elements of one slot (max_tokens * hidden)
+  u64 timeout_ns;
+  uint32_t tokens, hidden, rank, world;
+  uint32_t pattern;
+  float eps;
+};
+static_assert(sizeof(FusedArgs) == 256, "FusedArgs");
+static_assert(offsetof(FusedArgs, lamport) == 64 && offsetof(FusedArgs, ws) == 128, "FusedArgs");
+static_assert(offsetof(FusedArgs, state) == 192 && offsetof(FusedArgs, comm_bytes) == 208, "FusedArgs");
+static_assert(offsetof(FusedArgs, tokens) == 232 && offsetof(FusedArgs, pattern) == 248, "FusedArgs");
+
+// ---- Lamport vectors ---------------------------------------------------------------------------
+
+// -0.0 in T's bits, per 32-bit word of a vector: the "not written yet" sentinel.
+template <typename T> struct Sentinel;
+template <> struct Sentinel<float> {
+  static AR_DEVICE bool any(uint32_t w) { return w == 0x80000000u; }
+  static AR_DEVICE uint32_t plus_zero(uint32_t w) { return w == 0x80000000u ? 0u : w; }
+};
+template <typename T> struct Sentinel16 {
+  static AR_DEVICE bool any(uint32_t w) { return (w & 0xffffu) == 0x8000u || (w >> 16) == 0x8000u; }
+  static AR_DEVICE uint32_t plus_zero(uint32_t w) {
+    if ((w & 0xffffu) == 0x8000u) w &= 0xffff0000u;
+    if ((w >> 16) == 0x8000u) w &= 0x0000ffffu;
+    return w;
+  }
+};
+template <> struct Sentinel<ar_half> : Sentinel16<ar_half> {};
+template <> struct Sentinel<ar_bf16> : Sentinel16<ar_bf16> {};
+
+template <typename T>
+AR_DEVICE bool has_sentinel(const uint4& v) {
+  typedef Sentinel<T> S;
+  return S::any(v.x) || S::any(v.y) || S::any(v.z) || S::any(v.w);
+}
+
+// -0.0 -> +0.0 in every element: what may be pushed, and the canonical all-reduce result.
+template <typename T>
+AR_DEVICE uint4 plus_zero(const uint4& v) {
+  typedef Sentinel<T> S;
+  return make_uint4(S::plus_zero(v.x), S::plus_zero(v.y), S::plus_zero(v.z), S::plus_zero(v.w));
+}
+
+template <typename T>
+AR_DEVICE uint4 sentinel_vector() {
+  const uint32_t w = sizeof(T) == 4 ? 0x80000000u : 0x80008000u;
+  return make_uint4(w, w, w, w);
+}
+
+// Polled loads must not be served from a stale L1 line, and pushes must not be split: one
+// volatile 16-byte access each (ld/st.volatile.global.v4). A torn vector would still be safe
+// (every element is checked), only slower.
+AR_DEVICE uint4 ld_volatile(const uint4* p) {
+#if AR_HIP
+  // HIP: peers' buffers must be fine-grained (uncached) memory, as for the exact kernels.
+  return *reinterpret_cast<const volatile uint4*>(p);
+#else
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+#endif
+}
+
+AR_DEVICE void st_volatile(uint4* p, const uint4& v) {
+#if AR_HIP
+  *reinterpret_cast<volatile uint4*>(p) = v;
+#else
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+#endif
+}
+
+// ---- IEEE arithmetic the host reference repeats ------------------------------------------------
+
+AR_DEVICE float div_rn(float a, float b) {
+#if AR_HIP
+  return a / b;  // correctly rounded: clang's HIP default (-fhip-fp32-correctly-rounded-divide-sqrt)
+#else
+  return __fdiv_rn(a, b);
+#endif
+}
+
+AR_DEVICE float sqrt_rn(float a) {
+#if AR_HIP
+  return __builtin_sqrtf(a);
+#else
+  return __fsqrt_rn(a);
+#endif
+}
+
+AR_DEVICE float max_f(float a, float b) { return a > b ? a : b; }
+
+// allreduce_core::codec::f32_to_e4m3, bit for bit: nearest even (subnormals too), saturating
+// to +-448, NaN -> 0x7F, and no -0 code (0x80 never comes out).
+AR_DEVICE uint32_t f32_to_e4m3(float x) {
+  const uint32_t bits = as_uint(x);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fu;
+  const uint32_t sign = (bits >> 24) & 0x80u;
+  const float a = as_float(bits & 0x7fffffffu);
+  uint32_t mag;
+  if (a >= 448.0f) {
+    mag = 0x7eu;
+  } else if (a < 0.015625f) {
+    // Subnormal codes are k * 2^-9; a * 512 is exact, rounded to the nearest even integer.
+#if AR_HIP
+    mag = static_cast<uint32_t>(__builtin_rintf(a * 512.0f));
+#else
+    mag = __float2uint_rn(a * 512.0f);
+#endif
+  } else {
+    const uint32_t b = as_uint(a);
+    mag = ((b + 0x7ffffu + ((b >> 20) & 1u)) >> 20) - (120u << 3);
+  }
+  return mag == 0 ? 0u : (sign | mag);
+}
+
+// ---- Block reductions --------------------------------------------------------------------------
+
+AR_DEVICE float shfl_xor(float v, int mask) {
+#if AR_HIP
+  const int lane = __builtin_amdgcn_mbcnt_hi(~0u, __builtin_amdgcn_mbcnt_lo(~0u, 0u));
+  return as_float(static_cast<uint32_t>(
+      __builtin_amdgcn_ds_bpermute((lane ^ mask) << 2, static_cast<int>(as_uint(v)))));
+#else
+  return __shfl_xor_sync(0xffffffffu, v, mask);
+#endif
+}
+
+// Sum (or max) over the block of each of kMaxVecs values, the same totals in every thread.
+// Deterministic: a butterfly in each warp, then every thread combines the warps' totals in warp
+// order. `scratch` holds kMaxVecs floats per warp and is free again on return.
+template <bool kMax>
+AR_DEVICE void block_reduce(float (&v)[kMaxVecs], float* scratch) {
+  constexpr int kWarps = kThreads / kWarpSize;
+#pragma unroll
+  for (int i = 0; i < kMaxVecs; ++i) {
+#pragma unroll
+    for (int m = kWarpSize / 2; m > 0; m >>= 1) {
+      const float o = shfl_xor(v[i], m);
+      v[i] = kMax ? max_f(v[i], o) : v[i] + o;
+    }
+  }
+  const unsigned warp = thread_x() / kWarpSize;
+  if (thread_x() % kWarpSize == 0) {
+#pragma unroll
+    for (int i = 0; i < kMaxVecs; ++i) scratch[i * kWarps + warp] = v[i];
+  }
+  sync_block();
+#pragma unroll
+  for (int i = 0; i < kMaxVecs; ++i) {
+    float total = scratch[i * kWarps];
+    for (int w = 1; w < kWarps; ++w) total = kMax ? max_f(total, scratch[i * kWarps + w]) : total + scratch[i * kWarps + w];
+    v[i] = total;
+  }
+  sync_block();  // everyone has read scratch before the next reduction writes it
+}
+constexpr int kScratch = kMaxVecs * (kThreads / kWarpSize);
+
+// ---- Deadlines ---------------------------------------------------------------------------------
+
+AR_DEVICE uint32_t* abort_word(char* ws) { return &reinterpret_cast<Header*>(ws)->abort; }
+
+AR_DEVICE void report_timeout(const FusedArgs& a, uint32_t calls, u64 waited) {
+  Control* c = a.control;
+  if (cas_sys(&c->error, 0u, kErrorTimeout) == 0u) {
+    c->rank = a.rank;
+    c->block = block_x();
+    c->epoch = calls;
+    c->waited_ns = waited;
+  }
+  for (unsigned r = 0; r < a.world; ++r) st_release_sys(abort_word(a.ws[r]), 1u);
+  fence_system();
+}
+
+// Poll until no element of *p is the sentinel. False once the deadline passed or the group
+// aborted: the caller stops polling and the block leaves at its next sync_block_or.
+template <typename T>
+AR_DEVICE bool poll(const uint4* p, uint4& v, const FusedArgs& a, uint32_t calls) {
+  v = ld_volatile(p);
+  if (!has_sentinel<T>(v)) return true;
+  const u64 start = global_timer_ns();
+  for (uint32_t spins = 1;; ++spins) {
+    v = ld_volatile(p);
+    if (!has_sentinel<T>(v)) return true;
+    if (spins % kSpinsBeforeCheck != 0) continue;
+    if (ld_relaxed_sys(abort_word(a.ws[a.rank])) != 0) return false;
+    const u64 waited = global_timer_ns() - start;
+    if (waited > a.timeout_ns) {
+      report_timeout(a, calls, waited);
+      return false;
+    }
+  }
+}
+
+template <typename T>
+AR_DEVICE uint4* slot(const FusedArgs& a, char* base, uint32_t buffer, uint32_t s);
+
+// Vector v of every rank's slot: all world loads in flight at once, then a poll only for the
+// ones not there yet (polling one rank after the other would cost world round trips).
+template <typename T>
+AR_DEVICE bool poll_all(const FusedArgs& a, uint32_t buffer, u64 v, uint4 (&raw)[kMaxWorld],
+                        uint32_t calls) {
+  char* self = a.lamport[a.rank];
+#pragma unroll
+  for (int r = 0; r < kMaxWorld; ++r)
+    if (r < int(a.world)) raw[r] = ld_volatile(slot<T>(a, self, buffer, r) + v);
+#pragma unroll
+  for (int r = 0; r < kMaxWorld; ++r)
+    if (r < int(a.world) && has_sentinel<T>(raw[r]) && !poll<T>(slot<T>(a, self, buffer, r) + v, raw[r], a, calls))
+      return false;
+  return true;
+}
+
+// ---- Addressing --------------------------------------------------------------------------------
+
+template <typename T>
+AR_DEVICE uint4* slot(const FusedArgs& a, char* base, uint32_t buffer, uint32_t s) {
+  return reinterpret_cast<uint4*>(base + buffer * a.comm_bytes + s * a.max_elems * sizeof(T));
+}
+
+// ---- The row epilogue: residual add, RMSNorm, FP8 ----------------------------------------------
+
+// A block handles its rows (t = block, block + G, ...) in batches: a row takes vpr =
+// ceil(row_vecs / kThreads) vectors per thread, so kMaxVecs / vpr rows fit in a thread's
+// registers at once, and their loads and polls overlap. Slot i of a thread is row
+// t0 + (i / vpr) * G of the batch, vector j = thread_x() + (i % vpr) * kThreads.
+struct Batch {
+  uint32_t t0, vpr, rows;
+  u64 row_vecs;
+  AR_DEVICE Batch(uint32_t t0_, u64 row_vecs_)
+      : t0(t0_), vpr(uint32_t((row_vecs_ + kThreads - 1) / kThreads)), rows(0), row_vecs(row_vecs_) {
+    rows = kMaxVecs / vpr;
+  }
+  AR_DEVICE uint32_t row_of(int i) const { return i / vpr; }
+  AR_DEVICE uint32_t token(int i) const { return t0 + row_of(i) * grid_dim_x(); }
+  AR_DEVICE u64 vec(int i) const { return thread_x() + (i % vpr) * kThreads; }
+  AR_DEVICE bool valid(int i, uint32_t tokens) const {
+    return row_of(i) < rows && token(i) < tokens && vec(i) < row_vecs;
+  }
+  // Whether slots i and k hold the same row (true for k == i).
+  AR_DEVICE bool same_row(int i, int k) const { return row_of(i) == row_of(k); }
+  AR_DEVICE uint32_t stride() const { return rows * grid_dim_x(); }
+};
+
+// The epilogue of a batch, once this thread's all-reduced vectors are in `row`. Every thread
+// of the block calls it (block reductions). The per-row sum of squares is, for every slot of
+// the row in slot order, the block's deterministic sum of that slot: the same arithmetic for
+// any batch size, so the fused kernels and the unfused norm kernel give the same bits. Loops
+// over slots are unrolled with guards so `row` stays in registers.
+template <typename T>
+AR_DEVICE void epilogue(const FusedArgs& a, const Batch& bt, uint4 (&row)[kMaxVecs], float* scratch) {
+  constexpr int E = Packed<T>::kElems;
+  bool valid[kMaxVecs];
+#pragma unroll
+  for (int i = 0; i < kMaxVecs; ++i) valid[i] = bt.valid(i, a.tokens);
+  if (a.allreduce_out) {
+#pragma unroll
+    for (int i = 0; i < kMaxVecs; ++i)
+      if (valid[i]) static_cast<uint4*>(a.allreduce_out)[(u64)bt.token(i) * bt.row_vecs + bt.vec(i)] = row[i];
+  }
+  if (a.pattern == kPatternAllReduce) return;
+
+  // Residual add, rounded once to T; the sum of squares is taken of the rounded values (what
+  // an RMSNorm kernel reading residual_out would see).
+  float part[kMaxVecs];
+#pragma unroll
+  for (int i = 0; i < kMaxVecs; ++i) {
+    part[i] = 0.0f;
+    if (!valid[i]) continue;
+    const u64 v = (u64)bt.token(i) * bt.row_vecs + bt.vec(i);
+    float x[E], r[E];
+    Packed<T>::to_f32(row[i], x);
+    Packed<T>::to_f32(static_cast<const uint4*>(a.residual_in)[v], r);
+#pragma unroll
+    for (int k = 0; k < E; ++k) x[k] += r[k];
+    row[i] = Packed<T>::from_f32(x);
+    if (a.residual_out) static_cast<uint4*>(a.residual_out)[v] = row[i];
+    Packed<T>::to_f32(row[i], x);
+#pragma unroll
+    for (int k = 0; k < E; ++k) part[i] += x[k] * x[k];
+  }
+  block_reduce<false>(part, scratch);
+  float inv[kMaxVecs];
+#pragma unroll
+  for (int i = 0; i < kMaxVecs; ++i) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kMaxVecs; ++k)
+      if (bt.same_row(i, k)) ss += part[k];
+    inv[i] = div_rn(1.0f, sqrt_rn(div_rn(ss, float(a.hidden)) + a.eps));
+  }
+
+  float amax[kMaxVecs];
+#pragma unroll
+  for (int i = 0; i < kMaxVecs; ++i) {
+    amax[i] = 0.0f;
+    if (!valid[i]) continue;
+    const u64 j = bt.vec(i);
+    float x[E], g[E];
+    Packed<T>::to_f32(row[i], x);
+    Packed<T>::to_f32(static_cast<const uint4*>(a.gamma)[j], g);
+#pragma unroll
+    for (int k = 0; k < E; ++k) x[k] = (x[k] * inv[i]) * g[k];
+    row[i] = Packed<T>::from_f32(x);
+    if (a.norm_out) static_cast<uint4*>(a.norm_out)[(u64)bt.token(i) * bt.row_vecs + j] = row[i];
+    Packed<T>::to_f32(row[i], x);
+#pragma unroll
+    for (int k = 0; k < E; ++k) amax[i] = max_f(amax[i], x[k] < 0.0f ? -x[k] : x[k]);
+  }
+  if (a.pattern != kPatternNormFp8) return;
+
+  block_reduce<true>(amax, scratch);
+#pragma unroll
+  for (int i = 0; i < kMaxVecs; ++i) {
+    if (!valid[i]) continue;
+    float m = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kMaxVecs; ++k)
+      if (bt.same_row(i, k)) m = max_f(m, amax[k]);
+    const bool usable = m > 0.0f && m <= 3.4028234e38f;
+    const float scale = usable ? div_rn(m, 448.0f) : 1.0f;
+    const float mul = usable ? div_rn(448.0f, m) : 1.0f;
+    const u64 v = (u64)bt.token(i) * bt.row_vecs + bt.vec(i);
+    float x[E];
+    Packed<T>::to_f32(row[i], x);
+    uint32_t w[E / 4];
+#pragma unroll
+    for (int q = 0; q < E / 4; ++q) {
+      w[q] = 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) w[q] |= f32_to_e4m3(x[4 * q + k] * mul) << (8 * k);
+    }
+    uint32_t* dst = reinterpret_cast<uint32_t*>(a.quant_out + v * E);
+#pragma unroll
+    for (int q = 0; q < E / 4; ++q) dst[q] = w[q];
+    if (bt.vec(i) == 0) a.scale_out[bt.token(i)] = scale;
+  }
+}
+
+// ---- Kernel bodies -----------------------------------------------------------------------------
+
+// Sum of the world's vectors in f32, rank order from rank 0's value (the exact kernels'
+// arithmetic), rounded once to T, -0.0 as +0.0.
+template <typename T>
+AR_DEVICE uint4 reduce(const uint4 (&raw)[kMaxWorld], uint32_t world) {
+  constexpr int E = Packed<T>::kElems;
+  float acc[E], x[E];
+  Packed<T>::to_f32(raw[0], acc);
+#pragma unroll
+  for (int r = 1; r < kMaxWorld; ++r) {
+    if (r < int(world)) {
+      Packed<T>::to_f32(raw[r], x);
+#pragma unroll
+      for (int k = 0; k < E; ++k) acc[k] += x[k];
+    }
+  }
+  return plus_zero<T>(Packed<T>::from_f32(acc));
+}
+
+struct Call {
+  uint32_t calls, buffer, stale, prev_tokens;
+  bool prev_twoshot;
+};
+
+// Read this block's state (every thread) and decide whether to run at all.
+AR_DEVICE bool begin(const FusedArgs& a, Call& c) {
+  const BlockState s = a.state[block_x()];
+  c.calls = s.calls;
+  c.buffer = s.calls % 3;
+  c.stale = (s.calls + 2) % 3;
+  c.prev_tokens = s.prev_tokens;
+  c.prev_twoshot = s.prev_twoshot != 0;
+  const bool aborted = thread_x() == 0 && ld_relaxed_sys(abort_word(a.ws[a.rank])) != 0;
+  return !sync_block_or(aborted);
+}
+
+AR_DEVICE void finish(const FusedArgs& a, const Call& c, bool twoshot) {
+  sync_block();  // every thread read the state in begin()
+  if (thread_x() == 0) {
+    BlockState s;
+    s.calls = c.calls + 1;
+    s.prev_tokens = a.tokens;
+    s.prev_twoshot = twoshot;
+    s.pad = 0;
+    a.state[block_x()] = s;
+  }
+}
+
+// Refill with -0.0 what the previous call's peers wrote into our stale buffer: one-shot, every
+// rank's slot for all its rows; two-shot, every rank's slot for the rows we owned, and the
+// gathered rows.
+template <typename T>
+AR_DEVICE void refill(const FusedArgs& a, const Call& c) {
+  constexpr int E = Packed<T>::kElems;
+  const u64 row_vecs = a.hidden / E;
+  const uint4 s = sentinel_vector<T>();
+  char* self = a.lamport[a.rank];
+  const u64 stride = (u64)grid_dim_x() * kThreads, first = (u64)block_x() * kThreads + thread_x();
+  u64 lo = 0, hi = c.prev_tokens;
+  if (c.prev_twoshot) {
+    const u64 per = (c.prev_tokens + a.world - 1) / a.world;
+    lo = min_u64(a.rank * per, c.prev_tokens);
+    hi = min_u64(lo + per, c.prev_tokens);
+    uint4* gathered = slot<T>(a, self, c.stale, a.world);
+    for (u64 v = first; v < c.prev_tokens * row_vecs; v += stride) gathered[v] = s;
+  }
+  const u64 n = (hi - lo) * row_vecs;
+  for (u64 v = first; v < n * a.world; v += stride) {
+    const uint32_t src = uint32_t(v / n);
+    slot<T>(a, self, c.stale, src)[lo * row_vecs + v % n] = s;
+  }
+}
+
+// One-shot: push every row to every rank; each rank reduces every row itself, in rank order,
+// and runs the epilogue. One hop.
+template <typename T>
+__device__ void oneshot(const FusedArgs& a) {
+  __shared__ float scratch[kScratch];
+  constexpr int E = Packed<T>::kElems;
+  Call c;
+  if (!begin(a, c)) return;
+  const u64 row_vecs = a.hidden / E, nvec = (u64)a.tokens * row_vecs;
+  const u64 stride = (u64)grid_dim_x() * kThreads, first = (u64)block_x() * kThreads + thread_x();
+
+  // ---- Phase 1: push our rows into slot `rank` of every rank's current buffer.
+  for (u64 v = first; v < nvec; v += stride) {
+    const uint4 x = plus_zero<T>(static_cast<const uint4*>(a.input)[v]);
+    for (uint32_t p = 0; p < a.world; ++p) st_volatile(slot<T>(a, a.lamport[p], c.buffer, a.rank) + v, x);
+  }
+  // ---- Phase 2: refill the stale buffer (overlaps the peers' pushes in flight).
+  refill<T>(a, c);
+
+  // ---- Phase 3: per batch of rows (rows of one block: t = block, block + G, ...), wait for
+  // every rank's vectors, reduce, epilogue.
+  for (Batch bt(block_x(), row_vecs); bt.t0 < a.tokens; bt.t0 += bt.stride()) {
+    uint4 row[kMaxVecs];
+    bool ok = true;
+#pragma unroll
+    for (int i = 0; i < kMaxVecs; ++i) {
+      if (!bt.valid(i, a.tokens) || !ok) continue;
+      // All ranks' vectors, then the sum in rank order from rank 0's value: every rank
+      // computes the same bits.
+      uint4 raw[kMaxWorld];
+      ok = poll_all<T>(a, c.buffer, (u64)bt.token(i) * row_vecs + bt.vec(i), raw, c.calls);
+      if (ok) row[i] = reduce<T>(raw, a.world);
+    }
+    if (sync_block_or(!ok)) return;
+    epilogue<T>(a, bt, row, scratch);
+  }
+  finish(a, c, false);
+}
+
+// Two-shot: rows are split among ranks (rank o owns rows [o * per, (o + 1) * per)); every
+// rank pushes each row to its owner, the owner reduces it and pushes the rounded row to every
+// rank's gather slot, and every rank runs the epilogue on every row. Two hops, but each rank
+// receives 2 x the message instead of world x.
+template <typename T>
+__device__ void twoshot(const FusedArgs& a) {
+  __shared__ float scratch[kScratch];
+  constexpr int E = Packed<T>::kElems;
+  Call c;
+  if (!begin(a, c)) return;
+  const u64 row_vecs = a.hidden / E, nvec = (u64)a.tokens * row_vecs;
+  const u64 stride = (u64)grid_dim_x() * kThreads, first = (u64)block_x() * kThreads + thread_x();
+  const u64 per = (a.tokens + a.world - 1) / a.world;
+
+  // ---- Phase 1: each row to its owner's slot `rank`. The owner is tracked incrementally
+  // (no 64-bit division per vector).
+  {
+    uint32_t owner = 0;
+    for (u64 v = first; v < nvec; v += stride) {
+      while (v >= (owner + 1ull) * per * row_vecs) ++owner;
+      const uint4 x = plus_zero<T>(static_cast<const uint4*>(a.input)[v]);
+      st_volatile(slot<T>(a, a.lamport[owner], c.buffer, a.rank) + v, x);
+    }
+  }
+  refill<T>(a, c);
+
+  // ---- Phase 2: reduce our rows, push the rounded vectors to every rank's gather slot.
+  char* self = a.lamport[a.rank];
+  const u64 lo = min_u64(a.rank * per, a.tokens) * row_vecs, hi = min_u64(a.rank * per + per, a.tokens) * row_vecs;
+  bool ok = true;
+  for (u64 v = lo + first; v < hi && ok; v += stride) {
+    uint4 raw[kMaxWorld];
+    ok = poll_all<T>(a, c.buffer, v, raw, c.calls);
+    if (!ok) break;
+    const uint4 sum = reduce<T>(raw, a.world);
+    for (uint32_t p = 0; p < a.world; ++p) st_volatile(slot<T>(a, a.lamport[p], c.buffer, a.world) + v, sum);
+  }
+  if (sync_block_or(!ok)) return;
+
+  // ---- Phase 3: every row from the gather slot (a batch's loads in flight together), then
+  // the epilogue.
+  for (Batch bt(block_x(), row_vecs); bt.t0 < a.tokens; bt.t0 += bt.stride()) {
+    uint4 row[kMaxVecs];
+    const uint4* gathered = slot<T>(a, self, c.buffer, a.world);
+#pragma unroll
+    for (int i = 0; i < kMaxVecs; ++i)
+      if (bt.valid(i, a.tokens)) row[i] = ld_volatile(gathered + (u64)bt.token(i) * row_vecs + bt.vec(i));
+#pragma unroll
+    for (int i = 0; i < kMaxVecs; ++i)
+      if (bt.valid(i, a.tokens) && ok && has_sentinel<T>(row[i]))
+        ok = poll<T>(gathered + (u64)bt.token(i) * row_vecs + bt.vec(i), row[i], a, c.calls);
+    if (sync_block_or(!ok)) return;
+    epilogue<T>(a, bt, row, scratch);
+  }
+  finish(a, c, true);
+}
+
+// The unfused baseline's second kernel: residual add + RMSNorm (+ FP8) of an all-reduce output
+// already in `input`; any grid. No state, no polling, no -0.0 rule.
+template <typename T>
+__device__ void norm_only(const FusedArgs& a) {
+  __shared__ float scratch[kScratch];
+  constexpr int E = Packed<T>::kElems;
+  const u64 row_vecs = a.hidden / E;
+  for (Batch bt(block_x(), row_vecs); bt.t0 < a.tokens; bt.t0 += bt.stride()) {
+    uint4 row[kMaxVecs];
+#pragma unroll
+    for (int i = 0; i < kMaxVecs; ++i)
+      if (bt.valid(i, a.tokens)) row[i] = static_cast<const uint4*>(a.input)[(u64)bt.token(i) * row_vecs + bt.vec(i)];
+    epilogue<T>(a, bt, row, scratch);
+  }
+}
+
+}  // namespace fused
+}  // namespace ar

@@ -1,0 +1,21 @@
+// CUDA entry points of the Lamport all-reduce fused with residual add + RMSNorm (+ FP8), and
+// the unfused baseline's residual + RMSNorm kernel. Bodies and ABI: kernels-common/include/
+// allreduce/fused.h (mirrored by crates/backend-cuda/src/fused.rs). Compiled into its own
+// fatbin (fused.fatbin), next to allreduce.fatbin.
+
+#include "allreduce/fused.h"
+
+using namespace ar;
+using namespace ar::fused;
+
+// Two blocks per SM, as for the exact kernels: ranks' grids poll each other's pushes, so all
+// of them must be resident at once.
+#define AR_KERNEL extern "C" __global__ void __launch_bounds__(kThreads, 2)
+#define AR_FUSED_KERNELS(SUFFIX, T)                                                           \
+  AR_KERNEL ar_fused_oneshot_##SUFFIX(AR_GRID_CONSTANT const FusedArgs a) { oneshot<T>(a); } \
+  AR_KERNEL ar_fused_twoshot_##SUFFIX(AR_GRID_CONSTANT const FusedArgs a) { twoshot<T>(a); } \
+  AR_KERNEL ar_rmsnorm_##SUFFIX(AR_GRID_CONSTANT const FusedArgs a) { norm_only<T>(a); }
+
+AR_FUSED_KERNELS(f32, float)
+AR_FUSED_KERNELS(f16, ar_half)
+AR_FUSED_KERNELS(bf16, ar_bf16)

@@ -1,0 +1,24 @@
+// HIP twin of kernels-cuda/fused.cu: the same bodies (kernels-common/include/allreduce/
+// fused.h), the launch bounds of kernels-hip/allreduce.hip. Compiled in CI only; no Rust
+// caller yet (the ROCm backend is issue 5).
+
+#include "allreduce/fused.h"
+
+using namespace ar;
+using namespace ar::fused;
+
+constexpr int kSimdsPerCu = 4;
+constexpr int kBlocksPerCu = 2;
+constexpr int kWavesPerSimd = kBlocksPerCu * (kThreads / kWarpSize) / kSimdsPerCu;
+
+#define AR_KERNEL                                                                     \
+  extern "C" __global__ void __attribute__((amdgpu_flat_work_group_size(1, kThreads), \
+                                            amdgpu_waves_per_eu(kWavesPerSimd)))
+#define AR_FUSED_KERNELS(SUFFIX, T)                                                           \
+  AR_KERNEL ar_fused_oneshot_##SUFFIX(AR_GRID_CONSTANT const FusedArgs a) { oneshot<T>(a); } \
+  AR_KERNEL ar_fused_twoshot_##SUFFIX(AR_GRID_CONSTANT const FusedArgs a) { twoshot<T>(a); } \
+  AR_KERNEL ar_rmsnorm_##SUFFIX(AR_GRID_CONSTANT const FusedArgs a) { norm_only<T>(a); }
+
+AR_FUSED_KERNELS(f32, float)
+AR_FUSED_KERNELS(f16, ar_half)
+AR_FUSED_KERNELS(bf16, ar_bf16)
