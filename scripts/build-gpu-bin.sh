@@ -17,16 +17,16 @@ import json, shutil, sys
 for line in open(sys.argv[1]):
     try: m = json.loads(line)
     except ValueError: continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("conformance", "cuda_graphs", "cuda_codecs", "cuda_processes"):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("conformance", "cuda_graphs", "cuda_codecs", "cuda_processes", "cuda_fused"):
         shutil.copy2(m["executable"], "gpu-bin/" + m["target"]["name"])
 PY
 rm -f "$json"
 cargo build --release -p allreduce-bench --features cuda
 cp target/release/allreduce-bench gpu-bin/
-strip gpu-bin/conformance gpu-bin/cuda_graphs gpu-bin/cuda_codecs gpu-bin/cuda_processes gpu-bin/allreduce-bench
+strip gpu-bin/conformance gpu-bin/cuda_graphs gpu-bin/cuda_codecs gpu-bin/cuda_processes gpu-bin/cuda_fused gpu-bin/allreduce-bench
 cat >gpu-bin/run.sh <<'RUN'
 #!/usr/bin/env bash
-# On the GPU machine: OUT=$OUT gpu-bin/run.sh (at most 8 files come back; this writes 7).
+# On the GPU machine: OUT=$OUT gpu-bin/run.sh (at most 8 files come back; this writes 8).
 cd "$(dirname "$0")"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 NCCL_LIB=$(python3 -c "import nvidia.nccl, os; print(os.path.join(os.path.dirname(nvidia.nccl.__file__), 'lib'))" 2>/dev/null || true)
@@ -41,6 +41,11 @@ mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY; nvidia-cuda-mps-contr
 timeout 120 ./cuda_processes >>"$T" 2>&1; echo "processes rc=$?" >>"$T"
 echo quit | nvidia-cuda-mps-control; sleep 1
 timeout 200 ./cuda_graphs >>"$T" 2>&1; echo "graphs rc=$?" >>"$T"
+timeout 300 ./cuda_fused >>"$T" 2>&1; echo "fused rc=$?" >>"$T"
+for r in 2 4 8; do
+  timeout 120 ./allreduce-bench --backend cuda --fused --ranks $r -d bf16 --tokens 1,8,32,64,128,512 \
+    --fused-hidden 4096,8192 --timeout 5 >>"$OUT/bench_fused.txt" 2>&1; echo "fused bench $r rc=$?" >>"$OUT/bench_fused.txt"
+done
 for r in 2 4 8; do
   timeout 120 ./allreduce-bench --backend cuda --ranks $r -b 64K -e 64M -f 4 --strategy twoshot,quantized \
     --precision exact,fp8,q8,q6,q4,q8a,q6a,q4a -d bf16 --data gauss --row-time 0.05 >>"$Q" 2>&1; echo "quantized $r rc=$?" >>"$Q"
