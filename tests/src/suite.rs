@@ -31,6 +31,10 @@ pub const TESTS: &[Test] = &[
         run: lossy_all_shapes,
     },
     Test {
+        name: "larger_than_the_workspace",
+        run: larger_than_the_workspace,
+    },
+    Test {
         name: "thousand_calls_changing_sizes",
         run: thousand_calls_changing_sizes,
     },
@@ -210,6 +214,72 @@ fn lossy_all_shapes(h: &dyn Harness) -> Result<(), String> {
     Ok(())
 }
 
+/// Calls larger than the workspace: GPU backends run them in pieces, with the results of an
+/// unsplit call (exact: the reference bit for bit; quantized: the format's definition, since
+/// pieces are whole codec blocks), in place and out of place, and stay in step for the calls
+/// after; the host backend refuses them with `TooLarge` on every rank.
+fn larger_than_the_workspace(h: &dyn Harness) -> Result<(), String> {
+    let world = 4.min(h.max_world()).max(2);
+    let max = 4096; // bytes: 2048 bf16 elements a piece
+    let comms = h
+        .group(GroupConfig::new(world).max_bytes(max))
+        .map_err(|e| e.to_string())?;
+    let splits = comms[0].splits_large_calls();
+    let mut steps = Vec::new();
+    let mut cases = Vec::new();
+    for (k, &(n, precision, in_place)) in [
+        (5 * 2048 + 77, Precision::Exact, false),
+        (3 * 2048, Precision::Exact, true),
+        (2 * 2048 + 33, Precision::Lossy(Codec::Int8), false),
+        (4 * 2048 + 1, Precision::Lossy(Codec::Int4Adaptive), true),
+        (100, Precision::Exact, false), // a call within the workspace after the split ones
+    ]
+    .iter()
+    .enumerate()
+    {
+        let inputs: Vec<HostBytes> = (0..world)
+            .map(|r| gauss(n, DType::BF16, 300 + k as u64, r))
+            .collect();
+        let strategy = match precision {
+            Precision::Exact => Strategy::TwoShot,
+            Precision::Lossy(_) => Strategy::QuantizedTwoShot,
+        };
+        steps.push(step(
+            &inputs,
+            DType::BF16,
+            in_place,
+            opts(strategy, precision),
+        ));
+        cases.push((
+            inputs,
+            n,
+            precision,
+            format!("n {n} {precision} in_place={in_place}"),
+        ));
+    }
+    let quantized = quantized_available(&comms);
+    for (outcomes, (inputs, n, precision, what)) in h.run(&comms, &steps).iter().zip(&cases) {
+        let fits = n * DType::BF16.size() <= max;
+        if !splits && !fits {
+            expect_all(outcomes, what, |_, e| {
+                matches!(e, Error::TooLarge { .. } | Error::PeerRejected { .. })
+            })?;
+            continue;
+        }
+        if matches!(precision, Precision::Lossy(_)) && !quantized {
+            continue;
+        }
+        let out = check::bitwise_equal(outcomes, what)?;
+        match precision {
+            Precision::Exact => check::exact(out, &Reference::new(inputs, DType::BF16), what)?,
+            Precision::Lossy(codec) => {
+                check::quantized_bitwise(out, inputs, DType::BF16, *codec, what)?
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Whether the backend runs the quantized two-shot; where it does not, the lossy tests expect
 /// `StrategyUnavailable` from a forced `QuantizedTwoShot` (and fail if it unexpectedly works).
 fn quantized_available(comms: &[allreduce::Communicator]) -> bool {
@@ -349,11 +419,17 @@ fn bad_input_is_rejected_and_harmless(h: &dyn Harness) -> Result<(), String> {
     let mut s = good.clone();
     s[2 % world] = step(&big, DType::BF16, false, exact(Strategy::Auto)).swap_remove(2 % world);
     let big_rank = 2 % world;
+    // A backend that splits large calls runs it, and every rank sees the lengths differ at
+    // the first piece (the rank with more pieces skips the rest); one that does not refuses
+    // it on that rank, and the others learn it at once.
+    let splits = comms[0].splits_large_calls();
     cases.push((
         "buffer larger than the maximum on one rank",
         s,
         Box::new(move |r, e| {
-            if r == big_rank {
+            if splits {
+                matches!(e, Error::RankMismatch { what: "length", .. })
+            } else if r == big_rank {
                 matches!(e, Error::TooLarge { .. })
             } else {
                 matches!(e, Error::PeerRejected { rank, .. } if *rank == big_rank)

@@ -230,9 +230,15 @@ impl Communicator {
         self.comm.limits().device
     }
 
-    /// The largest call this communicator accepts, in bytes.
+    /// The largest call this communicator runs in one piece (the workspace size), in bytes.
     pub fn max_bytes(&self) -> usize {
         self.comm.limits().max_bytes
+    }
+
+    /// Whether calls larger than [`Communicator::max_bytes`] run, in pieces (GPU backends), or
+    /// are refused with `Error::TooLarge` (the host backend).
+    pub fn splits_large_calls(&self) -> bool {
+        self.comm.limits().chunks
     }
 
     /// `Ok` if this communicator can run `strategy` for calls of this dtype and precision,

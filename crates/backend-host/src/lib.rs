@@ -384,6 +384,7 @@ impl BackendComm for HostComm {
 
     fn limits(&self) -> Limits {
         Limits {
+            chunks: false,
             device: Device::Host,
             max_bytes: self.max_bytes,
             align: 1,

@@ -201,9 +201,13 @@ impl Call {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
     pub device: Device,
+    /// Largest call the backend's workspace takes in one piece.
     pub max_bytes: usize,
     /// Required alignment of buffer addresses, in bytes (at least the element size).
     pub align: usize,
+    /// The backend runs larger calls in pieces of at most `max_bytes` (GPU backends), so
+    /// `prepare` does not refuse them.
+    pub chunks: bool,
 }
 
 /// Validate buffers and options against `limits`; resolve `Auto` through `table`.
@@ -247,7 +251,7 @@ pub fn prepare(
         }
     }
     let bytes = out.bytes();
-    if bytes > limits.max_bytes {
+    if bytes > limits.max_bytes && !limits.chunks {
         return Err(Error::TooLarge {
             bytes,
             max: limits.max_bytes,

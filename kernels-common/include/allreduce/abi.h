@@ -41,12 +41,17 @@ struct Header {
   // In device memory, not host memory, because every kernel reads it: a host-mapped word is a
   // PCIe round trip per block (and, behind a virtualised IOMMU, a slow one).
   uint32_t abort;
+  // Set by block b when the ranks disagreed on a call, cleared when block b starts a call's
+  // first piece: the later pieces of a call larger than the workspace (kDescContinued) are
+  // skipped after a disagreement, by every rank alike, however many pieces each thinks the
+  // call has.
+  uint32_t skip[kMaxBlocks];
 };
 constexpr unsigned long long kHeaderBytes = 4096;
 constexpr unsigned long long kFlagsOffset = 4096;
 constexpr unsigned long long kDescOffset = 8192;
 constexpr unsigned long long kStagingOffset = 16384;
-static_assert(sizeof(Header) == 516 && sizeof(Header) <= kHeaderBytes, "Header");
+static_assert(sizeof(Header) == 772 && sizeof(Header) <= kHeaderBytes, "Header");
 static_assert(offsetof(Header, abort) == 512, "Header");
 static_assert(kFlagsOffset + kMaxBlocks * kMaxWorld * sizeof(uint32_t) <= kDescOffset, "flags");
 static_assert(kDescOffset + 2 * kMaxBlocks * kMaxWorld * sizeof(uint64_t) <= kStagingOffset, "desc");
@@ -55,6 +60,9 @@ static_assert(kDescOffset + 2 * kMaxBlocks * kMaxWorld * sizeof(uint64_t) <= kSt
 // | 1); a rank whose arguments were refused on the host still launches, with kDescRejected
 // and n = 0, so its peers learn of it at the first barrier instead of timing out.
 constexpr unsigned long long kDescRejected = 2;
+// Or-ed into the descriptor of every piece but the first of a call the host splits because it
+// is larger than the workspace (the descriptor otherwise names the whole call).
+constexpr unsigned long long kDescContinued = 4;
 
 struct Control {        // host-mapped pinned memory, zeroed at creation
   unsigned int error;   // 0 ok, kErrorTimeout, kErrorMismatch; set once by cas_sys from 0

@@ -89,8 +89,22 @@ AR_DEVICE bool agree(const Args& a, Header* h, unsigned b, unsigned parity) {
     a.control->theirs = theirs;
     fence_system();
   }
-  if (thread_x() == 0) h->calls[b] += 1;
+  if (thread_x() == 0) {
+    h->calls[b] += 1;
+    h->skip[b] = 1;  // this call's later pieces, if any, are skipped too (abi.h)
+  }
   return false;
+}
+
+// At kernel entry: whether this is a later piece of a call whose first piece the ranks skipped
+// (then the block returns at once, touching nothing, as every rank's block does). A first piece
+// clears the mark. Block-local, like everything in the header.
+AR_DEVICE bool skipped_piece(const Args& a, Header* h, unsigned b) {
+  if ((a.desc & kDescContinued) == 0) {
+    if (thread_x() == 0) h->skip[b] = 0;
+    return false;
+  }
+  return sync_block_or(thread_x() == 0 && h->skip[b] != 0);
 }
 
 // ---- Kernel bodies ---------------------------------------------------------------------------
@@ -160,6 +174,7 @@ __device__ void oneshot(const Args& a) {
   const unsigned b = block_x();
   char* self = a.peers[a.rank];
   Header* h = header_of(self);
+  if (skipped_piece(a, h, b)) return;
   // Read now, used at the barrier: phase 1 only touches our own workspace, so doing it
   // regardless costs nothing.
   const bool aborted = thread_x() == 0 && ld_relaxed_sys(&h->abort) != 0;
@@ -189,6 +204,7 @@ __device__ void twoshot(const Args& a) {
   const unsigned b = block_x();
   char* self = a.peers[a.rank];
   Header* h = header_of(self);
+  if (skipped_piece(a, h, b)) return;
   const bool aborted = thread_x() == 0 && ld_relaxed_sys(&h->abort) != 0;
   // Parity-indexed staging like one-shot, though two-shot alone could use one buffer: a
   // one-shot call has no closing barrier, so right after one a peer may still be reading the

@@ -112,6 +112,7 @@ __device__ void quantized_twoshot(const Args& a) {
   const unsigned b = block_x();
   char* self = a.peers[a.rank];
   Header* h = header_of(self);
+  if (skipped_piece(a, h, b)) return;
   const bool aborted = thread_x() == 0 && ld_relaxed_sys(&h->abort) != 0;
   const unsigned parity = h->calls[b] & 1;
   const QuadLoop L;

@@ -20,7 +20,8 @@ pub const STAGING_OFFSET: usize = 16384;
 
 const _: () = assert!(FLAGS_OFFSET + MAX_BLOCKS * MAX_WORLD * 4 <= DESC_OFFSET);
 const _: () = assert!(DESC_OFFSET + 2 * MAX_BLOCKS * MAX_WORLD * 8 <= STAGING_OFFSET);
-const _: () = assert!(2 * MAX_BLOCKS * 4 <= HEADER_BYTES);
+// Header: epoch[64], calls[64], abort, skip[64] (abi.h asserts 772 bytes).
+const _: () = assert!(3 * MAX_BLOCKS * 4 + 4 <= HEADER_BYTES);
 
 /// Workspace bytes for calls of up to `max_bytes` (rounded up to 256): header, flags,
 /// two staging buffers (one-shot alternates them by call parity) and the reduced shards.
@@ -62,6 +63,9 @@ pub struct Desc(pub u64);
 impl Desc {
     /// A rank whose arguments the host refused: it launches with this so its peers fail fast.
     pub const REJECTED: Desc = Desc(2);
+    /// Or-ed into every piece but the first of a call split because it is larger than the
+    /// workspace (`kDescContinued`).
+    pub const CONTINUED: u64 = 4;
 
     pub fn new(n: usize, dtype: u64, strategy: u64, precision: u64) -> Desc {
         Desc(((n as u64) << 16) | (dtype << 12) | (strategy << 8) | (precision << 4) | 1)

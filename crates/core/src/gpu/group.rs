@@ -556,6 +556,12 @@ impl<R: GpuRuntime> Group<R> {
         Ok(())
     }
 
+    /// Elements per piece of a call larger than the workspace: `max_bytes` worth, rounded down
+    /// to whole 32-element codec blocks (also 16-byte aligned for every dtype).
+    fn piece_len(&self, dtype: DType) -> usize {
+        self.max_bytes / dtype.size() / crate::layout::QUANT_GRANULE * crate::layout::QUANT_GRANULE
+    }
+
     fn control(&self, rank: usize) -> &R::HostMapped {
         self.controls[rank]
             .as_ref()
@@ -784,6 +790,7 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
 
     fn limits(&self) -> Limits {
         Limits {
+            chunks: true,
             device: R::device_tag(self.ordinal()),
             max_bytes: self.group.max_bytes,
             align: 16,
@@ -844,9 +851,14 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
                         reason: "needs the codec kernels, a lossy precision and f16 or bf16".into(),
                     });
                 };
-                // Cannot fail for calls within max_bytes (stage_bytes has the room); checked
+                // Cannot fail for pieces within max_bytes (stage_bytes has the room); checked
                 // anyway, and the peers told, rather than trust arithmetic with memory safety.
-                if !quantized_fits(codec, call.len(), g.world, g.stage_bytes) {
+                if !quantized_fits(
+                    codec,
+                    call.len().min(g.piece_len(call.dtype())),
+                    g.world,
+                    g.stage_bytes,
+                ) {
                     let e = Error::TooLarge {
                         bytes: call.output.bytes(),
                         max: g.max_bytes,
@@ -877,17 +889,40 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
                 })
             }
         };
-        let args = g.args(
-            self.rank,
-            call.input.addr as *const c_void,
-            call.output.addr as *mut c_void,
-            call.len(),
-            describe(call),
-        );
         R::bind(self.device())?;
-        // SAFETY: Args mirrors the kernel's parameter; the workspaces and controls live as long
-        // as the group, and `prepare` validated the caller's buffers (device, size, alignment).
-        unsafe { R::launch(f, g.grid, THREADS, call.stream, &args) }
+        // A call larger than the workspace runs as consecutive pieces of at most max_bytes, each
+        // a whole all-reduce of its range. Pieces are whole 32-element codec blocks, so the
+        // quantized result is the unsplit call's (codec blocks are the buffer's global blocks).
+        // Every piece carries the whole call's descriptor, so ranks that disagree on the length
+        // all skip the first piece, and the later ones are skipped by the kernels (abi.h).
+        let desc = describe(call);
+        let total = call.len();
+        let piece = g.piece_len(call.dtype()).max(1);
+        let elem = call.dtype().size();
+        let mut start = 0;
+        loop {
+            let n = piece.min(total - start);
+            let d = if start == 0 {
+                desc
+            } else {
+                Desc(desc.0 | Desc::CONTINUED)
+            };
+            let args = g.args(
+                self.rank,
+                (call.input.addr + start * elem) as *const c_void,
+                (call.output.addr + start * elem) as *mut c_void,
+                n,
+                d,
+            );
+            // SAFETY: Args mirrors the kernel's parameter; the workspaces and controls live as
+            // long as the group, and `prepare` validated the caller's buffers (device, size,
+            // alignment); the piece lies inside them and starts 16-byte aligned.
+            unsafe { R::launch(f, g.grid, THREADS, call.stream, &args)? };
+            start += n;
+            if start >= total {
+                return Ok(());
+            }
+        }
     }
 
     fn reject(&self, _reason: &Error, stream: Stream) {

@@ -476,3 +476,54 @@ fn no_peer_access_leaves_only_the_vendor_library() {
         Ok(())
     );
 }
+
+/// A call larger than the workspace is launched as pieces of whole codec blocks, each with
+/// the whole call's descriptor, the later ones marked as continuations.
+#[test]
+fn a_call_larger_than_the_workspace_runs_in_pieces() {
+    let config = GroupConfig::new(2).devices(vec![0, 1]).max_bytes(1000); // rounded to 1024
+    let comms = GpuBackend::<Mock>::create_group(&config).unwrap();
+    take_launches();
+    let c = &comms[1];
+    let n = 5 * 512 + 7; // bf16: 512 elements a piece (1024 bytes), 6 pieces
+    let input = vec![0u16; n];
+    let mut output = vec![0u16; n];
+    let dev = Device::Rocm(1);
+    // SAFETY: only addresses are used; the mock never touches the buffers.
+    let (i, o) = unsafe {
+        (
+            BufRef::from_raw(input.as_ptr() as usize, n, DType::BF16, dev),
+            BufMut::from_raw(output.as_mut_ptr() as usize, n, DType::BF16, dev),
+        )
+    };
+    let opts = AllReduceOptions::default()
+        .strategy(Strategy::QuantizedTwoShot)
+        .precision(Precision::Lossy(Codec::Int4));
+    let call = crate::prepare(
+        Some(i),
+        &o,
+        &opts,
+        &c.limits(),
+        c.world_size(),
+        c.selection(),
+        |s, d, p| c.strategy_available(s, d, p),
+    )
+    .expect("GPU backends take calls larger than max_bytes");
+    c.all_reduce(&call).unwrap();
+    let l = take_launches();
+    assert_eq!(l.len(), 6);
+    let whole = describe(&call).0;
+    for (k, p) in l.iter().enumerate() {
+        assert_eq!(p.kernel, "ar_quantized_bf16_q4");
+        assert_eq!(p.args.input as usize, input.as_ptr() as usize + k * 1024);
+        assert_eq!(p.args.output as usize, output.as_ptr() as usize + k * 1024);
+        assert_eq!(p.args.n, if k < 5 { 512 } else { 7 });
+        let want = if k == 0 {
+            whole
+        } else {
+            whole | Desc::CONTINUED
+        };
+        assert_eq!(p.args.desc, want, "piece {k}");
+        assert_eq!(Desc(p.args.desc).len() as usize, n);
+    }
+}
