@@ -414,13 +414,20 @@ impl<R: GpuRuntime> Group<R> {
         } else {
             R::vendor_unavailable(&[ordinal])
         };
-        let vendor_id = match (rank, &unavailable) {
+        // Every rank must be able to join before any does: a rank that cannot (no library)
+        // would leave the others inside the vendor's collective init for good.
+        let able = boot.all_gather(&[u8::from(unavailable.is_none())])?;
+        let unable = able.iter().position(|m| m.first() != Some(&1));
+        let vendor_id = match (rank, unable) {
             (0, None) => R::vendor_unique_id().unwrap_or_default(),
             _ => Vec::new(),
         };
         let vendor_id = boot.broadcast(0, &vendor_id)?;
         let vendor = if vendor_id.is_empty() {
-            Err(unavailable.unwrap_or_else(|| "rank 0 could not create a vendor group id".into()))
+            Err(unavailable.unwrap_or_else(|| match unable {
+                Some(r) => format!("rank {r} cannot load the vendor library"),
+                None => "rank 0 could not create a vendor group id".into(),
+            }))
         } else {
             R::bind(&dev)?;
             R::vendor_init_rank(&dev, &vendor_id, rank, world)

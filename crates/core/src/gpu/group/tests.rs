@@ -153,6 +153,14 @@ impl GpuRuntime for Mock {
     fn synchronize_stream(_dev: &MockDevice, _stream: Stream) -> Result<()> {
         Ok(())
     }
+    /// The "handle" is the address itself; importing maps it at address + 1, so a test can
+    /// tell imported peers from local ones.
+    fn export_memory(mem: &Box<[u64]>) -> Result<Vec<u8>> {
+        Ok((mem.as_ptr() as u64).to_le_bytes().to_vec())
+    }
+    unsafe fn import_memory(_dev: &MockDevice, handle: &[u8]) -> Result<u64> {
+        Ok(u64::from_le_bytes(handle.try_into().unwrap()) + 1)
+    }
     fn vendor_unavailable(_ordinals: &[u32]) -> Option<String> {
         Some("the mock has no vendor library".into())
     }
@@ -525,5 +533,106 @@ fn a_call_larger_than_the_workspace_runs_in_pieces() {
         };
         assert_eq!(p.args.desc, want, "piece {k}");
         assert_eq!(Desc(p.args.desc).len() as usize, n);
+    }
+}
+
+/// Every round's messages, by rank, and the barrier the ranks meet at.
+type Rounds = std::sync::Arc<(std::sync::Mutex<Vec<Vec<Vec<u8>>>>, std::sync::Barrier)>;
+
+/// An in-process bootstrap: ranks are threads, all_gather meets at a barrier.
+struct ThreadBootstrap {
+    rank: usize,
+    world: usize,
+    shared: Rounds,
+    round: usize,
+}
+
+impl Bootstrap for ThreadBootstrap {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world
+    }
+    fn all_gather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let (store, barrier) = &*self.shared;
+        {
+            let mut s = store.lock().unwrap();
+            if s.len() <= self.round {
+                s.push(vec![Vec::new(); self.world]);
+            }
+            s[self.round][self.rank] = data.to_vec();
+        }
+        barrier.wait();
+        let out = store.lock().unwrap()[self.round].clone();
+        barrier.wait();
+        self.round += 1;
+        Ok(out)
+    }
+}
+
+/// One process per rank (here: one thread per rank over an in-process bootstrap): every rank
+/// maps every peer's exported workspace, derives the same grid from the gathered device ids,
+/// warms only its own kernels, and reports the vendor library unavailable on every rank.
+#[test]
+fn ranks_built_one_per_process_map_each_other() {
+    let world = 3;
+    let shared: Rounds = std::sync::Arc::new((
+        std::sync::Mutex::new(Vec::new()),
+        std::sync::Barrier::new(world),
+    ));
+    let comms: Vec<GpuComm<Mock>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..world)
+            .map(|rank| {
+                let shared = shared.clone();
+                s.spawn(move || {
+                    let mut boot = ThreadBootstrap {
+                        rank,
+                        world,
+                        shared,
+                        round: 0,
+                    };
+                    // Ranks 0 and 1 share device 0; rank 2 has device 1.
+                    let config = GroupConfig::new(world).devices(vec![[0, 0, 1][rank]]);
+                    let comm = GpuBackend::<Mock>::create_rank(&config, &mut boot).unwrap();
+                    let warm: Vec<u32> = take_launches().iter().map(|l| l.args.world).collect();
+                    (comm, warm)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                let (comm, warm) = h.join().unwrap();
+                // Only this rank's kernels, alone (world 1).
+                assert_eq!(warm.len(), KERNELS.len());
+                assert!(warm.iter().all(|&w| w == 1));
+                comm
+            })
+            .collect()
+    });
+    // Two ranks on device 0 split its 20 units: 10 blocks on every rank.
+    assert!(comms.iter().all(|c| c.grid() == 10));
+    for (r, c) in comms.iter().enumerate() {
+        let own = c.group.peers[r];
+        for (p, other) in comms.iter().enumerate() {
+            let theirs = other.group.peers[p];
+            if p == r {
+                continue;
+            }
+            // Our view of peer p is its exported base, mapped (+1 in the mock).
+            assert_eq!(c.group.peers[p], theirs + 1, "rank {r}'s view of {p}");
+        }
+        assert_ne!(own, 0);
+        let t = c.topology();
+        assert_eq!(t.links[0][1], crate::Link::SameDevice);
+        assert_eq!(t.links[0][2], crate::Link::Pcie);
+        let v = c
+            .strategy_available(Strategy::Vendor, DType::F16, Precision::Exact)
+            .unwrap_err();
+        assert!(v.contains("share a GPU"), "{v}");
+        assert_eq!(
+            c.strategy_available(Strategy::TwoShot, DType::F16, Precision::Exact),
+            Ok(())
+        );
     }
 }
