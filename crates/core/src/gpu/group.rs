@@ -575,6 +575,20 @@ impl<R: GpuRuntime> Group<R> {
             .expect("alive while the group is")
     }
 
+    /// Why the group is out of step for good: a kernel of a rank of this process timed out.
+    /// Read before every call, so it borrows the group rather than cloning a handle.
+    fn aborted(&self) -> Option<String> {
+        self.local.iter().find_map(|&r| {
+            let c = Self::read_control(self.control(r));
+            (c.error == abi::ERROR_TIMEOUT).then(|| {
+                format!(
+                    "rank {} timed out at block {} waiting for epoch {}",
+                    c.rank, c.block, c.epoch
+                )
+            })
+        })
+    }
+
     /// Read a Control written by kernels. Volatile: the device writes it behind our back.
     fn read_control(m: &R::HostMapped) -> Control {
         // SAFETY: a live, aligned, host-mapped Control.
@@ -657,15 +671,7 @@ impl<R: GpuRuntime> GroupView<R> {
     }
     /// Why the group is out of step for good (a kernel timed out), if it is.
     pub fn aborted(&self) -> Option<String> {
-        self.0.local.iter().find_map(|&r| {
-            let c = Group::<R>::read_control(self.0.control(r));
-            (c.error == abi::ERROR_TIMEOUT).then(|| {
-                format!(
-                    "rank {} timed out at block {} waiting for epoch {}",
-                    c.rank, c.block, c.epoch
-                )
-            })
-        })
+        self.0.aborted()
     }
 }
 
@@ -782,7 +788,7 @@ impl<R: GpuRuntime> GpuComm<R> {
 
     /// Whether any rank's kernel has timed out: then the group is out of step for good.
     fn aborted(&self) -> Option<String> {
-        GroupView(self.group.clone()).aborted()
+        self.group.aborted()
     }
 }
 
