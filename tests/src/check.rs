@@ -140,6 +140,36 @@ pub fn lossy(out: &HostBytes, r: &Reference, codec: Codec, what: &str) -> Result
 /// piece unquantized, in f32; encodes the sum once; every rank decodes those bytes and rounds
 /// once into the dtype. Every backend's output must equal this bit for bit.
 pub fn quantized_expected(inputs: &[HostBytes], dtype: DType, codec: Codec) -> HostBytes {
+    let n = inputs[0].len() / dtype.size();
+    quantized_expected_in_pieces(inputs, dtype, codec, n.max(1))
+}
+
+/// [`quantized_expected`] of a call that a backend ran as consecutive pieces of `piece`
+/// elements (`layout::piece_len`), each a whole quantized all-reduce of its range.
+pub fn quantized_expected_in_pieces(
+    inputs: &[HostBytes],
+    dtype: DType,
+    codec: Codec,
+    piece: usize,
+) -> HostBytes {
+    let n = inputs[0].len() / dtype.size();
+    let mut out = HostBytes::zeroed(n * dtype.size());
+    let mut start = 0;
+    while start < n {
+        let end = (start + piece).min(n);
+        let bytes = start * dtype.size()..end * dtype.size();
+        let parts: Vec<HostBytes> = inputs
+            .iter()
+            .map(|b| HostBytes::from_bytes(&b.as_slice()[bytes.clone()]))
+            .collect();
+        let got = quantized_expected_whole(&parts, dtype, codec);
+        out.as_mut_slice()[bytes].copy_from_slice(got.as_slice());
+        start = end;
+    }
+    out
+}
+
+fn quantized_expected_whole(inputs: &[HostBytes], dtype: DType, codec: Codec) -> HostBytes {
     use allreduce::{codec as c, layout};
     let world = inputs.len();
     let n = inputs[0].len() / dtype.size();
@@ -186,7 +216,20 @@ pub fn quantized_bitwise(
     codec: Codec,
     what: &str,
 ) -> Result<(), String> {
-    let want = quantized_expected(inputs, dtype, codec);
+    let n = inputs[0].len() / dtype.size();
+    quantized_bitwise_in_pieces(out, inputs, dtype, codec, n.max(1), what)
+}
+
+/// [`quantized_bitwise`] for a call run as pieces of `piece` elements.
+pub fn quantized_bitwise_in_pieces(
+    out: &HostBytes,
+    inputs: &[HostBytes],
+    dtype: DType,
+    codec: Codec,
+    piece: usize,
+    what: &str,
+) -> Result<(), String> {
+    let want = quantized_expected_in_pieces(inputs, dtype, codec, piece);
     let n = want.len() / dtype.size();
     for i in 0..n {
         let (g, w) = (

@@ -16,6 +16,14 @@ pub const fn exact_granule(dtype: DType) -> usize {
 /// whatever the world size, so a quantized result depends on the data only.
 pub const QUANT_GRANULE: usize = BLOCK;
 
+/// Elements per piece of a call larger than a `max_bytes` workspace: as many as fit, rounded
+/// down to whole codec blocks (so also 16-byte aligned for every dtype). Each piece is a whole
+/// all-reduce of its range, so a lossy result is defined per piece: the owner of an element
+/// (whose own contribution is summed unencoded) is its owner within the piece.
+pub fn piece_len(max_bytes: usize, dtype: DType) -> usize {
+    (max_bytes / dtype.size() / QUANT_GRANULE * QUANT_GRANULE).max(QUANT_GRANULE)
+}
+
 /// Elements per shard: `ceil(ceil(n / granule) / world) * granule`.
 pub fn shard_len(n: usize, world: usize, granule: usize) -> usize {
     n.div_ceil(granule).div_ceil(world.max(1)) * granule

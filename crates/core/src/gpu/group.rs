@@ -566,7 +566,7 @@ impl<R: GpuRuntime> Group<R> {
     /// Elements per piece of a call larger than the workspace: `max_bytes` worth, rounded down
     /// to whole 32-element codec blocks (also 16-byte aligned for every dtype).
     fn piece_len(&self, dtype: DType) -> usize {
-        self.max_bytes / dtype.size() / crate::layout::QUANT_GRANULE * crate::layout::QUANT_GRANULE
+        crate::layout::piece_len(self.max_bytes, dtype)
     }
 
     fn control(&self, rank: usize) -> &R::HostMapped {
@@ -904,13 +904,14 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
         };
         R::bind(self.device())?;
         // A call larger than the workspace runs as consecutive pieces of at most max_bytes, each
-        // a whole all-reduce of its range. Pieces are whole 32-element codec blocks, so the
-        // quantized result is the unsplit call's (codec blocks are the buffer's global blocks).
+        // a whole all-reduce of its range. Pieces are whole 32-element codec blocks, so codec
+        // blocks stay the buffer's global blocks; a lossy result is still defined per piece,
+        // since shard owners (who add their own part unencoded) are chosen within the piece.
         // Every piece carries the whole call's descriptor, so ranks that disagree on the length
         // all skip the first piece, and the later ones are skipped by the kernels (abi.h).
         let desc = describe(call);
         let total = call.len();
-        let piece = g.piece_len(call.dtype()).max(1);
+        let piece = g.piece_len(call.dtype());
         let elem = call.dtype().size();
         let mut start = 0;
         loop {
