@@ -159,6 +159,13 @@ mod procs {
                     .env("MASTER_PORT", port.to_string())
                     .env(SECRET_ENV, secret.to_hex())
                     .env("SCENARIO", scenario)
+                    // Under MPS every client's hardware queues count against the server's
+                    // limit: with the default (8) only 3 clients got a context on the H200
+                    // (CUDA_ERROR_MPS_MAX_CONNECTIONS_REACHED). A rank uses one stream.
+                    .env(
+                        "CUDA_DEVICE_MAX_CONNECTIONS",
+                        std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").unwrap_or("1".into()),
+                    )
                     .spawn()
                     .expect("start a worker")
             })

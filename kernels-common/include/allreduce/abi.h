@@ -65,7 +65,7 @@ constexpr unsigned long long kDescRejected = 2;
 constexpr unsigned long long kDescContinued = 4;
 
 struct Control {        // host-mapped pinned memory, zeroed at creation
-  unsigned int error;   // 0 ok, kErrorTimeout, kErrorMismatch; set once by cas_sys from 0
+  unsigned int error;   // 0 ok, kErrorTimeout, kErrorMismatch, kErrorAborted (cas_sys, see below)
   unsigned int rank;    // timeout: the rank whose wait timed out; mismatch: the peer that differs
   unsigned int block;   // its block
   unsigned int epoch;   // the epoch it waited for / of the call
@@ -77,6 +77,11 @@ constexpr unsigned int kErrorTimeout = 1;
 // Not fatal: every rank of the call saw the same descriptors and skipped it. The host clears
 // it once reported; a timeout (which leaves ranks out of step) is never cleared.
 constexpr unsigned int kErrorMismatch = 2;
+// Fatal, like a timeout: this rank's kernel left a call because the group's abort word was
+// set (a peer timed out). In a group of processes the peer's timeout is recorded only in
+// that peer's Control; without this one the host here would see a clean stream and take a
+// half-written output for a result.
+constexpr unsigned int kErrorAborted = 3;
 static_assert(sizeof(Control) == 40, "Control");
 static_assert(offsetof(Control, error) == 0 && offsetof(Control, rank) == 4, "Control");
 static_assert(offsetof(Control, block) == 8 && offsetof(Control, epoch) == 12, "Control");

@@ -58,6 +58,7 @@ struct RankFlags {
     for (int r = 0; r < int(a.world); ++r) st_release_sys(&header_of(a.peers[r])->abort, 1u);
     fence_system();
   }
+  AR_DEVICE void on_abort() const { record_aborted(a.control, a.rank, b); }
 };
 
 // Why a per-block barrier is enough even when n changes between calls: vector v is always

@@ -256,7 +256,10 @@ AR_DEVICE bool poll(const uint4* p, uint4& v, const FusedArgs& a, uint32_t calls
     v = ld_volatile(p);
     if (!has_sentinel<T>(v)) return true;
     if (spins % kSpinsBeforeCheck != 0) continue;
-    if (ld_relaxed_sys(abort_word(a.ws[a.rank])) != 0) return false;
+    if (ld_relaxed_sys(abort_word(a.ws[a.rank])) != 0) {
+      record_aborted(a.control, a.rank, block_x());
+      return false;
+    }
     const u64 waited = global_timer_ns() - start;
     if (waited > a.timeout_ns) {
       report_timeout(a, calls, waited);
@@ -444,6 +447,7 @@ AR_DEVICE bool begin(const FusedArgs& a, Call& c) {
   c.prev_tokens = s.prev_tokens;
   c.prev_twoshot = s.prev_twoshot != 0;
   const bool aborted = thread_x() == 0 && ld_relaxed_sys(abort_word(a.ws[a.rank])) != 0;
+  if (aborted) record_aborted(a.control, a.rank, block_x());
   return !sync_block_or(aborted);
 }
 

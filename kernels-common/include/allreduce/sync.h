@@ -28,9 +28,23 @@
 // - All threads of the block must call it (it contains block barriers), with blockDim.x >= world.
 #pragma once
 
+#include "allreduce/abi.h"
 #include "allreduce/shim.h"
 
 namespace ar {
+
+// Record in this rank's Control that block `block` left a call because the abort word was set.
+// A timeout recorded first is kept (it names the rank that waited); an unreported mismatch is
+// overwritten (the group is now out of step for good, which matters more).
+AR_DEVICE void record_aborted(Control* c, unsigned rank, unsigned block) {
+  uint32_t old = cas_sys(&c->error, 0u, kErrorAborted);
+  if (old == kErrorMismatch && cas_sys(&c->error, kErrorMismatch, kErrorAborted) == kErrorMismatch) {
+    old = 0u;
+  }
+  if (old != 0u) return;
+  c->rank = rank;
+  c->block = block;
+}
 
 constexpr int kSpinsBeforeCheck = 1024;
 
@@ -38,6 +52,7 @@ constexpr int kSpinsBeforeCheck = 1024;
 //   uint32_t* to_peer(int peer) const;          // peer's slot for this rank and block
 //   const uint32_t* from_peer(int peer) const;  // this rank's slot for peer and block
 //   void on_timeout(int peer, uint32_t epoch, u64 waited_ns) const;  // record the failure
+//   void on_abort() const;  // record that this block left because the abort word was set
 // `epoch` is this block's counter in its own workspace (only this block touches it).
 // `abort` is the group's abort word; `leave_now` lets a caller fold in a check it made earlier
 // (the kernels pass the abort word as read at kernel entry, so its latency overlaps phase 1).
@@ -46,7 +61,10 @@ template <typename Flags>
 AR_DEVICE bool flag_barrier(const Flags& f, uint32_t* epoch, int world, const uint32_t* abort,
                             u64 timeout_ns, bool leave_now) {
   // Orders this block's writes (and reads) before the release stores below.
-  if (sync_block_or(leave_now)) return false;
+  if (sync_block_or(leave_now)) {
+    if (thread_x() == 0) f.on_abort();
+    return false;
+  }
   const uint32_t e = *epoch + 1;
   bool leave = false;
   const int peer = thread_x();
@@ -70,7 +88,12 @@ AR_DEVICE bool flag_barrier(const Flags& f, uint32_t* epoch, int world, const ui
   }
   // Extends the acquires to the block; also the point where one thread's failure becomes
   // everyone's.
-  if (sync_block_or(leave)) return false;
+  if (sync_block_or(leave)) {
+    // After a timeout here this keeps the timeout's report; otherwise it is what tells the
+    // host (a peer's report may be in another process).
+    if (thread_x() == 0) f.on_abort();
+    return false;
+  }
   // Read above by threads < world before the sync_block_or, rewritten only after it; the
   // next barrier's leading __syncthreads orders this write before its reads.
   if (thread_x() == 0) *epoch = e;

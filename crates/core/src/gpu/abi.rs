@@ -55,6 +55,9 @@ pub const ERROR_NONE: u32 = 0;
 pub const ERROR_TIMEOUT: u32 = 1;
 /// The ranks described the call differently; all skipped it and the group is intact.
 pub const ERROR_MISMATCH: u32 = 2;
+/// This rank's kernel left a call because a peer timed out and set the group's abort word;
+/// fatal like a timeout. The only report a rank gets of a peer's timeout in another process.
+pub const ERROR_ABORTED: u32 = 3;
 
 /// A call descriptor, compared between ranks at the first barrier of every call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -575,18 +575,20 @@ impl<R: GpuRuntime> Group<R> {
             .expect("alive while the group is")
     }
 
-    /// Why the group is out of step for good: a kernel of a rank of this process timed out.
+    /// Why the group is out of step for good: a kernel of a rank of this process timed out, or
+    /// left a call because a peer (perhaps in another process) did.
     /// Read before every call, so it borrows the group rather than cloning a handle.
     fn aborted(&self) -> Option<String> {
-        self.local.iter().find_map(|&r| {
-            let c = Self::read_control(self.control(r));
-            (c.error == abi::ERROR_TIMEOUT).then(|| {
-                format!(
-                    "rank {} timed out at block {} waiting for epoch {}",
-                    c.rank, c.block, c.epoch
-                )
-            })
-        })
+        // A timeout names the rank that waited: the better report when a local rank has one.
+        let find = |error: u32| {
+            self.local
+                .iter()
+                .map(|&r| Self::read_control(self.control(r)))
+                .find(|c| c.error == error)
+        };
+        find(abi::ERROR_TIMEOUT)
+            .or_else(|| find(abi::ERROR_ABORTED))
+            .map(|c| aborted_reason(&c))
     }
 
     /// Read a Control written by kernels. Volatile: the device writes it behind our back.
@@ -1014,10 +1016,30 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
                 waiting_for: format!("peers' flags at block {}, epoch {}", c.block, c.epoch),
             });
         }
+        if c.error == abi::ERROR_ABORTED {
+            return Err(Error::Aborted {
+                reason: aborted_reason(&c),
+            });
+        }
         match self.aborted() {
             Some(reason) => Err(Error::Aborted { reason }),
             None => Ok(()),
         }
+    }
+}
+
+/// Why a group is out of step for good, from a Control holding a timeout or an abort.
+fn aborted_reason(c: &Control) -> String {
+    if c.error == abi::ERROR_TIMEOUT {
+        format!(
+            "rank {} timed out at block {} waiting for epoch {}",
+            c.rank, c.block, c.epoch
+        )
+    } else {
+        format!(
+            "rank {} left a call at block {}: a peer timed out and set the group's abort word",
+            c.rank, c.block
+        )
     }
 }
 

@@ -406,6 +406,32 @@ fn kernel_reports_become_errors() {
 }
 
 #[test]
+fn a_kernel_that_left_on_the_abort_word_fails_the_call() {
+    // What a rank of a multi-process group sees when a peer in another process timed out:
+    // only its own Control, saying its kernel left. A clean stream is not a result.
+    let comms = group(vec![0, 1]);
+    write_control(
+        &comms[0],
+        1,
+        Control {
+            error: abi::ERROR_ABORTED,
+            rank: 1,
+            block: 5,
+            ..Default::default()
+        },
+    );
+    match comms[1].synchronize(Stream::NULL) {
+        Err(Error::Aborted { reason }) => assert!(reason.contains("block 5"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    // In one process the other ranks read it too (the check before every call is the same).
+    match comms[0].synchronize(Stream::NULL) {
+        Err(Error::Aborted { reason }) => assert!(reason.contains("abort word"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
 fn precision_names_follow_codec_order() {
     // The descriptor numbers codecs by their position in Codec::ALL; the mismatch message
     // must name them the same way.
