@@ -750,6 +750,97 @@ mod fused {
         }
     }
 
+    /// Rank 0 calls with 1 token, rank 1 with 2: both must report the disagreement (not wait
+    /// for the deadline, not return a sum of mismatched rows), and the group must refuse
+    /// further calls.
+    fn run_mismatch() -> Result<(), String> {
+        let (dtype, hidden) = (DType::BF16, 2048);
+        let comms = Communicator::new_group(
+            BackendKind::Cuda,
+            GroupConfig::new(2)
+                .devices(vec![0; 2])
+                .max_bytes(1 << 16)
+                .timeout(Duration::from_secs(3)),
+        )
+        .map_err(|e| e.to_string())?;
+        let ws = FusedWorkspace::create_group(&comms, FusedConfig::new(4, hidden, dtype))
+            .map_err(|e| e.to_string())?;
+        let barrier = Barrier::new(2);
+        let results: Vec<Result<(), String>> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .iter()
+                .zip(&ws)
+                .enumerate()
+                .map(|(rank, (comm, w))| {
+                    let barrier = &barrier;
+                    s.spawn(move || -> Result<(), String> {
+                        let e = |e: allreduce::Error| e.to_string();
+                        let Device::Cuda(ordinal) = comm.device() else {
+                            unreachable!()
+                        };
+                        let _dev = bind(ordinal).map_err(e)?;
+                        let stream = OwnedStream::new().map_err(e)?;
+                        stream.warm().map_err(e)?;
+                        let dev = comm.device();
+                        let n = 2 * hidden;
+                        let (x, out) = (
+                            Buffer::zeroed(n * 2, &stream).map_err(e)?,
+                            Buffer::zeroed(n * 2, &stream).map_err(e)?,
+                        );
+                        stream.synchronize().map_err(e)?;
+                        barrier.wait();
+                        let call = |tokens: usize| unsafe {
+                            // SAFETY: live buffers of 2 rows of `hidden` bf16 elements.
+                            let args = FusedArgs::new(
+                                FusionPattern::AllReduce,
+                                tokens,
+                                BufRef::from_raw(x.addr(), tokens * hidden, dtype, dev),
+                            )
+                            .allreduce_out(BufMut::from_raw(
+                                out.addr(),
+                                tokens * hidden,
+                                dtype,
+                                dev,
+                            ))
+                            .strategy(Strategy::OneShot)
+                            .stream(stream.handle());
+                            comm.all_reduce_fusion(w, args)
+                        };
+                        let start = Instant::now();
+                        call(1 + rank).map_err(e)?;
+                        let got = comm.synchronize(stream.handle());
+                        let took = start.elapsed();
+                        match &got {
+                            Err(allreduce::Error::RankMismatch { detail, .. })
+                                if detail.contains("1 tokens") && detail.contains("2 tokens") => {}
+                            other => {
+                                return Err(format!(
+                                    "rank {rank}: expected RankMismatch, got {other:?}"
+                                ))
+                            }
+                        }
+                        if took > Duration::from_secs(2) {
+                            return Err(format!(
+                                "rank {rank}: the mismatch took {took:?} to report"
+                            ));
+                        }
+                        barrier.wait();
+                        match call(1) {
+                            Err(allreduce::Error::Aborted { .. }) => Ok(()),
+                            other => Err(format!(
+                                "rank {rank}: expected Aborted after the mismatch, got {other:?}"
+                            )),
+                        }
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().expect("rank thread"))
+                .collect()
+        });
+        results.into_iter().collect()
+    }
+
     pub fn run() {
         if !gpu_available() {
             return;
@@ -843,6 +934,15 @@ mod fused {
             Ok(()) => println!("a missing rank: Timeout at the deadline, then Aborted: ok"),
             Err(m) => {
                 println!("a missing rank: FAIL {m}");
+                failures.push(m);
+            }
+        }
+        match run_mismatch() {
+            Ok(()) => {
+                println!("ranks disagreeing on tokens: RankMismatch on both, then Aborted: ok")
+            }
+            Err(m) => {
+                println!("ranks disagreeing on tokens: FAIL {m}");
                 failures.push(m);
             }
         }

@@ -188,8 +188,9 @@ pub struct FusedMetadata {
     pub dtype: DType,
     pub fp32_lamport: bool,
     /// Bytes of one of the three Lamport buffers: `world` rank-indexed slots of
-    /// `max_tokens * hidden` elements (one-shot pushes, two-shot reduce-scatter) and one more
-    /// (the two-shot's gathered rows).
+    /// `max_tokens * hidden` elements (one-shot pushes, two-shot reduce-scatter), one more
+    /// (the two-shot's gathered rows), and [`TAG_BYTES`] of call tags (how ranks check that
+    /// they agree on a call).
     pub lamport_comm_size: usize,
     /// `3 * lamport_comm_size`: the triple buffer.
     pub lamport_buffer_size: usize,
@@ -203,10 +204,38 @@ pub struct FusedMetadata {
 /// Per-block state bytes (64 blocks x 16 bytes), mirrored by fused.h.
 pub const FLAG_BYTES: usize = 64 * 16;
 
+/// Call tags at the end of each Lamport buffer: one 16-byte tag per rank (8 at most), mirrored
+/// by fused.h's `tags`.
+pub const TAG_BYTES: usize = 8 * 16;
+
+/// The call descriptor the fused kernels exchange (fused.h's `call_desc`), in words: what a
+/// `RankMismatch` from a fused call shows for each side.
+pub fn describe_desc(d: u64) -> String {
+    let dtype = match (d >> 1) & 3 {
+        1 => "f32",
+        2 => "f16",
+        3 => "bf16",
+        _ => "?",
+    };
+    let pattern = FusionPattern::ALL
+        .get(((d >> 4) & 0xf) as usize)
+        .map_or("?".to_string(), |p| p.to_string());
+    let strategy = if (d >> 3) & 1 == 1 {
+        "twoshot"
+    } else {
+        "oneshot"
+    };
+    format!(
+        "{} tokens x {} {dtype}, {pattern}, {strategy}",
+        d >> 32,
+        (d >> 8) & 0xff_ffff
+    )
+}
+
 impl FusedMetadata {
     pub fn new(config: &FusedConfig, rank: usize, world: usize) -> Self {
         let row = config.hidden * config.lamport_elem();
-        let lamport_comm_size = (world + 1) * config.max_tokens * row;
+        let lamport_comm_size = (world + 1) * config.max_tokens * row + TAG_BYTES;
         FusedMetadata {
             rank,
             world,

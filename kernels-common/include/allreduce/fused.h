@@ -21,6 +21,14 @@
 // block, advanced by the kernel: a captured CUDA graph replays correctly. Every block of every
 // rank runs every call, so all copies agree.
 //
+// Ranks that disagree on a call (tokens, hidden, pattern, dtype, one-shot or two-shot) must
+// not sum mismatched rows, nor wait until the deadline: each rank sends every peer a 16-byte
+// tag per call (the call count + 1 and its descriptor) into a small area at the end of the
+// current buffer, and every block checks all tags before it reads any peer data. The tag area
+// needs no refill: a tag is recognised by its call count, and a peer rewrites the same tag
+// slot only three calls later, which it cannot reach before we finish this one. A mismatch is
+// fatal (kErrorFusedMismatch): the call's pushes stay in buffers that nobody will consume.
+//
 // Every poll has the deadline of sync.h: every kSpinsBeforeCheck polls it reads the group's
 // abort word and the clock; past the deadline it records the failure in this rank's Control
 // and sets the abort word of every rank, exactly like the exact kernels' barrier.
@@ -257,16 +265,16 @@ AR_DEVICE void report_timeout(const FusedArgs& a, uint32_t calls, u64 waited) {
   fence_system();
 }
 
-// Poll until no element of *p is the sentinel. False once the deadline passed or the group
-// aborted: the caller stops polling and the block leaves at its next sync_block_or.
-template <typename T>
-AR_DEVICE bool poll(const uint4* p, uint4& v, const FusedArgs& a, uint32_t calls) {
+// Poll *p until `ready` holds. False once the deadline passed or the group aborted: the
+// caller stops polling and the block leaves at its next sync_block_or.
+template <typename Ready>
+AR_DEVICE bool poll_until(const uint4* p, uint4& v, const FusedArgs& a, uint32_t calls, const Ready& ready) {
   v = ld_volatile(p);
-  if (!has_sentinel<T>(v)) return true;
+  if (ready(v)) return true;
   const u64 start = global_timer_ns();
   for (uint32_t spins = 1;; ++spins) {
     v = ld_volatile(p);
-    if (!has_sentinel<T>(v)) return true;
+    if (ready(v)) return true;
     if (spins % kSpinsBeforeCheck != 0) continue;
     if (ld_relaxed_sys(abort_word(a.ws[a.rank])) != 0) {
       record_aborted(a.control, a.rank, block_x());
@@ -278,6 +286,17 @@ AR_DEVICE bool poll(const uint4* p, uint4& v, const FusedArgs& a, uint32_t calls
       return false;
     }
   }
+}
+
+template <typename T>
+struct Written {
+  AR_DEVICE bool operator()(const uint4& v) const { return !has_sentinel<T>(v); }
+};
+
+// Poll until no element of *p is the sentinel.
+template <typename T>
+AR_DEVICE bool poll(const uint4* p, uint4& v, const FusedArgs& a, uint32_t calls) {
+  return poll_until(p, v, a, calls, Written<T>());
 }
 
 template <typename T>
@@ -313,6 +332,83 @@ AR_DEVICE bool poll_all(const FusedArgs& a, uint32_t buffer, u64 v, uint4 (&raw)
 template <typename T>
 AR_DEVICE uint4* slot(const FusedArgs& a, char* base, uint32_t buffer, uint32_t s) {
   return reinterpret_cast<uint4*>(base + buffer * a.comm_bytes + s * a.max_elems * sizeof(T));
+}
+
+// The tag area of a buffer: its last kMaxWorld 16-byte tags, tag s from rank s. At the end,
+// not after the world + 1 slots, so the host's warm-up launch (world 1) writes its tags where
+// real calls do and never into a slot.
+constexpr u64 kTagBytes = kMaxWorld * 16;
+AR_DEVICE uint4* tags(const FusedArgs& a, char* base, uint32_t buffer) {
+  return reinterpret_cast<uint4*>(base + (buffer + 1ull) * a.comm_bytes - kTagBytes);
+}
+
+// ---- Call agreement ----------------------------------------------------------------------------
+
+template <typename T> struct DTypeCode;  // the host's DType codes (crates/core/src/gpu/abi.rs)
+template <> struct DTypeCode<float> { static constexpr u64 kCode = 1; };
+template <> struct DTypeCode<ar_half> { static constexpr u64 kCode = 2; };
+template <> struct DTypeCode<ar_bf16> { static constexpr u64 kCode = 3; };
+
+// What this rank says the call is; decoded on the host by allreduce_core::fused::describe_desc.
+template <typename T>
+AR_DEVICE u64 call_desc(const FusedArgs& a, bool twoshot) {
+  return (u64)a.tokens << 32 | (u64)(a.hidden & 0xffffffu) << 8 | (u64)(a.pattern & 0xfu) << 4 |
+         (u64)twoshot << 3 | DTypeCode<T>::kCode << 1 | 1u;
+}
+
+struct TagOfCall {
+  uint32_t want;
+  AR_DEVICE bool operator()(const uint4& v) const { return v.x == want; }
+};
+
+// Block 0's threads 0..world-1 send our tag to one peer each (ourselves included), before any
+// data: a plain store like the data pushes, which the receivers poll for.
+// The world is the launch's (a.world), not an instance's compiled W: the host's warm-up runs
+// the W-specialised kernels with world 1 and no rows.
+AR_DEVICE void send_tag(const FusedArgs& a, uint32_t calls, uint32_t buffer, u64 desc) {
+  if (block_x() != 0 || thread_x() >= a.world) return;
+  st_volatile(tags(a, a.lamport[thread_x()], buffer) + a.rank,
+              make_uint4(calls + 1u, 0u, uint32_t(desc), uint32_t(desc >> 32)));
+}
+
+AR_DEVICE void record_mismatch(const FusedArgs& a, uint32_t peer, uint32_t calls, u64 mine, u64 theirs) {
+  Control* c = a.control;
+  uint32_t old = cas_sys(&c->error, 0u, kErrorFusedMismatch);
+  // A peer that saw the mismatch first may have set the abort word, which our other blocks
+  // report as kErrorAborted: the mismatch says more.
+  if (old == kErrorAborted && cas_sys(&c->error, kErrorAborted, kErrorFusedMismatch) == kErrorAborted) old = 0u;
+  if (old == 0u) {
+    c->rank = peer;
+    c->block = block_x();
+    c->epoch = calls;
+    c->mine = mine;
+    c->theirs = theirs;
+  }
+  for (unsigned r = 0; r < a.world; ++r) st_release_sys(abort_word(a.ws[r]), 1u);
+  fence_system();
+}
+
+// Every block, before it reads peer data: wait for every rank's tag of this call and compare
+// it with ours. False (in every thread) when the block must leave.
+AR_DEVICE bool tags_agree(const FusedArgs& a, uint32_t calls, uint32_t buffer, u64 desc) {
+  bool leave = false;
+  const uint32_t peer = thread_x();
+  if (peer < a.world) {
+    uint4 t;
+    const uint4* tag = tags(a, a.lamport[a.rank], buffer) + peer;
+    // A peer that saw the mismatch first sets the abort word, which may end our poll before
+    // we look at its tag: look once more, so both sides report the mismatch.
+    if (!poll_until(tag, t, a, calls, TagOfCall{calls + 1u}) && (t = ld_volatile(tag)).x != calls + 1u) {
+      leave = true;
+    } else {
+      const u64 theirs = (u64)t.w << 32 | t.z;
+      if (theirs != desc) {
+        record_mismatch(a, peer, calls, desc, theirs);
+        leave = true;
+      }
+    }
+  }
+  return !sync_block_or(leave);
 }
 
 // ---- The row epilogue: residual add, RMSNorm, FP8 ----------------------------------------------
@@ -531,6 +627,8 @@ __device__ void oneshot(const FusedArgs& a) {
   constexpr int E = Packed<T>::kElems;
   Call c;
   begin(a, c);
+  const u64 desc = call_desc<T>(a, false);
+  send_tag(a, c.calls, c.buffer, desc);
   const u64 row_vecs = a.hidden / E, nvec = (u64)a.tokens * row_vecs;
   const u64 stride = (u64)grid_dim_x() * kThreads, first = (u64)block_x() * kThreads + thread_x();
 
@@ -549,8 +647,9 @@ __device__ void oneshot(const FusedArgs& a) {
         st_volatile(slot<T>(a, a.lamport[p], c.buffer, a.rank) + v0 + u * stride, x[u]);
     }
   }
-  // ---- Phase 2: refill the stale buffer (overlaps the peers' pushes in flight).
+  // ---- Phase 2: refill the stale buffer (overlaps the peers' pushes in flight), then agree.
   refill<T, W>(a, c);
+  if (!tags_agree(a, c.calls, c.buffer, desc)) return;
 
   // ---- Phase 3: per batch of rows (rows of one block: t = block, block + G, ...), wait for
   // every rank's vectors, reduce, epilogue.
@@ -584,6 +683,8 @@ __device__ void twoshot(const FusedArgs& a) {
   constexpr int E = Packed<T>::kElems;
   Call c;
   begin(a, c);
+  const u64 desc = call_desc<T>(a, true);
+  send_tag(a, c.calls, c.buffer, desc);
   const u64 row_vecs = a.hidden / E, nvec = (u64)a.tokens * row_vecs;
   const u64 stride = (u64)grid_dim_x() * kThreads, first = (u64)block_x() * kThreads + thread_x();
   const u64 per = (a.tokens + world - 1) / world;
@@ -607,6 +708,7 @@ __device__ void twoshot(const FusedArgs& a) {
     }
   }
   refill<T, W>(a, c);
+  if (!tags_agree(a, c.calls, c.buffer, desc)) return;
 
   // ---- Phase 2: reduce our rows, push the rounded vectors to every rank's gather slot.
   char* self = a.lamport[a.rank];

@@ -14,16 +14,30 @@ fn meta(max_tokens: usize, hidden: usize, dtype: DType, world: usize) -> FusedMe
 }
 
 #[test]
+fn call_descriptors_read_back() {
+    // fused.h's call_desc: tokens << 32 | hidden << 8 | pattern << 4 | twoshot << 3 | dtype << 1 | 1
+    let d = 7u64 << 32 | 4096 << 8 | 2 << 4 | 1 << 3 | 3 << 1 | 1;
+    let text = describe_desc(d);
+    assert_eq!(
+        text,
+        format!(
+            "7 tokens x 4096 bf16, {}, twoshot",
+            FusionPattern::ResidualRmsNormFp8
+        )
+    );
+}
+
+#[test]
 fn metadata_sizes() {
     let m = meta(128, 4096, DType::BF16, 8);
-    assert_eq!(m.lamport_comm_size, 9 * 128 * 4096 * 2);
+    assert_eq!(m.lamport_comm_size, 9 * 128 * 4096 * 2 + TAG_BYTES);
     assert_eq!(m.lamport_buffer_size, 3 * m.lamport_comm_size);
     assert_eq!(m.buffer_size, m.lamport_buffer_size + FLAG_BYTES);
     let f = FusedConfig::new(16, 1024, DType::F32);
     assert!(f.fp32_lamport);
     assert_eq!(
         FusedMetadata::new(&f, 0, 2).lamport_comm_size,
-        3 * 16 * 1024 * 4
+        3 * 16 * 1024 * 4 + TAG_BYTES
     );
 }
 

@@ -58,6 +58,9 @@ pub const ERROR_MISMATCH: u32 = 2;
 /// This rank's kernel left a call because a peer timed out and set the group's abort word;
 /// fatal like a timeout. The only report a rank gets of a peer's timeout in another process.
 pub const ERROR_ABORTED: u32 = 3;
+/// The ranks entered a fused call with different shapes (`mine`/`theirs` hold fused.h's call
+/// descriptors); fatal, since the call's pushes stay in the Lamport buffers.
+pub const ERROR_FUSED_MISMATCH: u32 = 4;
 
 /// A call descriptor, compared between ranks at the first barrier of every call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

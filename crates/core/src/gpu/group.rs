@@ -587,6 +587,7 @@ impl<R: GpuRuntime> Group<R> {
                 .find(|c| c.error == error)
         };
         find(abi::ERROR_TIMEOUT)
+            .or_else(|| find(abi::ERROR_FUSED_MISMATCH))
             .or_else(|| find(abi::ERROR_ABORTED))
             .map(|c| aborted_reason(&c))
     }
@@ -1016,6 +1017,19 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
                 waiting_for: format!("peers' flags at block {}, epoch {}", c.block, c.epoch),
             });
         }
+        if c.error == abi::ERROR_FUSED_MISMATCH {
+            return Err(Error::RankMismatch {
+                what: "a fused call's shape",
+                call: c.epoch as u64,
+                detail: format!(
+                    "rank {} called with {}, rank {} with {}; the group must be rebuilt",
+                    self.rank,
+                    crate::fused::describe_desc(c.mine),
+                    c.rank,
+                    crate::fused::describe_desc(c.theirs)
+                ),
+            });
+        }
         if c.error == abi::ERROR_ABORTED {
             return Err(Error::Aborted {
                 reason: aborted_reason(&c),
@@ -1034,6 +1048,14 @@ fn aborted_reason(c: &Control) -> String {
         format!(
             "rank {} timed out at block {} waiting for epoch {}",
             c.rank, c.block, c.epoch
+        )
+    } else if c.error == abi::ERROR_FUSED_MISMATCH {
+        format!(
+            "fused call {}: a rank called with {} and rank {} with {}",
+            c.epoch,
+            crate::fused::describe_desc(c.mine),
+            c.rank,
+            crate::fused::describe_desc(c.theirs)
         )
     } else {
         format!(

@@ -432,6 +432,37 @@ fn a_kernel_that_left_on_the_abort_word_fails_the_call() {
 }
 
 #[test]
+fn a_fused_mismatch_is_reported_then_fatal() {
+    let comms = group(vec![0, 1]);
+    let desc = |tokens: u64| tokens << 32 | 2048 << 8 | 3 << 1 | 1;
+    write_control(
+        &comms[0],
+        0,
+        Control {
+            error: abi::ERROR_FUSED_MISMATCH,
+            rank: 1,
+            epoch: 4,
+            mine: desc(1),
+            theirs: desc(2),
+            ..Default::default()
+        },
+    );
+    match comms[0].synchronize(Stream::NULL) {
+        Err(Error::RankMismatch {
+            call: 4, detail, ..
+        }) => {
+            assert!(detail.contains("1 tokens x 2048 bf16"), "{detail}");
+            assert!(detail.contains("rank 1 with 2 tokens"), "{detail}");
+        }
+        other => panic!("{other:?}"),
+    }
+    match comms[1].synchronize(Stream::NULL) {
+        Err(Error::Aborted { reason }) => assert!(reason.contains("fused call 4"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
 fn precision_names_follow_codec_order() {
     // The descriptor numbers codecs by their position in Codec::ALL; the mismatch message
     // must name them the same way.
