@@ -236,8 +236,9 @@ fn hip_layers_against_a_stub_runtime() {
     assert_eq!(probe.u32("stub_peer_enables"), 2);
     assert_eq!(
         probe.u32("stub_launches"),
-        2 * (6 + 2 * 7),
-        "every kernel once per rank: one-shot and two-shot x 3 dtypes, quantized x 2 x 7 codecs"
+        2 * (6 + 2 * 2 * 7),
+        "every kernel once per rank: one-shot and two-shot x 3 dtypes, quantized and \
+         hierarchical x 2 dtypes x 7 codecs"
     );
     assert_eq!(
         (probe.u32("stub_last_grid"), probe.u32("stub_last_block")),
