@@ -409,6 +409,10 @@ fn hierarchical_refuses_what_it_cannot_run(h: &dyn Harness) -> Result<(), String
         } else {
             group_on(h, world, topology)?
         };
+        // A probed topology of real GPUs may well be two NUMA groups: then it must run.
+        if allreduce::hierarchical::group_size(comms[0].topology(), world).is_ok() {
+            continue;
+        }
         let s = step(&inputs, DType::BF16, false, hier(fp8));
         let results = h.run(&comms, &[s]);
         expect_all(

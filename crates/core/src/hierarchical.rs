@@ -136,9 +136,9 @@ mod tests {
     }
 
     #[test]
-    fn reference_is_close_to_the_sum_and_integers_survive_fp8() {
-        // Small integers are exact in E4M3 whatever the block scale that keeps them in range,
-        // and so are their sums here: the reference must then give the exact sum.
+    fn reference_is_close_to_the_sum() {
+        // Three quantizations (a piece, the partial, the total), each within the codec's step
+        // bound of the block's largest magnitude: fp8's relative step is 2^-3 at worst.
         let world = 8;
         let n = 1000;
         let inputs: Vec<Vec<f32>> = (0..world)
@@ -147,7 +147,12 @@ mod tests {
         let got = reference(&inputs, 4, Codec::Fp8E4M3);
         for i in 0..n {
             let want: f32 = inputs.iter().map(|x| x[i]).sum();
-            assert_eq!(got[i], want, "element {i}");
+            let abs: f32 = inputs.iter().map(|x| x[i].abs()).sum();
+            assert!(
+                (got[i] - want).abs() <= 0.2 * abs + 1e-6,
+                "element {i}: {} vs {want}",
+                got[i]
+            );
         }
     }
 
