@@ -64,3 +64,24 @@ AR_QUANTIZED(q4, CodecQ4)
 AR_QUANTIZED(q8a, CodecQ8a)
 AR_QUANTIZED(q6a, CodecQ6a)
 AR_QUANTIZED(q4a, CodecQ4a)
+
+// ---- Hierarchical quantized all-reduce, two NUMA groups (kernels-common hierarchical.h) ----
+// Templated on the codec like the quantized two-shot, so every codec has one.
+
+#include "allreduce/hierarchical.h"
+
+#define AR_HIERARCHICAL(CODEC, C)                                                               \
+  AR_KERNEL ar_hierarchical_f16_##CODEC(AR_GRID_CONSTANT const Args a) {                        \
+    hierarchical_quantized<ar_half, C>(a);                                                      \
+  }                                                                                             \
+  AR_KERNEL ar_hierarchical_bf16_##CODEC(AR_GRID_CONSTANT const Args a) {                       \
+    hierarchical_quantized<ar_bf16, C>(a);                                                      \
+  }
+
+AR_HIERARCHICAL(fp8, CodecFp8)
+AR_HIERARCHICAL(q8, CodecQ8)
+AR_HIERARCHICAL(q6, CodecQ6)
+AR_HIERARCHICAL(q4, CodecQ4)
+AR_HIERARCHICAL(q8a, CodecQ8a)
+AR_HIERARCHICAL(q6a, CodecQ6a)
+AR_HIERARCHICAL(q4a, CodecQ4a)

@@ -17,6 +17,10 @@ const KERNELS: &[&str] = &[
     "ar_twoshot_f16",
     "ar_twoshot_bf16",
     "ar_copy_f32x4",
+    "ar_quantized_bf16_fp8",
+    "ar_hierarchical_f16_fp8",
+    "ar_hierarchical_bf16_fp8",
+    "ar_hierarchical_bf16_q4a",
 ];
 
 const REQUIRE_ENV: &str = "ALLREDUCE_REQUIRE_HIP";

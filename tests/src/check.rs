@@ -207,6 +207,76 @@ fn quantized_expected_whole(inputs: &[HostBytes], dtype: DType, codec: Codec) ->
     out
 }
 
+/// The hierarchical quantized all-reduce's result (`allreduce::hierarchical::reference`, two
+/// groups of `inputs.len() / 2` consecutive ranks), rounded into the dtype, for a call run as
+/// pieces of `piece` elements (`n` for an unsplit call). Every backend's output must equal it
+/// bit for bit.
+pub fn hierarchical_expected_in_pieces(
+    inputs: &[HostBytes],
+    dtype: DType,
+    codec: Codec,
+    piece: usize,
+) -> HostBytes {
+    let n = inputs[0].len() / dtype.size();
+    let g = inputs.len() / 2;
+    let mut out = HostBytes::zeroed(n * dtype.size());
+    let mut start = 0;
+    while start < n {
+        let end = (start + piece.max(1)).min(n);
+        let f32s: Vec<Vec<f32>> = inputs
+            .iter()
+            .map(|b| {
+                (start..end)
+                    .map(|i| dtype.load_f32(b.as_slice(), i))
+                    .collect()
+            })
+            .collect();
+        let got = allreduce::hierarchical::reference(&f32s, g, codec);
+        for (i, v) in (start..end).zip(got) {
+            dtype.store_f32(out.as_mut_slice(), i, v);
+        }
+        start = end;
+    }
+    out
+}
+
+/// [`hierarchical_expected_in_pieces`] of an unsplit call.
+pub fn hierarchical_expected(inputs: &[HostBytes], dtype: DType, codec: Codec) -> HostBytes {
+    let n = inputs[0].len() / dtype.size();
+    hierarchical_expected_in_pieces(inputs, dtype, codec, n)
+}
+
+/// `out` equals `want` bit for bit, NaNs comparing by being NaN.
+pub fn same_values(
+    out: &HostBytes,
+    want: &HostBytes,
+    dtype: DType,
+    what: &str,
+) -> Result<(), String> {
+    let n = want.len() / dtype.size();
+    if out.len() != want.len() {
+        return Err(format!(
+            "{what}: {} bytes out, {} expected",
+            out.len(),
+            want.len()
+        ));
+    }
+    for i in 0..n {
+        let (g, w) = (
+            dtype.load_f32(out.as_slice(), i),
+            dtype.load_f32(want.as_slice(), i),
+        );
+        if g.to_bits() != w.to_bits() && !(g.is_nan() && w.is_nan()) {
+            return Err(format!(
+                "{what}: element {i} is {g:e} ({:#x}), the reference gives {w:e} ({:#x})",
+                g.to_bits(),
+                w.to_bits()
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// `out` equals [`quantized_expected`] bit for bit (NaNs compare by being NaN: a GPU's f32
 /// arithmetic returns its own canonical NaN).
 pub fn quantized_bitwise(

@@ -2,7 +2,9 @@
 //! and 4 all-reduces (odd counts matter: a host-side ping-pong flag would be frozen at the wrong
 //! parity; QuickReduce's was, and replays silently returned stale data), exact and quantized,
 //! each replayed 1000 times with new input between replays, must give the expected results;
-//! eager calls between replays must stay in step with them. The test binaries
+//! eager calls between replays must stay in step with them. Then graphs of 1, 2 and 3
+//! hierarchical quantized calls on 8 ranks forced into two NUMA groups (`pcie:2x4`). The test
+//! binaries
 //! (tests/cuda_graphs.rs, tests/rocm_graphs.rs) instantiate it with [`gpu_graph_test!`] over
 //! their backend's `testing` helpers (`bind`, `Buffer`, `Graph`, `OwnedStream`).
 
@@ -16,7 +18,7 @@ mod graphs {
         use $($testing)::+::{bind, Buffer, Graph, OwnedStream};
         use allreduce::{
             AllReduceOptions, BackendKind, BufMut, BufRef, Codec, Communicator, DType, Device,
-            GroupConfig, HostBytes, Precision, Strategy,
+            GroupConfig, HostBytes, Precision, Strategy, Topology,
         };
 
         const REPLAYS: usize = 1000;
@@ -56,7 +58,16 @@ mod graphs {
         }
 
         /// The calls a graph holds: (length, dtype, strategy, precision).
-        fn calls(k: usize) -> Vec<(usize, DType, Strategy, Precision)> {
+        fn calls(hierarchical: bool, k: usize) -> Vec<(usize, DType, Strategy, Precision)> {
+            if hierarchical {
+                let h = Strategy::HierarchicalQuantized;
+                let all = [
+                    (70_001, DType::BF16, h, Precision::Lossy(Codec::Fp8E4M3)),
+                    (4097, DType::F16, h, Precision::Lossy(Codec::Int6Adaptive)),
+                    (33, DType::BF16, h, Precision::Lossy(Codec::Int4)),
+                ];
+                return all[..k].to_vec();
+            }
             let all = [
                 (70_001, DType::BF16, Strategy::TwoShot, Precision::Exact),
                 (
@@ -76,11 +87,17 @@ mod graphs {
         fn expected_bytes(
             n: usize,
             dtype: DType,
+            strategy: Strategy,
             precision: Precision,
             world: usize,
             iteration: usize,
         ) -> HostBytes {
             match precision {
+                Precision::Lossy(codec) if strategy == Strategy::HierarchicalQuantized => {
+                    let inputs: Vec<HostBytes> =
+                        (0..world).map(|r| input(n, dtype, r, iteration)).collect();
+                    $crate::check::hierarchical_expected(&inputs, dtype, codec)
+                }
                 Precision::Exact => {
                     let mut b = HostBytes::zeroed(n * dtype.size());
                     for (i, v) in expected(n, world, iteration).into_iter().enumerate() {
@@ -96,7 +113,7 @@ mod graphs {
             }
         }
 
-        fn run_rank(comm: &Communicator, k: usize) -> Result<(), String> {
+        fn run_rank(comm: &Communicator, hierarchical: bool, k: usize) -> Result<(), String> {
             let Device::$kind(ordinal) = comm.device() else {
                 return Err("not a CUDA rank".into());
             };
@@ -105,7 +122,7 @@ mod graphs {
             let stream = OwnedStream::new().map_err(e)?;
             let rank = comm.rank();
             let world = comm.world_size();
-            let shapes = calls(k);
+            let shapes = calls(hierarchical, k);
             let mut bufs = Vec::new();
             for &(n, dtype, _, _) in &shapes {
                 let bytes = n * dtype.size();
@@ -135,10 +152,10 @@ mod graphs {
                 Ok(())
             };
             let check = |iteration: usize, what: &str| -> Result<(), String> {
-                for (&(n, dtype, _, precision), (_, out)) in shapes.iter().zip(&bufs) {
+                for (&(n, dtype, strategy, precision), (_, out)) in shapes.iter().zip(&bufs) {
                     let mut h = HostBytes::zeroed(n * dtype.size());
                     out.download(h.as_mut_slice(), &stream).map_err(e)?;
-                    let want = expected_bytes(n, dtype, precision, world, iteration);
+                    let want = expected_bytes(n, dtype, strategy, precision, world, iteration);
                     if let Some(i) = (0..n).find(|&i| {
                         dtype.load_f32(h.as_slice(), i) != dtype.load_f32(want.as_slice(), i)
                     }) {
@@ -186,18 +203,20 @@ mod graphs {
             if !gpu_available() {
                 return;
             }
-            for world in [2usize, 4, 8] {
-                for k in 1..=4 {
-                    let comms = Communicator::new_group(
-                        BackendKind::$kind,
-                        GroupConfig::new(world).max_bytes(1 << 20),
-                    )
-                    .expect("group");
+            let exact_and_flat = [2usize, 4, 8].into_iter().flat_map(|w| (1..=4).map(move |k| (w, k, false)));
+            let hierarchical = (1..=3).map(|k| (8usize, k, true));
+            for (world, k, hierarchical) in exact_and_flat.chain(hierarchical) {
+                {
+                    let mut config = GroupConfig::new(world).max_bytes(1 << 20);
+                    if hierarchical {
+                        config = config.topology(Topology::parse("pcie:2x4", world).expect("spec"));
+                    }
+                    let comms = Communicator::new_group(BackendKind::$kind, config).expect("group");
                     let start = std::time::Instant::now();
                     let results: Vec<Result<(), String>> = std::thread::scope(|s| {
                         let hs: Vec<_> = comms
                             .iter()
-                            .map(|c| s.spawn(move || run_rank(c, k)))
+                            .map(|c| s.spawn(move || run_rank(c, hierarchical, k)))
                             .collect();
                         hs.into_iter()
                             .map(|h| h.join().expect("rank thread"))
@@ -206,8 +225,9 @@ mod graphs {
                     for r in results {
                         r.unwrap();
                     }
+                    let kind = if hierarchical { "hierarchical " } else { "" };
                     println!(
-                        "{world} ranks, graph of {k} all-reduces x {REPLAYS} replays: ok ({:.2} s)",
+                        "{world} ranks, graph of {k} {kind}all-reduces x {REPLAYS} replays: ok ({:.2} s)",
                         start.elapsed().as_secs_f64()
                     );
                 }

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use allreduce::{
-    AllReduceOptions, Codec, DType, Error, GroupConfig, HostBytes, Precision, Strategy,
+    AllReduceOptions, Codec, DType, Error, GroupConfig, HostBytes, Precision, Strategy, Topology,
 };
 
 use crate::check::{self, Reference};
@@ -29,6 +29,14 @@ pub const TESTS: &[Test] = &[
     Test {
         name: "lossy_all_shapes",
         run: lossy_all_shapes,
+    },
+    Test {
+        name: "hierarchical_all_shapes",
+        run: hierarchical_all_shapes,
+    },
+    Test {
+        name: "hierarchical_refuses_what_it_cannot_run",
+        run: hierarchical_refuses_what_it_cannot_run,
     },
     Test {
         name: "larger_than_the_workspace",
@@ -277,6 +285,176 @@ fn larger_than_the_workspace(h: &dyn Harness) -> Result<(), String> {
                 check::quantized_bitwise_in_pieces(out, inputs, DType::BF16, *codec, piece, what)?
             }
         }
+    }
+    Ok(())
+}
+
+/// A group of `world` ranks with a forced topology (`pcie:2x4` and the like).
+fn group_on(
+    h: &dyn Harness,
+    world: usize,
+    topology: &str,
+) -> Result<Vec<allreduce::Communicator>, String> {
+    let t = Topology::parse(topology, world).map_err(|e| e.to_string())?;
+    h.group(GroupConfig::new(world).max_bytes(MAX_BYTES).topology(t))
+        .map_err(|e| format!("group of {world} on {topology}: {e}"))
+}
+
+/// The hierarchical quantized all-reduce on forced two-NUMA-group topologies (2 x 4 at 8
+/// ranks, TensorRT-LLM's case, and 2 x 2): every length (most not a multiple of a codec block,
+/// of a shard or of a thread block's chunk), 16-bit dtype, codec and placement gives, on every
+/// rank, the same bytes, and bit for bit the algorithm's definition
+/// (`check::hierarchical_expected`). Above 2 MiB `Auto` picks it on the 2 x 4 PCIe topology.
+fn hierarchical_all_shapes(h: &dyn Harness) -> Result<(), String> {
+    for (world, topology) in [(8, "pcie:2x4"), (4, "pcie:2x2")] {
+        if world > h.max_world() {
+            continue;
+        }
+        let comms = group_on(h, world, topology)?;
+        let fp8 = Precision::Lossy(Codec::Fp8E4M3);
+        if let Err(e) =
+            comms[0].strategy_available(Strategy::HierarchicalQuantized, DType::BF16, fp8)
+        {
+            // Only a backend without codec kernels may refuse it, and then with the reason.
+            if quantized_available(&comms) {
+                return Err(format!("{topology}: hierarchical unavailable: {e}"));
+            }
+            continue;
+        }
+        let auto_len = (2 << 20) / 2 + 33; // just over 2 MiB of 16-bit elements
+        let mut lengths = LENGTHS.to_vec();
+        if world == 8 {
+            lengths.push(auto_len);
+        }
+        for &n in &lengths {
+            for dtype in [DType::F16, DType::BF16] {
+                let inputs: Vec<HostBytes> = (0..world)
+                    .map(|r| gauss(n, dtype, 77 + n as u64, r))
+                    .collect();
+                let mut steps = Vec::new();
+                let mut meta = Vec::new();
+                let codecs: &[Codec] = if n == auto_len {
+                    &[Codec::Fp8E4M3]
+                } else {
+                    &Codec::ALL
+                };
+                for &codec in codecs {
+                    let mut runs = vec![
+                        (Strategy::HierarchicalQuantized, false),
+                        (Strategy::HierarchicalQuantized, true),
+                    ];
+                    if n == auto_len {
+                        let picked = comms[0].select(n, dtype, Precision::Lossy(codec));
+                        if picked != Strategy::HierarchicalQuantized {
+                            return Err(format!(
+                                "{topology}: Auto picked {picked} for {n} {dtype} {codec}"
+                            ));
+                        }
+                        runs.push((Strategy::Auto, false));
+                    }
+                    for (s, in_place) in runs {
+                        steps.push(step(
+                            &inputs,
+                            dtype,
+                            in_place,
+                            opts(s, Precision::Lossy(codec)),
+                        ));
+                        meta.push((
+                            codec,
+                            format!("{topology} n {n} {dtype} {codec} {s} in_place={in_place}"),
+                        ));
+                    }
+                }
+                for (outcomes, (codec, what)) in h.run(&comms, &steps).iter().zip(&meta) {
+                    let out = check::bitwise_equal(outcomes, what)?;
+                    let want = check::hierarchical_expected(&inputs, dtype, *codec);
+                    check::same_values(out, &want, dtype, what)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Forcing the hierarchical path where it cannot run is `StrategyUnavailable` on every rank
+/// (no two NUMA groups, groups of unequal size, an exact precision), ranks that disagree on it
+/// get `RankMismatch`, and the group stays usable: a valid hierarchical call after each is
+/// the definition's bytes.
+fn hierarchical_refuses_what_it_cannot_run(h: &dyn Harness) -> Result<(), String> {
+    let world = 8.min(h.max_world());
+    if world < 4 {
+        return Ok(());
+    }
+    let n = 3000;
+    let fp8 = Precision::Lossy(Codec::Fp8E4M3);
+    let hier = |p| opts(Strategy::HierarchicalQuantized, p);
+    let unavailable = |_: usize, e: &Error| {
+        matches!(
+            e,
+            Error::StrategyUnavailable {
+                strategy: Strategy::HierarchicalQuantized,
+                ..
+            }
+        )
+    };
+    let inputs: Vec<HostBytes> = (0..world).map(|r| gauss(n, DType::BF16, 5, r)).collect();
+    // Not two equal NUMA groups: one group, four groups, no topology at all.
+    let mut shapes = vec!["pcie".to_string(), format!("pcie:4x{}", world / 4)];
+    if std::env::var_os("ALLREDUCE_TOPOLOGY").is_none() {
+        shapes.push(String::new()); // the backend's own idea of the topology (the env's if set)
+    }
+    for topology in &shapes {
+        let comms = if topology.is_empty() {
+            group(h, world)?
+        } else {
+            group_on(h, world, topology)?
+        };
+        // A probed topology of real GPUs may well be two NUMA groups: then it must run.
+        if allreduce::hierarchical::group_size(comms[0].topology(), world).is_ok() {
+            continue;
+        }
+        let s = step(&inputs, DType::BF16, false, hier(fp8));
+        let results = h.run(&comms, &[s]);
+        expect_all(
+            &results[0],
+            &format!("hierarchical on `{topology}`"),
+            unavailable,
+        )?;
+    }
+    // Two groups, but the call exact, or the ranks disagreeing on the strategy.
+    let comms = group_on(h, world, &format!("pcie:2x{}", world / 2))?;
+    if comms[0]
+        .strategy_available(Strategy::HierarchicalQuantized, DType::BF16, fp8)
+        .is_err()
+    {
+        return Ok(()); // no codec kernels: hierarchical_all_shapes checks the reason
+    }
+    let good = step(&inputs, DType::BF16, false, hier(fp8));
+    let exact = step(&inputs, DType::BF16, true, hier(Precision::Exact));
+    let mut mixed = good.clone();
+    mixed[world - 1].options.strategy = Strategy::QuantizedTwoShot;
+    let mut steps = vec![exact, good.clone(), mixed, good];
+    steps.iter_mut().flatten().for_each(|a| a.sync_after = true);
+    let results = h.run(&comms, &steps);
+    expect_all(
+        &results[0],
+        "hierarchical with an exact precision",
+        unavailable,
+    )?;
+    expect_all(&results[2], "ranks disagreeing on hierarchical", |_, e| {
+        matches!(
+            e,
+            Error::RankMismatch {
+                what: "strategy",
+                ..
+            }
+        )
+    })?;
+    let want = check::hierarchical_expected(&inputs, DType::BF16, Codec::Fp8E4M3);
+    for k in [1, 3] {
+        let what = format!("valid hierarchical call {k}");
+        let out = check::bitwise_equal(&results[k], &what)?;
+        check::same_values(out, &want, DType::BF16, &what)?;
     }
     Ok(())
 }

@@ -33,9 +33,9 @@ use std::fmt;
 use std::str::FromStr;
 
 pub use allreduce_core::{
-    codec, layout, AllReduceOptions, Bootstrap, BufMut, BufRef, Codec, DType, Device, Element,
-    Error, GroupConfig, HostBytes, Link, Precision, RawBuffer, ReduceOp, Result, Rule,
-    SelectionTable, Strategy, Stream, Topology,
+    codec, hierarchical, layout, AllReduceOptions, Bootstrap, BufMut, BufRef, Codec, DType, Device,
+    Element, Error, GroupConfig, HostBytes, Link, Precision, RawBuffer, ReduceOp, Result, Rule,
+    SelectionTable, Strategy, Stream, Topology, TopologyClass,
 };
 pub use allreduce_core::{fused, Fp8BufMut, FusedArgs, FusedConfig, FusedMetadata, FusionPattern};
 
@@ -269,7 +269,8 @@ impl Communicator {
     /// What `Strategy::Auto` picks for a call of this shape.
     pub fn select(&self, len: usize, dtype: DType, precision: Precision) -> Strategy {
         let comm = &*self.comm;
-        comm.selection().choose(
+        comm.selection().choose_on(
+            comm.limits().topology,
             len * dtype.size(),
             comm.world_size(),
             dtype,

@@ -8,12 +8,17 @@
 //! - quantized two-shot: encode shard j for owner j (j != r) | barrier | owner decodes the
 //!   peers' pieces, adds its own unquantized piece, sums in f32, re-encodes | barrier | every
 //!   rank decodes every shard.
+//! - hierarchical quantized (two NUMA groups of g, [`hierarchical`]): the quantized
+//!   reduce-scatter inside the group | barrier | the owner encodes its group's partial |
+//!   barrier | the owner and its partner in the other group sum both decoded partials (group
+//!   0 first) and encode | barrier | every rank decodes its group's owners' bytes.
 //!
 //! Every call starts by publishing a descriptor (length, dtype, strategy, precision) with the
 //! first copy; after the first barrier all ranks compare descriptors and, if any differ or a
 //! rank rejected its arguments, all return an error before any output is written.
 
 mod barrier;
+mod hierarchical;
 mod reduce;
 mod workspace;
 
@@ -25,7 +30,7 @@ use allreduce_core::codec;
 use allreduce_core::layout::{exact_granule, shard_range, QUANT_GRANULE};
 use allreduce_core::{
     Backend, BackendComm, Call, Codec, DType, Device, Element, Error, GroupConfig, Limits,
-    Precision, Result, SelectionTable, Strategy, Stream,
+    Precision, Result, SelectionTable, Strategy, Stream, Topology,
 };
 use half::{bf16, f16};
 
@@ -44,6 +49,7 @@ impl Backend for Host {
         let world = config.world_size;
         let group = Arc::new(Group {
             world,
+            topology: config.topology.clone(),
             timeout: config.timeout,
             barrier: DeadlineBarrier::new(world),
             slots: (0..world).map(|_| Slot::new()).collect(),
@@ -64,6 +70,9 @@ impl Backend for Host {
 
 struct Group {
     world: usize,
+    /// Only a forced one ([`GroupConfig::topology`]): threads have no links to probe. The
+    /// hierarchical path takes its NUMA groups from it, so the host can be its reference.
+    topology: Option<Topology>,
     timeout: Duration,
     barrier: DeadlineBarrier,
     slots: Vec<Slot>,
@@ -193,6 +202,20 @@ impl HostComm {
                     .codec()
                     .expect("prepare() pairs QuantizedTwoShot with a codec");
                 self.quantized::<T>(ctx, call, codec)
+            }
+            Strategy::HierarchicalQuantized => {
+                let codec = call
+                    .codec()
+                    .expect("prepare() pairs HierarchicalQuantized with a codec");
+                let g = allreduce_core::hierarchical::group_size(
+                    self.group.topology.as_ref(),
+                    self.group.world,
+                )
+                .map_err(|reason| Error::StrategyUnavailable {
+                    strategy: call.strategy,
+                    reason,
+                })?;
+                self.hierarchical::<T>(ctx, call, codec, g)
             }
             s => Err(Error::StrategyUnavailable {
                 strategy: s,
@@ -388,6 +411,7 @@ impl BackendComm for HostComm {
             device: Device::Host,
             max_bytes: self.max_bytes,
             align: 1,
+            topology: self.group.topology.as_ref().and_then(|t| t.class()),
         }
     }
 
@@ -408,6 +432,17 @@ impl BackendComm for HostComm {
                 Precision::Lossy(c) => Err(format!("codec {c} does not accept {dtype}")),
                 Precision::Exact => Err("it needs Precision::Lossy(codec)".into()),
             },
+            Strategy::HierarchicalQuantized => match precision {
+                Precision::Lossy(c) if c.supports(dtype) => {
+                    allreduce_core::hierarchical::group_size(
+                        self.group.topology.as_ref(),
+                        self.group.world,
+                    )
+                    .map(|_| ())
+                }
+                Precision::Lossy(c) => Err(format!("codec {c} does not accept {dtype}")),
+                Precision::Exact => Err("it needs Precision::Lossy(codec)".into()),
+            },
             Strategy::Vendor => {
                 Err("the host backend has no vendor library (NCCL/RCCL come with the cuda/rocm backends)".into())
             }
@@ -424,6 +459,10 @@ impl BackendComm for HostComm {
             DType::F16 => self.run::<f16>(call),
             DType::BF16 => self.run::<bf16>(call),
         }
+    }
+
+    fn topology(&self) -> Option<&Topology> {
+        self.group.topology.as_ref()
     }
 
     fn reject(&self, reason: &Error, _stream: Stream) {

@@ -66,6 +66,8 @@ pub struct Slot {
     pub stage: [SharedBuf; 2],
     pub reduced: SharedBuf,
     pub qsend: SharedBuf,
+    /// The hierarchical path's encoded partial shard, read by the other group's partner.
+    pub qpartial: SharedBuf,
     pub qresult: SharedBuf,
 }
 
@@ -76,6 +78,7 @@ impl Slot {
             stage: [SharedBuf::new(), SharedBuf::new()],
             reduced: SharedBuf::new(),
             qsend: SharedBuf::new(),
+            qpartial: SharedBuf::new(),
             qresult: SharedBuf::new(),
         }
     }

@@ -68,6 +68,7 @@ pub fn default_table(cast_bf16_to_f16: bool) -> SelectionTable {
         dtype: None,
         lossy: None,
         codec: None,
+        topology: None,
         strategy,
     };
     let mut rules = vec![any((1, 1), usize::MAX, Strategy::OneShot)];
@@ -83,6 +84,7 @@ pub fn default_table(cast_bf16_to_f16: bool) -> SelectionTable {
                     dtype: Some(dtype),
                     lossy: None,
                     codec: Some(codec),
+                    topology: None,
                     strategy: Strategy::QuantizedTwoShot,
                 });
             }

@@ -54,6 +54,8 @@ Examples:
   allreduce-bench                                   # quick sweep (host, 8 ranks, bf16)
   allreduce-bench -b 1M -e 64M -f 2 --strategy oneshot,twoshot,auto -n 20 -w 5
   allreduce-bench --precision q8,q4 --strategy quantized -d bf16 -b 64K -e 16M
+  ALLREDUCE_TOPOLOGY=pcie:2x4 allreduce-bench --ranks 8 --strategy quantized,hierarchical \
+      --precision fp8 -b 2M -e 64M              # two NUMA groups: cross-group traffic cut
   allreduce-bench --json > run.json
   allreduce-bench --plot busbw.svg";
 
@@ -105,7 +107,8 @@ pub struct Args {
     #[arg(long, default_value = "host", value_name = "NAME")]
     pub backend: BackendKind,
 
-    /// Strategies, comma-separated: auto, oneshot, twoshot, quantized, vendor
+    /// Strategies, comma-separated: auto, oneshot, twoshot, quantized, hierarchical (two NUMA
+    /// groups: a topology from the GPUs or ALLREDUCE_TOPOLOGY=pcie:2x4), vendor
     #[arg(
         long,
         value_delimiter = ',',

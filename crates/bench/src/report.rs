@@ -452,7 +452,7 @@ pub fn json_document(
 /// strategy and precision that ran, against the exact two-shot on the same size: the traffic
 /// a bandwidth-bound link (PCIe) carries (`allreduce::layout::traffic_per_rank`).
 pub fn traffic(rows: &[crate::runner::RowResult], world: usize, dtype: allreduce::DType) -> String {
-    use allreduce::layout::traffic_per_rank;
+    use allreduce::layout::{cross_group_traffic_per_rank, traffic_per_rank};
     use allreduce::{Precision, Strategy};
     let Some(max) = rows.iter().map(|r| r.spec.count).max() else {
         return String::new();
@@ -480,12 +480,26 @@ pub fn traffic(rows: &[crate::runner::RowResult], world: usize, dtype: allreduce
                 );
             }
             s += &format!(
-                "#   {:>9} {:<6} {:>14} B  {:>6.3}x\n",
+                "#   {:>12} {:<6} {:>14} B  {:>6.3}x",
                 m.ran.to_string(),
                 r.spec.precision.to_string(),
                 t,
                 t as f64 / e.max(1) as f64
             );
+            // With two NUMA groups of world/2 ranks: what crosses between them (the CPU
+            // interconnect of a 2 x 4 PCIe box), against the exact two-shot's.
+            let across = |s, p| cross_group_traffic_per_rank(s, p, max, dtype, world);
+            if let (Some(a), Some(ea)) = (
+                across(m.ran, r.spec.precision),
+                across(Strategy::TwoShot, Precision::Exact),
+            ) {
+                s += &format!(
+                    "   across 2 groups {:>14} B  {:>6.3}x",
+                    a,
+                    a as f64 / ea.max(1) as f64
+                );
+            }
+            s += "\n";
         }
     }
     s

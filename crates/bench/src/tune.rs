@@ -48,6 +48,7 @@ pub fn rules(rows: &[RowResult], world: usize, dtype: DType) -> Vec<Rule> {
                 dtype: Some(dtype),
                 lossy: Some(lossy),
                 codec: None,
+                topology: None,
                 strategy,
             });
         }

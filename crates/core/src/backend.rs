@@ -191,7 +191,7 @@ impl Call {
     /// The codec the call runs with, if its strategy quantizes.
     pub fn codec(&self) -> Option<Codec> {
         match (self.strategy, self.precision) {
-            (Strategy::QuantizedTwoShot, Precision::Lossy(c)) => Some(c),
+            (s, Precision::Lossy(c)) if s.quantizes() => Some(c),
             _ => None,
         }
     }
@@ -208,6 +208,9 @@ pub struct Limits {
     /// The backend runs larger calls in pieces of at most `max_bytes` (GPU backends), so
     /// `prepare` does not refuse them.
     pub chunks: bool,
+    /// The class of the group's topology, for selection rules that name one
+    /// ([`crate::select::Rule::topology`]); `None` when the backend knows none.
+    pub topology: Option<crate::TopologyClass>,
 }
 
 /// Validate buffers and options against `limits`; resolve `Auto` through `table`.
@@ -272,12 +275,17 @@ pub fn prepare(
     }
     let dtype = out.dtype;
     let strategy = match options.strategy {
-        Strategy::Auto => table.choose(bytes, world, dtype, options.precision, |s| {
-            available(s, dtype, options.precision).is_ok()
-        }),
-        Strategy::QuantizedTwoShot if options.precision == Precision::Exact => {
+        Strategy::Auto => table.choose_on(
+            limits.topology,
+            bytes,
+            world,
+            dtype,
+            options.precision,
+            |s| available(s, dtype, options.precision).is_ok(),
+        ),
+        s if s.quantizes() && options.precision == Precision::Exact => {
             return Err(Error::StrategyUnavailable {
-                strategy: Strategy::QuantizedTwoShot,
+                strategy: s,
                 reason: "it needs Precision::Lossy(codec)".into(),
             })
         }

@@ -268,6 +268,7 @@ pub fn default_table() -> SelectionTable {
         dtype: None,
         lossy: None,
         codec: None,
+        topology: None,
         strategy,
     };
     SelectionTable {

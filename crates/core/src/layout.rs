@@ -45,6 +45,8 @@ pub fn shard_range(n: usize, world: usize, rank: usize, granule: usize) -> Range
 /// * two-shot (and a ring, NCCL's large-message algorithm): `2 (w-1)/w * B`;
 /// * quantized two-shot: our `w-1` encoded pieces for the other owners, then our encoded
 ///   shard to the `w-1` others: `2 (w-1) * encoded_len(shard)`.
+/// * hierarchical (two groups of `g = w/2`): `2 (g-1)` encoded shards of `n/g` inside the
+///   group and one across ([`crate::hierarchical::traffic`]).
 ///
 /// `None` for `Auto` (it names no algorithm) or a quantized call without a codec.
 pub fn traffic_per_rank(
@@ -67,6 +69,49 @@ pub fn traffic_per_rank(
                 2 * (w - 1) * codec.encoded_len(shard_len(n, w, QUANT_GRANULE))
             }
         },
+        Strategy::HierarchicalQuantized => match precision {
+            Precision::Exact => return None,
+            Precision::Lossy(codec) => {
+                let (inside, across) = crate::hierarchical::traffic(codec, n, w / 2);
+                inside + across
+            }
+        },
+    })
+}
+
+/// Of [`traffic_per_rank`], the bytes a rank sends to the other group when the `world` ranks
+/// form two NUMA groups of `world / 2` (ranks `[0, g)` and `[g, 2g)`): what crosses the CPU
+/// interconnect on a 2 x 4 PCIe machine, the link TensorRT-LLM's hierarchical path unloads.
+/// A peer of the other group is `g` of the `w-1` peers:
+///
+/// * one-shot: `g * B`; two-shot: `2 g B / w = B`; quantized two-shot:
+///   `2 g * encoded_len(shard)`; hierarchical: one encoded shard of `n/g`.
+///
+/// `None` where `traffic_per_rank` is, or for an odd world.
+pub fn cross_group_traffic_per_rank(
+    strategy: crate::Strategy,
+    precision: crate::Precision,
+    n: usize,
+    dtype: DType,
+    world: usize,
+) -> Option<usize> {
+    use crate::{Precision, Strategy};
+    if world < 2 || world % 2 != 0 {
+        return None;
+    }
+    let g = world / 2;
+    let bytes = n * dtype.size();
+    Some(match (strategy, precision) {
+        (Strategy::Auto, _) => return None,
+        (Strategy::OneShot, _) => g * bytes,
+        (Strategy::TwoShot | Strategy::Vendor, _) => 2 * g * bytes / world,
+        (Strategy::QuantizedTwoShot, Precision::Lossy(codec)) => {
+            2 * g * codec.encoded_len(shard_len(n, world, QUANT_GRANULE))
+        }
+        (Strategy::HierarchicalQuantized, Precision::Lossy(codec)) => {
+            crate::hierarchical::traffic(codec, n, g).1
+        }
+        (_, Precision::Exact) => return None,
     })
 }
 
@@ -103,6 +148,28 @@ mod tests {
         );
         assert_eq!(
             traffic_per_rank(Strategy::Auto, Precision::Exact, 100, DType::F32, 4),
+            None
+        );
+    }
+
+    #[test]
+    fn hierarchical_cuts_the_cross_group_traffic() {
+        use crate::{Codec, Precision, Strategy};
+        let n = 8 << 20;
+        let fp8 = Precision::Lossy(Codec::Fp8E4M3);
+        let across = |s, p| cross_group_traffic_per_rank(s, p, n, DType::BF16, 8).unwrap();
+        let exact = across(Strategy::TwoShot, Precision::Exact);
+        assert_eq!(exact, n * 2);
+        let flat = across(Strategy::QuantizedTwoShot, fp8);
+        let hier = across(Strategy::HierarchicalQuantized, fp8);
+        // Flat: 8.5/16 of the exact bytes; hierarchical: a quarter of that again.
+        assert!((flat as f64 / exact as f64 - 8.5 / 16.0).abs() < 1e-3);
+        assert!((hier as f64 / flat as f64 - 0.25).abs() < 1e-3);
+        let total =
+            traffic_per_rank(Strategy::HierarchicalQuantized, fp8, n, DType::BF16, 8).unwrap();
+        assert_eq!(total, 7 * hier);
+        assert_eq!(
+            cross_group_traffic_per_rank(Strategy::TwoShot, Precision::Exact, n, DType::BF16, 3),
             None
         );
     }

@@ -13,6 +13,7 @@
 //! | [`codec`]   | the reference codecs GPU kernels must match bit for bit                |
 //! | [`gpu`]     | `GpuRuntime` (what a vendor runtime provides) and the group logic every GPU backend shares |
 //! | [`layout`]  | how buffers are cut into per-rank shards                               |
+//! | [`hierarchical`] | the two-NUMA-group quantized all-reduce: groups, shards, reference |
 //! | [`select`]  | the table behind `Strategy::Auto`                                      |
 //! | [`fused`]   | the fused all-reduce + residual + RMSNorm (+ FP8): validation, reference |
 
@@ -23,6 +24,7 @@ pub mod dtype;
 pub mod error;
 pub mod fused;
 pub mod gpu;
+pub mod hierarchical;
 pub mod layout;
 pub mod op;
 pub mod select;
@@ -40,4 +42,4 @@ pub use fused::{
 };
 pub use op::{Codec, Precision, ReduceOp, Strategy};
 pub use select::{Rule, SelectionTable};
-pub use topology::{Link, Topology};
+pub use topology::{Link, Topology, TopologyClass};

@@ -131,17 +131,32 @@ pub enum Strategy {
     TwoShot,
     /// Two-shot over a lossy codec (needs `Precision::Lossy`).
     QuantizedTwoShot,
+    /// TensorRT-LLM's low-precision PCIe all-reduce for two NUMA groups (8 = 2x4 GPUs):
+    /// reduce-scatter inside each group over the codec, exchange of the encoded partial shards
+    /// with the matching rank of the other group, all-gather inside the group. Needs
+    /// `Precision::Lossy` and a topology of two equal NUMA groups of consecutive ranks
+    /// ([`crate::hierarchical`]).
+    HierarchicalQuantized,
     /// The vendor library: NCCL on CUDA, RCCL on ROCm.
     Vendor,
 }
 
 impl Strategy {
-    pub const CONCRETE: [Strategy; 4] = [
+    pub const CONCRETE: [Strategy; 5] = [
         Strategy::OneShot,
         Strategy::TwoShot,
         Strategy::QuantizedTwoShot,
         Strategy::Vendor,
+        Strategy::HierarchicalQuantized,
     ];
+
+    /// Whether the strategy moves data through a codec (and so needs `Precision::Lossy`).
+    pub const fn quantizes(self) -> bool {
+        matches!(
+            self,
+            Strategy::QuantizedTwoShot | Strategy::HierarchicalQuantized
+        )
+    }
 
     pub const fn name(self) -> &'static str {
         match self {
@@ -150,6 +165,7 @@ impl Strategy {
             Strategy::TwoShot => "twoshot",
             Strategy::QuantizedTwoShot => "quantized",
             Strategy::Vendor => "vendor",
+            Strategy::HierarchicalQuantized => "hierarchical",
         }
     }
 }
@@ -169,8 +185,12 @@ impl FromStr for Strategy {
             "twoshot" => Ok(Strategy::TwoShot),
             "quantized" | "quantizedtwoshot" | "qtwoshot" => Ok(Strategy::QuantizedTwoShot),
             "vendor" | "nccl" | "rccl" => Ok(Strategy::Vendor),
+            "hierarchical" | "hierarchicalquantized" | "hier" => {
+                Ok(Strategy::HierarchicalQuantized)
+            }
             _ => Err(format!(
-                "unknown strategy `{s}` (expected auto, oneshot, twoshot, quantized or vendor)"
+                "unknown strategy `{s}` (expected auto, oneshot, twoshot, quantized, hierarchical \
+                 or vendor)"
             )),
         }
     }

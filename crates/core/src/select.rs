@@ -6,7 +6,7 @@
 
 use serde_json::{json, Value};
 
-use crate::{Codec, DType, Error, Precision, Result, Strategy};
+use crate::{Codec, DType, Error, Precision, Result, Strategy, TopologyClass};
 
 /// One row: if every set condition holds, use `strategy`.
 #[derive(Clone, Debug, PartialEq)]
@@ -24,12 +24,23 @@ pub struct Rule {
     /// Only for calls allowed exactly this codec (`None`: any precision). A rule with a codec
     /// never matches an exact call.
     pub codec: Option<Codec>,
+    /// Only on a group of this topology class (`None`: any, including an unknown topology).
+    /// A rule with a class never matches where the backend knows no topology.
+    pub topology: Option<TopologyClass>,
     pub strategy: Strategy,
 }
 
 impl Rule {
-    fn matches(&self, bytes: usize, world: usize, dtype: DType, precision: Precision) -> bool {
-        (self.world.0..=self.world.1).contains(&world)
+    fn matches(
+        &self,
+        topology: Option<TopologyClass>,
+        bytes: usize,
+        world: usize,
+        dtype: DType,
+        precision: Precision,
+    ) -> bool {
+        self.topology.is_none_or(|t| topology == Some(t))
+            && (self.world.0..=self.world.1).contains(&world)
             && (self.min_bytes..=self.max_bytes).contains(&bytes)
             && self.dtype.is_none_or(|d| d == dtype)
             && self
@@ -52,6 +63,9 @@ impl SelectionTable {
     /// the quantized path pays off from about 1-2 MiB (vLLM's QuickReduce minimum sizes,
     /// TensorRT-LLM's low-precision threshold of 2 MiB). Vendor takes what is larger than
     /// the custom paths' workspace. References: ../shared/references/quickreduce.md §4-5.
+    /// On 8 GPUs on PCIe in two NUMA groups the lossy path is hierarchical from 2 MiB, as
+    /// TensorRT-LLM's low-precision all-reduce is at TP8 (flat two-shot at TP2/4):
+    /// ../shared/references/trtllm-flashinfer.md §2.
     pub fn default_table() -> Self {
         const KIB: usize = 1024;
         const MIB: usize = 1024 * KIB;
@@ -62,11 +76,22 @@ impl SelectionTable {
             dtype: None,
             lossy,
             codec: None,
+            topology: None,
             strategy,
         };
         SelectionTable {
             rules: vec![
                 rule((1, 1), usize::MAX, None, Strategy::OneShot),
+                Rule {
+                    min_bytes: 2 * MIB,
+                    topology: Some(TopologyClass::PcieTwoNuma),
+                    ..rule(
+                        (8, 8),
+                        usize::MAX,
+                        Some(true),
+                        Strategy::HierarchicalQuantized,
+                    )
+                },
                 rule((2, 2), 8 * MIB, Some(false), Strategy::OneShot),
                 rule((2, usize::MAX), 2 * MIB - 1, Some(true), Strategy::OneShot),
                 rule(
@@ -84,7 +109,8 @@ impl SelectionTable {
         }
     }
 
-    /// The first matching rule whose strategy `available` accepts, else the fallback.
+    /// The first matching rule whose strategy `available` accepts, else the fallback, for a
+    /// group whose topology is unknown (rules naming a topology class never match).
     pub fn choose(
         &self,
         bytes: usize,
@@ -93,9 +119,22 @@ impl SelectionTable {
         precision: Precision,
         available: impl Fn(Strategy) -> bool,
     ) -> Strategy {
+        self.choose_on(None, bytes, world, dtype, precision, available)
+    }
+
+    /// [`SelectionTable::choose`] on a group of topology class `topology`.
+    pub fn choose_on(
+        &self,
+        topology: Option<TopologyClass>,
+        bytes: usize,
+        world: usize,
+        dtype: DType,
+        precision: Precision,
+        available: impl Fn(Strategy) -> bool,
+    ) -> Strategy {
         self.rules
             .iter()
-            .filter(|r| r.matches(bytes, world, dtype, precision))
+            .filter(|r| r.matches(topology, bytes, world, dtype, precision))
             .map(|r| r.strategy)
             .find(|&s| s != Strategy::Auto && available(s))
             .unwrap_or(self.fallback)
@@ -115,6 +154,8 @@ impl SelectionTable {
 /// Two optional fields narrow a rule further: `"min_bytes": 1048576` (absent: 0) and
 /// `"codec": "q6"` (absent or `null`: any precision; a codec rule never matches an exact
 /// call). They are written only when set, so tables without them read and write as before.
+/// So is `"topology": "pcie-2numa"` (or `"pcie"`): the rule applies only on such a group
+/// ([`TopologyClass`]).
 /// Extra fields (a tuner's measurements) are ignored.
 impl SelectionTable {
     pub const JSON_VERSION: u64 = 1;
@@ -136,6 +177,9 @@ impl SelectionTable {
                 }
                 if let Some(c) = r.codec {
                     v["codec"] = json!(c.name());
+                }
+                if let Some(t) = r.topology {
+                    v["topology"] = json!(t.name());
                 }
                 v
             })
@@ -218,6 +262,15 @@ impl SelectionTable {
                         .map_err(|e| bad(at(&e)))?,
                 ),
             };
+            let topology = match r.get("topology") {
+                None | Some(Value::Null) => None,
+                Some(t) => Some(
+                    t.as_str()
+                        .ok_or_else(|| bad(at("topology must be a string")))?
+                        .parse::<TopologyClass>()
+                        .map_err(|e| bad(at(&e)))?,
+                ),
+            };
             let strategy = strategy(r.get("strategy"), &at("strategy"))?;
             rules.push(Rule {
                 world,
@@ -226,6 +279,7 @@ impl SelectionTable {
                 dtype,
                 lossy,
                 codec,
+                topology,
                 strategy,
             });
         }
@@ -266,6 +320,7 @@ mod tests {
                 dtype: Some(DType::BF16),
                 lossy: Some(false),
                 codec: None,
+                topology: None,
                 strategy: Strategy::TwoShot,
             },
         );
@@ -343,14 +398,15 @@ mod tests {
             dtype: Some(DType::F16),
             lossy: None,
             codec: Some(crate::Codec::Int6),
+            topology: None,
             strategy: Strategy::QuantizedTwoShot,
         };
         let q6 = Precision::Lossy(crate::Codec::Int6);
         let q4 = Precision::Lossy(crate::Codec::Int4);
-        assert!(r.matches(1 << 20, 4, DType::F16, q6));
-        assert!(!r.matches((1 << 20) - 1, 4, DType::F16, q6));
-        assert!(!r.matches(1 << 20, 4, DType::F16, q4));
-        assert!(!r.matches(1 << 20, 4, DType::F16, Precision::Exact));
+        assert!(r.matches(None, 1 << 20, 4, DType::F16, q6));
+        assert!(!r.matches(None, (1 << 20) - 1, 4, DType::F16, q6));
+        assert!(!r.matches(None, 1 << 20, 4, DType::F16, q4));
+        assert!(!r.matches(None, 1 << 20, 4, DType::F16, Precision::Exact));
         let t = SelectionTable {
             rules: vec![r],
             fallback: Strategy::TwoShot,
@@ -359,7 +415,54 @@ mod tests {
         assert!(text.contains(r#""codec":"q6""#) && text.contains(r#""min_bytes":1048576"#));
         assert_eq!(SelectionTable::from_json(&text).unwrap(), t);
         // Tables without the new fields still write exactly as before.
-        let plain = SelectionTable::default_table().to_json().to_string();
+        let plain = SelectionTable {
+            rules: SelectionTable::default_table().rules[2..].to_vec(),
+            fallback: Strategy::TwoShot,
+        }
+        .to_json()
+        .to_string();
         assert!(!plain.contains("min_bytes") && !plain.contains("codec"));
+        assert!(!plain.contains("topology"));
+    }
+
+    #[test]
+    fn hierarchical_only_on_eight_pcie_ranks_in_two_numa_groups_from_2_mib() {
+        let t = SelectionTable::default_table();
+        let all = |_: Strategy| true;
+        let fp8 = Precision::Lossy(Codec::Fp8E4M3);
+        let two = Some(TopologyClass::PcieTwoNuma);
+        let pcie = Some(TopologyClass::Pcie);
+        let mib = 1 << 20;
+        let pick = |topo, bytes, world, p| t.choose_on(topo, bytes, world, DType::BF16, p, all);
+        assert_eq!(pick(two, 2 * mib, 8, fp8), Strategy::HierarchicalQuantized);
+        assert_eq!(pick(two, 2 * mib - 1, 8, fp8), Strategy::OneShot);
+        // TP 2 and 4 on PCIe (one NUMA group or two): the flat quantized two-shot.
+        for world in [2, 4] {
+            for topo in [pcie, two] {
+                assert_eq!(
+                    pick(topo, 4 * mib, world, fp8),
+                    Strategy::QuantizedTwoShot,
+                    "{world} {topo:?}"
+                );
+            }
+        }
+        // Exact calls, other topologies, or no hierarchical kernels: as before.
+        assert_eq!(pick(two, 4 * mib, 8, Precision::Exact), Strategy::TwoShot);
+        assert_eq!(pick(None, 4 * mib, 8, fp8), Strategy::QuantizedTwoShot);
+        assert_eq!(pick(pcie, 4 * mib, 8, fp8), Strategy::QuantizedTwoShot);
+        let no_hier = |s: Strategy| s != Strategy::HierarchicalQuantized;
+        assert_eq!(
+            t.choose_on(two, 4 * mib, 8, DType::BF16, fp8, no_hier),
+            Strategy::QuantizedTwoShot
+        );
+        // The rule survives the JSON round trip, and a tuned table can drop or move it.
+        let text = t.to_json().to_string();
+        assert!(text.contains(r#""topology":"pcie-2numa""#), "{text}");
+        assert_eq!(SelectionTable::from_json(&text).unwrap(), t);
+        let bad = r#"{"version": 1, "fallback": "twoshot", "rules": [{"world": [2, 8], "topology": "mesh", "strategy": "hierarchical"}]}"#;
+        assert!(matches!(
+            SelectionTable::from_json(bad),
+            Err(Error::InvalidConfig(_))
+        ));
     }
 }

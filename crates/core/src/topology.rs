@@ -39,6 +39,38 @@ impl Link {
     }
 }
 
+/// What the selection table can ask of a topology ([`crate::Rule::topology`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TopologyClass {
+    /// Distinct GPUs on PCIe only, in one NUMA group (or NUMA nodes unknown).
+    Pcie,
+    /// Distinct GPUs on PCIe only, in exactly two NUMA groups (the 2 x 4 boxes of
+    /// TensorRT-LLM's low-precision all-reduce: the slow hop is between the groups).
+    PcieTwoNuma,
+}
+
+impl TopologyClass {
+    pub const fn name(self) -> &'static str {
+        match self {
+            TopologyClass::Pcie => "pcie",
+            TopologyClass::PcieTwoNuma => "pcie-2numa",
+        }
+    }
+}
+
+impl std::str::FromStr for TopologyClass {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "pcie" => Ok(TopologyClass::Pcie),
+            "pcie-2numa" => Ok(TopologyClass::PcieTwoNuma),
+            _ => Err(format!(
+                "unknown topology class `{s}` (expected pcie or pcie-2numa)"
+            )),
+        }
+    }
+}
+
 /// The links between every pair of ranks and each rank's NUMA node.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Topology {
@@ -79,6 +111,18 @@ impl Topology {
             }
         }
         any
+    }
+
+    /// The class selection rules match on, if the topology has one.
+    pub fn class(&self) -> Option<TopologyClass> {
+        if !self.pcie_only() {
+            return None;
+        }
+        match self.numa_groups().len() {
+            1 => Some(TopologyClass::Pcie),
+            2 => Some(TopologyClass::PcieTwoNuma),
+            _ => None,
+        }
     }
 
     /// Ranks grouped by NUMA node, in order of first appearance (one group when unknown).
@@ -169,6 +213,13 @@ mod tests {
         let t = Topology::parse("pcie:2x4", 8).unwrap();
         assert!(t.pcie_only() && t.peer_access());
         assert_eq!(t.numa_groups(), vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7]]);
+        assert_eq!(t.class(), Some(TopologyClass::PcieTwoNuma));
+        assert_eq!(
+            Topology::parse("pcie", 4).unwrap().class(),
+            Some(TopologyClass::Pcie)
+        );
+        assert_eq!(Topology::parse("nvlink:2x2", 4).unwrap().class(), None);
+        assert_eq!(Topology::parse("pcie:4x2", 8).unwrap().class(), None);
         let t = Topology::parse("nvlink", 4).unwrap();
         assert!(!t.pcie_only() && t.peer_access());
         assert_eq!(t.numa_groups().len(), 1);

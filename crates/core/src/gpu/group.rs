@@ -125,16 +125,20 @@ struct Kernels<R: GpuRuntime> {
     /// `[f16, bf16][codec index in Codec::ALL]`; `None` where the runtime has no codec
     /// kernels ([`GpuRuntime::quantized_unavailable`]).
     quantized: Option<[[R::Function; Codec::ALL.len()]; 2]>,
+    /// The hierarchical kernels, indexed and present like `quantized`.
+    hierarchical: Option<[[R::Function; Codec::ALL.len()]; 2]>,
     _module: R::Module,
 }
 
-fn quantized_functions<R: GpuRuntime>(
+/// `ar_{family}_{dtype}_{codec}` for every codec.
+fn codec_functions<R: GpuRuntime>(
     module: &R::Module,
+    family: &str,
     dtype: &str,
 ) -> Result<[R::Function; Codec::ALL.len()]> {
     let mut out = Vec::with_capacity(Codec::ALL.len());
     for codec in Codec::ALL {
-        let name = std::ffi::CString::new(format!("ar_quantized_{dtype}_{}", codec.name()))
+        let name = std::ffi::CString::new(format!("ar_{family}_{dtype}_{}", codec.name()))
             .expect("no NUL in kernel names");
         out.push(R::function(module, &name)?);
     }
@@ -174,8 +178,16 @@ impl<R: GpuRuntime> Kernels<R> {
             quantized: match R::quantized_unavailable() {
                 Some(_) => None,
                 None => Some([
-                    quantized_functions::<R>(&module, "f16")?,
-                    quantized_functions::<R>(&module, "bf16")?,
+                    codec_functions::<R>(&module, "quantized", "f16")?,
+                    codec_functions::<R>(&module, "quantized", "bf16")?,
+                ]),
+            },
+            // Built from the same source as the quantized kernels, so present with them.
+            hierarchical: match R::quantized_unavailable() {
+                Some(_) => None,
+                None => Some([
+                    codec_functions::<R>(&module, "hierarchical", "f16")?,
+                    codec_functions::<R>(&module, "hierarchical", "bf16")?,
                 ]),
             },
             _module: module,
@@ -551,7 +563,14 @@ impl<R: GpuRuntime> Group<R> {
             args.rank = 0;
             args.world = 1;
             let quantized = k.quantized.iter().flatten().flatten();
-            for &f in k.oneshot.iter().chain(&k.twoshot).chain(quantized) {
+            let hierarchical = k.hierarchical.iter().flatten().flatten();
+            for &f in k
+                .oneshot
+                .iter()
+                .chain(&k.twoshot)
+                .chain(quantized)
+                .chain(hierarchical)
+            {
                 // SAFETY: n = 0 and world = 1: the kernel touches only this rank's workspace.
                 unsafe { R::launch(f, self.grid, THREADS, Stream::NULL, &args)? };
             }
@@ -695,11 +714,12 @@ fn dtype_index(d: DType) -> usize {
 }
 
 // Descriptor codes; 0 is never used so a zeroed slot matches nothing.
-const STRATEGIES: [Strategy; 4] = [
+const STRATEGIES: [Strategy; 5] = [
     Strategy::OneShot,
     Strategy::TwoShot,
     Strategy::QuantizedTwoShot,
     Strategy::Vendor,
+    Strategy::HierarchicalQuantized,
 ];
 
 fn precision_code(p: Precision) -> u64 {
@@ -733,7 +753,14 @@ fn mismatch_error(me: usize, peer: usize, call: u64, mine: Desc, theirs: Desc) -
     let name =
         |table: &[&str], code: u64| table.get(code as usize).copied().unwrap_or("?").to_string();
     let dtypes = ["?", "f32", "f16", "bf16"];
-    let strategies = ["?", "oneshot", "twoshot", "quantized", "vendor"];
+    let strategies = [
+        "?",
+        "oneshot",
+        "twoshot",
+        "quantized",
+        "vendor",
+        "hierarchical",
+    ];
     let mut precisions = vec!["exact"];
     precisions.extend(Codec::ALL.iter().map(|c| c.name()));
     let (what, a, b) = if mine.len() != theirs.len() {
@@ -810,6 +837,7 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
             device: R::device_tag(self.ordinal()),
             max_bytes: self.group.max_bytes,
             align: 16,
+            topology: self.group.topology.class(),
         }
     }
 
@@ -831,16 +859,21 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
                 None => Ok(()),
             }
         };
+        let codec_kernels = || match (R::quantized_unavailable(), dtype, precision) {
+            (Some(why), _, _) => Err(why),
+            (None, _, Precision::Exact) => Err("it needs Precision::Lossy(codec)".into()),
+            (None, DType::F16 | DType::BF16, Precision::Lossy(_)) => Ok(()),
+            (None, d, _) => Err(format!("the codecs carry f16 and bf16, not {d}")),
+        };
         match strategy {
             Strategy::OneShot | Strategy::TwoShot => no_peers(strategy),
-            Strategy::QuantizedTwoShot => {
-                no_peers(strategy).and(match (R::quantized_unavailable(), dtype, precision) {
-                    (Some(why), _, _) => Err(why),
-                    (None, _, Precision::Exact) => Err("it needs Precision::Lossy(codec)".into()),
-                    (None, DType::F16 | DType::BF16, Precision::Lossy(_)) => Ok(()),
-                    (None, d, _) => Err(format!("the codecs carry f16 and bf16, not {d}")),
-                })
-            }
+            Strategy::QuantizedTwoShot => no_peers(strategy).and_then(|_| codec_kernels()),
+            Strategy::HierarchicalQuantized => no_peers(strategy)
+                .and_then(|_| codec_kernels())
+                .and_then(|_| {
+                    crate::hierarchical::group_size(Some(&self.group.topology), self.group.world)
+                        .map(|_| ())
+                }),
             Strategy::Vendor => self.group.vendor.as_ref().map(|_| ()).map_err(Clone::clone),
             Strategy::Auto => Err("Auto is resolved before the backend is called".into()),
         }
@@ -856,23 +889,35 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
         let f = match call.strategy {
             Strategy::OneShot => kernels.oneshot[dtype_index(call.dtype())],
             Strategy::TwoShot => kernels.twoshot[dtype_index(call.dtype())],
-            Strategy::QuantizedTwoShot => {
-                let (Some(table), Precision::Lossy(codec), Some(d)) = (
-                    kernels.quantized.as_ref(),
+            s @ (Strategy::QuantizedTwoShot | Strategy::HierarchicalQuantized) => {
+                let (table, owners) = if s == Strategy::QuantizedTwoShot {
+                    (kernels.quantized.as_ref(), Ok(g.world))
+                } else {
+                    (
+                        kernels.hierarchical.as_ref(),
+                        crate::hierarchical::group_size(Some(&g.topology), g.world),
+                    )
+                };
+                let (Some(table), Precision::Lossy(codec), Some(d), Ok(owners)) = (
+                    table,
                     call.precision,
                     dtype_index(call.dtype()).checked_sub(1),
+                    owners,
                 ) else {
                     return Err(Error::StrategyUnavailable {
-                        strategy: Strategy::QuantizedTwoShot,
-                        reason: "needs the codec kernels, a lossy precision and f16 or bf16".into(),
+                        strategy: s,
+                        reason: "needs the codec kernels, a lossy precision, f16 or bf16, and \
+                                 (hierarchical) two NUMA groups"
+                            .into(),
                     });
                 };
                 // Cannot fail for pieces within max_bytes (stage_bytes has the room); checked
                 // anyway, and the peers told, rather than trust arithmetic with memory safety.
+                // The hierarchical kernel's slots are its `owners` = world/2 in-group shards.
                 if !quantized_fits(
                     codec,
                     call.len().min(g.piece_len(call.dtype())),
-                    g.world,
+                    owners,
                     g.stage_bytes,
                 ) {
                     let e = Error::TooLarge {

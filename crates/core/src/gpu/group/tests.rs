@@ -29,7 +29,7 @@ fn take_launches() -> Vec<Launch> {
     LAUNCHES.with(|l| std::mem::take(&mut *l.borrow_mut()))
 }
 
-const KERNELS: [&str; 20] = [
+const KERNELS: [&str; 34] = [
     "ar_oneshot_f32",
     "ar_oneshot_f16",
     "ar_oneshot_bf16",
@@ -50,6 +50,20 @@ const KERNELS: [&str; 20] = [
     "ar_quantized_bf16_q8a",
     "ar_quantized_bf16_q6a",
     "ar_quantized_bf16_q4a",
+    "ar_hierarchical_f16_fp8",
+    "ar_hierarchical_f16_q8",
+    "ar_hierarchical_f16_q6",
+    "ar_hierarchical_f16_q4",
+    "ar_hierarchical_f16_q8a",
+    "ar_hierarchical_f16_q6a",
+    "ar_hierarchical_f16_q4a",
+    "ar_hierarchical_bf16_fp8",
+    "ar_hierarchical_bf16_q8",
+    "ar_hierarchical_bf16_q6",
+    "ar_hierarchical_bf16_q4",
+    "ar_hierarchical_bf16_q8a",
+    "ar_hierarchical_bf16_q6a",
+    "ar_hierarchical_bf16_q4a",
 ];
 
 struct Mock;
