@@ -43,11 +43,13 @@ AR_DEVICE float mul_rn(float a, float b) {
 // HIP clang's f32 division is correctly rounded by default (-fhip-fp32-correctly-rounded-
 // divide-sqrt); build-support never passes fast-math.
 AR_DEVICE float div_rn(float a, float b) { return a / b; }
+AR_DEVICE float fma_rn(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 #else
 AR_DEVICE float add_rn(float a, float b) { return __fadd_rn(a, b); }
 AR_DEVICE float sub_rn(float a, float b) { return __fsub_rn(a, b); }
 AR_DEVICE float mul_rn(float a, float b) { return __fmul_rn(a, b); }
 AR_DEVICE float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+AR_DEVICE float fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }
 #endif
 
 AR_DEVICE float abs_f(float x) { return as_float(as_uint(x) & 0x7fffffffu); }
@@ -97,6 +99,38 @@ AR_DEVICE float e4m3_to_f32(uint32_t c) {
   if (e == 15u && m == 7u) return as_float(sign | 0x7FC00000u);
   if (e != 0u) return as_float(sign | ((e + 120u) << 23) | (m << 20));
   return as_float(as_uint(static_cast<float>(m) * 0.001953125f) | sign);  // m * 2^-9, exact
+}
+
+// ---- Division by a block scale -----------------------------------------------------------
+
+// Exponent range of a scale s (f32 exponent field) where quotients_by_scale divides with three
+// FMA-unit operations per element: s in [2^-100, 2^101).
+constexpr uint32_t kFastScaleExpLo = 127 - 100, kFastScaleExpHi = 127 + 100;
+
+AR_DEVICE bool fast_scale(float s) {
+  const uint32_t e = (as_uint(s) >> 23) & 0xFFu;
+  return e >= kFastScaleExpLo && e <= kFastScaleExpHi;
+}
+
+// q[j] = div_rn(x[j], s) for a scale s = scale_value(field) with fast_scale(s), bit for bit
+// wherever the codes depend on it: one correctly rounded reciprocal y = RN(1/s) per block, then
+// per element Markstein's correction, q0 = RN(x * y), r = fma(-s, q0, x) (exact),
+// q = fma(r, y, q0). For s with 7 significant bits (every scale_value) this is RN(x / s) for
+// every normal x and normal quotient: checked exhaustively over all 64 scale significands and
+// all 2^23 dividend significands (crates/core/src/codec/tests.rs,
+// `markstein_division_is_exact_for_scales`), and the computation is scale-invariant while r
+// stays a multiple of 2^-149, i.e. for |x| >= 2^-119. With s >= 2^-100 every element whose
+// code depends on its quotient's bits (|x / s| >= 2^-11: an FP8 code above zero or an integer
+// code) has |x| >= 2^-111; smaller elements get a quotient within a few 2^-149 of x / s, far
+// below half the smallest code step, and s < 2^101 keeps y and every quotient normal. (The
+// compiler's div.rn instead recomputes the reciprocal and range-checks per element.)
+AR_DEVICE void quotients_by_scale(const float (&x)[kPerLane], float s, float (&q)[kPerLane]) {
+  const float y = div_rn(1.0f, s);
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const float q0 = mul_rn(x[j], y);
+    q[j] = fma_rn(fma_rn(-s, q0, x[j]), y, q0);
+  }
 }
 
 // ---- Quad shuffles -----------------------------------------------------------------------
@@ -213,24 +247,31 @@ AR_DEVICE uint16_t encode_plain(const float (&x)[kPerLane], const Scan& sc,
   } else {
     if (sc.finite && sc.amax != 0.0f) field = round_scale(div_rn(-sc.m, float(C::kH)));
   }
-  // One correctly rounded division per element, as the format says. (A reciprocal multiply
+  // One correctly rounded division per element, as the format says: three FMA-unit operations
+  // per element after one reciprocal per block (quotients_by_scale). (A reciprocal multiply
   // with a division only next to rounding boundaries was tried: exact, but 12% slower on
-  // sm_90, whose div.rn fast path is a few FMAs.)
+  // sm_90 than per-element div.rn.)
   const float s = scale_value(field);
+  float qt[kPerLane];
+  if (fast_scale(s)) {  // every finite block of ordinary data; quad-uniform
+    quotients_by_scale(x, s, qt);
+  } else {
+    // Zero, poisoned (s == 0 here) and extreme blocks: the compiler's division per element;
+    // zero quotients give the zero codes.
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) qt[j] = s == 0.0f ? 0.0f : div_rn(x[j], s);
+  }
   if (C::kFp8) {
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) u[j] = s == 0.0f ? 0u : f32_to_e4m3(div_rn(x[j], s));
+    for (int j = 0; j < kPerLane; ++j) u[j] = f32_to_e4m3(qt[j]);
   } else {
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       // rne_small's sum already holds the integer in its low mantissa bits: read it there
       // instead of subtracting and converting (a quarter-rate F2I per element).
-      int32_t c = 0;
-      if (s != 0.0f) {
-        const float kMagic = 12582912.0f;  // 1.5 * 2^23, as in rne_small
-        c = static_cast<int32_t>(as_uint(add_rn(div_rn(x[j], s), kMagic)) - as_uint(kMagic));
-        c = c < -C::kH ? -C::kH : (c > C::kH - 1 ? C::kH - 1 : c);
-      }
+      const float kMagic = 12582912.0f;  // 1.5 * 2^23, as in rne_small
+      int32_t c = static_cast<int32_t>(as_uint(add_rn(qt[j], kMagic)) - as_uint(kMagic));
+      c = c < -C::kH ? -C::kH : (c > C::kH - 1 ? C::kH - 1 : c);
       u[j] = static_cast<uint32_t>(c + C::kH);
     }
   }
