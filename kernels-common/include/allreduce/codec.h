@@ -92,14 +92,29 @@ AR_DEVICE uint32_t f32_to_e4m3(float x) {
   return mag == 0 ? 0u : (sign | mag);
 }
 
-// codec::e4m3_to_f32 (exact).
+// codec::e4m3_to_f32 (exact), without branches: the code's 7 magnitude bits placed at f32
+// bits 20..26 are the value times 2^-120 (an f32 subnormal for exponent 0, exactly like E4M3's
+// subnormals), so one exact multiply by 2^120 rescales both kinds. No FTZ anywhere (docs/
+// codecs.md), HIP included (build-support keeps f32 denormals).
 AR_DEVICE float e4m3_to_f32(uint32_t c) {
-  const uint32_t sign = (c & 0x80u) << 24;
-  const uint32_t e = (c >> 3) & 0xFu, m = c & 7u;
-  if (e == 15u && m == 7u) return as_float(sign | 0x7FC00000u);
-  if (e != 0u) return as_float(sign | ((e + 120u) << 23) | (m << 20));
-  return as_float(as_uint(static_cast<float>(m) * 0.001953125f) | sign);  // m * 2^-9, exact
+  const uint32_t sign = (c & 0x80u) << 24, mag = c & 0x7Fu;
+  if (mag == 0x7Fu) return as_float(sign | 0x7FC00000u);
+  return as_float(as_uint(as_float(mag << 20) * 0x1p120f) | sign);
 }
+
+#if AR_HW_E4M3
+// Four FP8 codes of four f32 (element 0 in the low byte), f32_to_e4m3 of each: the hardware
+// conversion rounds and saturates exactly as the format does (nearest even from the f32,
+// subnormals kept, >= 448 to 448, NaN to 0x7F); it only keeps the sign of a negative value
+// that rounds to zero (0x80), which the format encodes as 0x00. Each byte's sign survives only
+// where its magnitude is non-zero: adding 0x7F to a 7-bit magnitude sets bit 7 exactly when
+// the magnitude is non-zero, without a carry into the next byte.
+AR_DEVICE uint32_t f32x4_to_e4m3x4(float a, float b, float c, float d) {
+  const uint32_t w = cvt_e4m3x2(a, b) | (cvt_e4m3x2(c, d) << 16);
+  const uint32_t mag = w & 0x7F7F7F7Fu;
+  return mag | (((mag + 0x7F7F7F7Fu) | mag) & w & 0x80808080u);
+}
+#endif
 
 // ---- Division by a block scale -----------------------------------------------------------
 
@@ -262,8 +277,17 @@ AR_DEVICE uint16_t encode_plain(const float (&x)[kPerLane], const Scan& sc,
     for (int j = 0; j < kPerLane; ++j) qt[j] = s == 0.0f ? 0.0f : div_rn(x[j], s);
   }
   if (C::kFp8) {
+#if AR_HW_E4M3
+#pragma unroll
+    for (int h = 0; h < kPerLane; h += 4) {
+      const uint32_t w = f32x4_to_e4m3x4(qt[h], qt[h + 1], qt[h + 2], qt[h + 3]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) u[h + j] = (w >> (8 * j)) & 0xFFu;
+    }
+#else
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) u[j] = f32_to_e4m3(qt[j]);
+#endif
   } else {
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
@@ -283,6 +307,19 @@ AR_DEVICE uint16_t encode_plain(const float (&x)[kPerLane], const Scan& sc,
 // codec::decode_int / the FP8 decode: one exact product per element.
 template <typename C>
 AR_DEVICE void decode_plain(const uint32_t (&u)[kPerLane], float s, float (&out)[kPerLane]) {
+#if AR_HW_E4M3
+  if (C::kFp8) {
+    // Pairs of codes to f16x2 in one conversion (exact), then f16 -> f32 (exact). A NaN code
+    // decodes to a NaN (its payload is not part of the format).
+#pragma unroll
+    for (int j = 0; j < kPerLane; j += 2) {
+      const uint32_t h2 = cvt_e4m3x2_to_f16x2(u[j] | (u[j + 1] << 8));
+      out[j] = f16_to_f32(static_cast<uint16_t>(h2)) * s;
+      out[j + 1] = f16_to_f32(static_cast<uint16_t>(h2 >> 16)) * s;
+    }
+    return;
+  }
+#endif
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) {
     if (C::kFp8)
