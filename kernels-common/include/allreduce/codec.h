@@ -213,42 +213,30 @@ struct Scan {
   float m, amax;
 };
 AR_DEVICE Scan scan_quad(const float (&x)[kPerLane], int q) {
-  float m = 0.0f, amax = 0.0f;
+  // The lane's first element of largest magnitude: one compare (|.| is an operand modifier)
+  // and one select per element. m starts at +0.0 and only an |x| > 0 replaces it, so a zero
+  // block keeps the reference's +0.0.
+  float m = 0.0f;
   // NaN once any element is Inf or NaN (Inf * 0 is NaN), else 0: one FMA per element where a
   // bit test per element would be three instructions. Not folded: no fast-math.
   float probe = 0.0f;
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) {
     probe = x[j] * 0.0f + probe;
-    if (abs_f(x[j]) > amax) {  // NaN compares false: never becomes m; strict: first wins
-      amax = abs_f(x[j]);
-      m = x[j];
-    }
+    if (abs_f(x[j]) > abs_f(m)) m = x[j];  // strict: the first of equal magnitudes wins
   }
-  // Across lanes the lower lane wins a tie: all its elements come first in the block. So the
-  // lane that holds m is all the index a merge needs, and "not finite" rides in bit 8.
-  uint32_t tag = uint32_t(q) | (probe == 0.0f ? 0u : 0x100u);
-  auto merge = [&](float pm, uint32_t ptag) {
-    const float pa = abs_f(pm);
-    if (pa > amax || (pa == amax && (ptag & 0xFFu) < (tag & 0xFFu))) {
-      amax = pa;
-      m = pm;
-      tag = (tag & 0x100u) | (ptag & 0xFFu);
-    }
-    tag |= ptag & 0x100u;
+  // "Not finite" rides in m as a NaN, which the merges below keep. Across lanes the lower
+  // lane wins a tie (all its elements come first in the block), and which lane is lower is
+  // known from q alone, so m is the only value shuffled.
+  if (probe != 0.0f) m = as_float(0x7FC00000u);
+  auto merge = [&](float pm, bool partner_lower) {
+    const float a = abs_f(m), pa = abs_f(pm);
+    if (pm != pm || pa > a || (pa == a && partner_lower)) m = pm;  // NaN m: all false
   };
-  {
-    const float pm = quad_xor<1>(m);
-    const uint32_t ptag = quad_xor<1>(tag);
-    merge(pm, ptag);
-  }
-  {
-    const float pm = quad_xor<2>(m);
-    const uint32_t ptag = quad_xor<2>(tag);
-    merge(pm, ptag);
-  }
-  if (amax == 0.0f) m = 0.0f;  // the reference's m stays +0.0 unless some |x| > 0
-  return Scan{(tag & 0x100u) == 0, m, amax};
+  merge(quad_xor<1>(m), (q & 1) != 0);
+  merge(quad_xor<2>(m), (q & 2) != 0);
+  const bool finite = m == m;
+  return Scan{finite, finite ? m : 0.0f, finite ? abs_f(m) : 0.0f};
 }
 
 // codec::encode_plain for C's codes (the adaptive codecs' plain candidate included): 8 biased
