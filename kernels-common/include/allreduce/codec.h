@@ -52,7 +52,12 @@ AR_DEVICE float div_rn(float a, float b) { return __fdiv_rn(a, b); }
 AR_DEVICE float fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }
 #endif
 
-AR_DEVICE float abs_f(float x) { return as_float(as_uint(x) & 0x7fffffffu); }
+// |x| as the FP operand modifier (a compare or min/max takes it for free), not an integer AND.
+#if AR_HIP
+AR_DEVICE float abs_f(float x) { return __builtin_fabsf(x); }
+#else
+AR_DEVICE float abs_f(float x) { return fabsf(x); }
+#endif
 AR_DEVICE bool is_finite_f(float x) { return (as_uint(x) & 0x7f800000u) != 0x7f800000u; }
 
 // codec::round_scale: nearest-even at f32 bit 17, top 16 bits, flag bit clear.
