@@ -30,32 +30,36 @@ extern "C" __global__ void ar_copy_f32x4(const uint4* src, uint4* dst, u64 n_vec
 // ---- Quantized two-shot and the codec segment kernels (kernels-common quantized.h) ----------
 // One instantiation per (element type, codec): the codec is a template parameter, so each
 // kernel holds only its own arithmetic. f16 and bf16 only: the codecs carry 16-bit data.
+// MINB: resident 512-thread blocks per SM the segment kernels are built for. The codec bench
+// and tests launch 4 per SM (grid = 4 x SMs, grid-stride): at 33-40 registers only 3 fit, and
+// the fourth block of every SM ran alone in a second wave. Plain codecs: 4 (<= 32 registers);
+// adaptive: 2 (<= 64), so a 4-per-SM grid is exactly two full waves.
 
 #include "allreduce/quantized.h"
 
-#define AR_QUANTIZED(CODEC, C)                                                                  \
+#define AR_QUANTIZED(CODEC, C, MINB)                                                              \
   AR_KERNEL ar_quantized_f16_##CODEC(AR_GRID_CONSTANT const Args a) {                           \
     quantized_twoshot<ar_half, C>(a);                                                           \
   }                                                                                             \
   AR_KERNEL ar_quantized_bf16_##CODEC(AR_GRID_CONSTANT const Args a) {                          \
     quantized_twoshot<ar_bf16, C>(a);                                                           \
   }                                                                                             \
-  extern "C" __global__ void __launch_bounds__(kThreads)                                        \
+  extern "C" __global__ void __launch_bounds__(kThreads, MINB)                                  \
       ar_encode_f32_##CODEC(const CodecArgs a) { encode_segment<float, C>(a); }                 \
-  extern "C" __global__ void __launch_bounds__(kThreads)                                        \
+  extern "C" __global__ void __launch_bounds__(kThreads, MINB)                                  \
       ar_decode_f32_##CODEC(const CodecArgs a) { decode_segment<float, C>(a); }                 \
-  extern "C" __global__ void __launch_bounds__(kThreads)                                        \
+  extern "C" __global__ void __launch_bounds__(kThreads, MINB)                                  \
       ar_encode_bf16_##CODEC(const CodecArgs a) { encode_segment<ar_bf16, C>(a); }              \
-  extern "C" __global__ void __launch_bounds__(kThreads)                                        \
+  extern "C" __global__ void __launch_bounds__(kThreads, MINB)                                  \
       ar_decode_bf16_##CODEC(const CodecArgs a) { decode_segment<ar_bf16, C>(a); }
 
-AR_QUANTIZED(fp8, CodecFp8)
-AR_QUANTIZED(q8, CodecQ8)
-AR_QUANTIZED(q6, CodecQ6)
-AR_QUANTIZED(q4, CodecQ4)
-AR_QUANTIZED(q8a, CodecQ8a)
-AR_QUANTIZED(q6a, CodecQ6a)
-AR_QUANTIZED(q4a, CodecQ4a)
+AR_QUANTIZED(fp8, CodecFp8, 4)
+AR_QUANTIZED(q8, CodecQ8, 4)
+AR_QUANTIZED(q6, CodecQ6, 4)
+AR_QUANTIZED(q4, CodecQ4, 4)
+AR_QUANTIZED(q8a, CodecQ8a, 2)
+AR_QUANTIZED(q6a, CodecQ6a, 2)
+AR_QUANTIZED(q4a, CodecQ4a, 2)
 
 // ---- Hierarchical quantized all-reduce, two NUMA groups (kernels-common hierarchical.h) ----
 // Templated on the codec like the quantized two-shot, so every codec has one.

@@ -43,14 +43,21 @@ AR_DEVICE float mul_rn(float a, float b) {
 // HIP clang's f32 division is correctly rounded by default (-fhip-fp32-correctly-rounded-
 // divide-sqrt); build-support never passes fast-math.
 AR_DEVICE float div_rn(float a, float b) { return a / b; }
+AR_DEVICE float fma_rn(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 #else
 AR_DEVICE float add_rn(float a, float b) { return __fadd_rn(a, b); }
 AR_DEVICE float sub_rn(float a, float b) { return __fsub_rn(a, b); }
 AR_DEVICE float mul_rn(float a, float b) { return __fmul_rn(a, b); }
 AR_DEVICE float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+AR_DEVICE float fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }
 #endif
 
-AR_DEVICE float abs_f(float x) { return as_float(as_uint(x) & 0x7fffffffu); }
+// |x| as the FP operand modifier (a compare or min/max takes it for free), not an integer AND.
+#if AR_HIP
+AR_DEVICE float abs_f(float x) { return __builtin_fabsf(x); }
+#else
+AR_DEVICE float abs_f(float x) { return fabsf(x); }
+#endif
 AR_DEVICE bool is_finite_f(float x) { return (as_uint(x) & 0x7f800000u) != 0x7f800000u; }
 
 // codec::round_scale: nearest-even at f32 bit 17, top 16 bits, flag bit clear.
@@ -90,13 +97,60 @@ AR_DEVICE uint32_t f32_to_e4m3(float x) {
   return mag == 0 ? 0u : (sign | mag);
 }
 
-// codec::e4m3_to_f32 (exact).
+// codec::e4m3_to_f32 (exact), without branches: the code's 7 magnitude bits placed at f32
+// bits 20..26 are the value times 2^-120 (an f32 subnormal for exponent 0, exactly like E4M3's
+// subnormals), so one exact multiply by 2^120 rescales both kinds. No FTZ anywhere (docs/
+// codecs.md), HIP included (build-support keeps f32 denormals).
 AR_DEVICE float e4m3_to_f32(uint32_t c) {
-  const uint32_t sign = (c & 0x80u) << 24;
-  const uint32_t e = (c >> 3) & 0xFu, m = c & 7u;
-  if (e == 15u && m == 7u) return as_float(sign | 0x7FC00000u);
-  if (e != 0u) return as_float(sign | ((e + 120u) << 23) | (m << 20));
-  return as_float(as_uint(static_cast<float>(m) * 0.001953125f) | sign);  // m * 2^-9, exact
+  const uint32_t sign = (c & 0x80u) << 24, mag = c & 0x7Fu;
+  if (mag == 0x7Fu) return as_float(sign | 0x7FC00000u);
+  return as_float(as_uint(as_float(mag << 20) * 0x1p120f) | sign);
+}
+
+#if AR_HW_E4M3
+// Four FP8 codes of four f32 (element 0 in the low byte), f32_to_e4m3 of each: the hardware
+// conversion rounds and saturates exactly as the format does (nearest even from the f32,
+// subnormals kept, >= 448 to 448, NaN to 0x7F); it only keeps the sign of a negative value
+// that rounds to zero (0x80), which the format encodes as 0x00. Each byte's sign survives only
+// where its magnitude is non-zero: adding 0x7F to a 7-bit magnitude sets bit 7 exactly when
+// the magnitude is non-zero, without a carry into the next byte.
+AR_DEVICE uint32_t f32x4_to_e4m3x4(float a, float b, float c, float d) {
+  const uint32_t w = cvt_e4m3x2(a, b) | (cvt_e4m3x2(c, d) << 16);
+  const uint32_t mag = w & 0x7F7F7F7Fu;
+  return mag | (((mag + 0x7F7F7F7Fu) | mag) & w & 0x80808080u);
+}
+#endif
+
+// ---- Division by a block scale -----------------------------------------------------------
+
+// Exponent range of a scale s (f32 exponent field) where quotients_by_scale divides with three
+// FMA-unit operations per element: s in [2^-100, 2^101).
+constexpr uint32_t kFastScaleExpLo = 127 - 100, kFastScaleExpHi = 127 + 100;
+
+AR_DEVICE bool fast_scale(float s) {
+  const uint32_t e = (as_uint(s) >> 23) & 0xFFu;
+  return e >= kFastScaleExpLo && e <= kFastScaleExpHi;
+}
+
+// q[j] = div_rn(x[j], s) for a scale s = scale_value(field) with fast_scale(s), bit for bit
+// wherever the codes depend on it: one correctly rounded reciprocal y = RN(1/s) per block, then
+// per element Markstein's correction, q0 = RN(x * y), r = fma(-s, q0, x) (exact),
+// q = fma(r, y, q0). For s with 7 significant bits (every scale_value) this is RN(x / s) for
+// every normal x and normal quotient: checked exhaustively over all 64 scale significands and
+// all 2^23 dividend significands (crates/core/src/codec/tests.rs,
+// `markstein_division_is_exact_for_scales`), and the computation is scale-invariant while r
+// stays a multiple of 2^-149, i.e. for |x| >= 2^-119. With s >= 2^-100 every element whose
+// code depends on its quotient's bits (|x / s| >= 2^-11: an FP8 code above zero or an integer
+// code) has |x| >= 2^-111; smaller elements get a quotient within a few 2^-149 of x / s, far
+// below half the smallest code step, and s < 2^101 keeps y and every quotient normal. (The
+// compiler's div.rn instead recomputes the reciprocal and range-checks per element.)
+AR_DEVICE void quotients_by_scale(const float (&x)[kPerLane], float s, float (&q)[kPerLane]) {
+  const float y = div_rn(1.0f, s);
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const float q0 = mul_rn(x[j], y);
+    q[j] = fma_rn(fma_rn(-s, q0, x[j]), y, q0);
+  }
 }
 
 // ---- Quad shuffles -----------------------------------------------------------------------
@@ -164,42 +218,30 @@ struct Scan {
   float m, amax;
 };
 AR_DEVICE Scan scan_quad(const float (&x)[kPerLane], int q) {
-  float m = 0.0f, amax = 0.0f;
+  // The lane's first element of largest magnitude: one compare (|.| is an operand modifier)
+  // and one select per element. m starts at +0.0 and only an |x| > 0 replaces it, so a zero
+  // block keeps the reference's +0.0.
+  float m = 0.0f;
   // NaN once any element is Inf or NaN (Inf * 0 is NaN), else 0: one FMA per element where a
   // bit test per element would be three instructions. Not folded: no fast-math.
   float probe = 0.0f;
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) {
     probe = x[j] * 0.0f + probe;
-    if (abs_f(x[j]) > amax) {  // NaN compares false: never becomes m; strict: first wins
-      amax = abs_f(x[j]);
-      m = x[j];
-    }
+    if (abs_f(x[j]) > abs_f(m)) m = x[j];  // strict: the first of equal magnitudes wins
   }
-  // Across lanes the lower lane wins a tie: all its elements come first in the block. So the
-  // lane that holds m is all the index a merge needs, and "not finite" rides in bit 8.
-  uint32_t tag = uint32_t(q) | (probe == 0.0f ? 0u : 0x100u);
-  auto merge = [&](float pm, uint32_t ptag) {
-    const float pa = abs_f(pm);
-    if (pa > amax || (pa == amax && (ptag & 0xFFu) < (tag & 0xFFu))) {
-      amax = pa;
-      m = pm;
-      tag = (tag & 0x100u) | (ptag & 0xFFu);
-    }
-    tag |= ptag & 0x100u;
+  // "Not finite" rides in m as a NaN, which the merges below keep. Across lanes the lower
+  // lane wins a tie (all its elements come first in the block), and which lane is lower is
+  // known from q alone, so m is the only value shuffled.
+  if (probe != 0.0f) m = as_float(0x7FC00000u);
+  auto merge = [&](float pm, bool partner_lower) {
+    const float a = abs_f(m), pa = abs_f(pm);
+    if (pm != pm || pa > a || (pa == a && partner_lower)) m = pm;  // NaN m: all false
   };
-  {
-    const float pm = quad_xor<1>(m);
-    const uint32_t ptag = quad_xor<1>(tag);
-    merge(pm, ptag);
-  }
-  {
-    const float pm = quad_xor<2>(m);
-    const uint32_t ptag = quad_xor<2>(tag);
-    merge(pm, ptag);
-  }
-  if (amax == 0.0f) m = 0.0f;  // the reference's m stays +0.0 unless some |x| > 0
-  return Scan{(tag & 0x100u) == 0, m, amax};
+  merge(quad_xor<1>(m), (q & 1) != 0);
+  merge(quad_xor<2>(m), (q & 2) != 0);
+  const bool finite = m == m;
+  return Scan{finite, finite ? m : 0.0f, finite ? abs_f(m) : 0.0f};
 }
 
 // codec::encode_plain for C's codes (the adaptive codecs' plain candidate included): 8 biased
@@ -213,24 +255,40 @@ AR_DEVICE uint16_t encode_plain(const float (&x)[kPerLane], const Scan& sc,
   } else {
     if (sc.finite && sc.amax != 0.0f) field = round_scale(div_rn(-sc.m, float(C::kH)));
   }
-  // One correctly rounded division per element, as the format says. (A reciprocal multiply
+  // One correctly rounded division per element, as the format says: three FMA-unit operations
+  // per element after one reciprocal per block (quotients_by_scale). (A reciprocal multiply
   // with a division only next to rounding boundaries was tried: exact, but 12% slower on
-  // sm_90, whose div.rn fast path is a few FMAs.)
+  // sm_90 than per-element div.rn.)
   const float s = scale_value(field);
-  if (C::kFp8) {
+  float qt[kPerLane];
+  if (fast_scale(s)) {  // every finite block of ordinary data; quad-uniform
+    quotients_by_scale(x, s, qt);
+  } else {
+    // Zero, poisoned (s == 0 here) and extreme blocks: the compiler's division per element;
+    // zero quotients give the zero codes.
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) u[j] = s == 0.0f ? 0u : f32_to_e4m3(div_rn(x[j], s));
+    for (int j = 0; j < kPerLane; ++j) qt[j] = s == 0.0f ? 0.0f : div_rn(x[j], s);
+  }
+  if (C::kFp8) {
+#if AR_HW_E4M3
+#pragma unroll
+    for (int h = 0; h < kPerLane; h += 4) {
+      const uint32_t w = f32x4_to_e4m3x4(qt[h], qt[h + 1], qt[h + 2], qt[h + 3]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) u[h + j] = (w >> (8 * j)) & 0xFFu;
+    }
+#else
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) u[j] = f32_to_e4m3(qt[j]);
+#endif
   } else {
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       // rne_small's sum already holds the integer in its low mantissa bits: read it there
       // instead of subtracting and converting (a quarter-rate F2I per element).
-      int32_t c = 0;
-      if (s != 0.0f) {
-        const float kMagic = 12582912.0f;  // 1.5 * 2^23, as in rne_small
-        c = static_cast<int32_t>(as_uint(add_rn(div_rn(x[j], s), kMagic)) - as_uint(kMagic));
-        c = c < -C::kH ? -C::kH : (c > C::kH - 1 ? C::kH - 1 : c);
-      }
+      const float kMagic = 12582912.0f;  // 1.5 * 2^23, as in rne_small
+      int32_t c = static_cast<int32_t>(as_uint(add_rn(qt[j], kMagic)) - as_uint(kMagic));
+      c = c < -C::kH ? -C::kH : (c > C::kH - 1 ? C::kH - 1 : c);
       u[j] = static_cast<uint32_t>(c + C::kH);
     }
   }
@@ -242,6 +300,19 @@ AR_DEVICE uint16_t encode_plain(const float (&x)[kPerLane], const Scan& sc,
 // codec::decode_int / the FP8 decode: one exact product per element.
 template <typename C>
 AR_DEVICE void decode_plain(const uint32_t (&u)[kPerLane], float s, float (&out)[kPerLane]) {
+#if AR_HW_E4M3
+  if (C::kFp8) {
+    // Pairs of codes to f16x2 in one conversion (exact), then f16 -> f32 (exact). A NaN code
+    // decodes to a NaN (its payload is not part of the format).
+#pragma unroll
+    for (int j = 0; j < kPerLane; j += 2) {
+      const uint32_t h2 = cvt_e4m3x2_to_f16x2(u[j] | (u[j + 1] << 8));
+      out[j] = f16_to_f32(static_cast<uint16_t>(h2)) * s;
+      out[j + 1] = f16_to_f32(static_cast<uint16_t>(h2 >> 16)) * s;
+    }
+    return;
+  }
+#endif
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) {
     if (C::kFp8)

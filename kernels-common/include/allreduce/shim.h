@@ -196,6 +196,32 @@ AR_DEVICE uint16_t f32_to_bf16_rn(float f) {
 #endif
 }
 
+// ---- FP8 E4M3 (OCP "fn") conversions in hardware ---------------------------------------------
+
+// AR_HW_E4M3: the target converts f32 <-> OCP E4M3 in one instruction (CUDA sm_89+:
+// cvt.rn.satfinite.e4m3x2.f32 and cvt.rn.f16x2.e4m3x2). The codecs use it where its results
+// are the format's (codec.h says how); elsewhere, HIP included (gfx942's FP8 is E4M3FNUZ, a
+// different format), they use their integer conversions.
+#if !AR_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define AR_HW_E4M3 1
+// Codes of two f32 in the low 16 bits, `lo` in the low byte: nearest even from the f32 value,
+// subnormals included, magnitudes beyond 448 (and infinities) saturated to +-448, NaN -> 0x7F.
+// A negative value that rounds to zero gives 0x80.
+AR_DEVICE uint32_t cvt_e4m3x2(float lo, float hi) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+// Two codes (low byte first) to f16x2 (low half first): exact, every E4M3 value is an f16.
+AR_DEVICE uint32_t cvt_e4m3x2_to_f16x2(uint32_t codes) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(static_cast<uint16_t>(codes)));
+  return r;
+}
+#else
+#define AR_HW_E4M3 0
+#endif
+
 // ---- Clock, fences, atomics ------------------------------------------------------------------
 
 // Nanoseconds from a clock that ticks the same on every SM, for spin deadlines only.

@@ -1173,3 +1173,44 @@ proptest! {
         }
     }
 }
+
+/// The GPU encoders divide by a block scale with one reciprocal per block and Markstein's
+/// correction per element (kernels-common codec.h, `quotients_by_scale`): `q0 = RN(x * y)`,
+/// `r = fma(-s, q0, x)`, `q = fma(r, y, q0)` with `y = RN(1 / s)`. The format requires the
+/// correctly rounded `x / s`; this checks that the sequence gives it for every scale
+/// significand (7 bits: 64 values) and every dividend significand (2^23), i.e. for all normal
+/// operands whose intermediates stay normal (the computation is scale-invariant there).
+/// `exhaustive` runs all 2^29 pairs (~1 s in release, minutes in debug:
+/// `cargo test --release -p allreduce-core markstein -- --ignored`); the default test takes
+/// every 97th dividend.
+fn markstein_check(step: usize) {
+    let mut checked = 0u64;
+    for ss in 64u32..128 {
+        let s = ss as f32 / 64.0;
+        let y = 1.0f32 / s;
+        for neg in [false, true] {
+            let s = if neg { -s } else { s };
+            let y = if neg { -y } else { y };
+            for m in (0u32..1 << 23).step_by(step) {
+                let x = f32::from_bits(0x3f80_0000 | m);
+                let q0 = x * y;
+                let q = (-s).mul_add(q0, x).mul_add(y, q0);
+                let exact = (x as f64 / s as f64) as f32; // double rounding is innocuous here
+                assert_eq!(q.to_bits(), exact.to_bits(), "x {x:e} s {s:e}");
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 0);
+}
+
+#[test]
+fn markstein_division_is_exact_for_scales() {
+    markstein_check(97);
+}
+
+#[test]
+#[ignore = "2^30 divisions: run with --release"]
+fn markstein_division_is_exact_for_scales_exhaustive() {
+    markstein_check(1);
+}
