@@ -36,10 +36,12 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$C" 2>&1
 timeout 400 ./conformance "[cuda" >>"$C" 2>&1; echo "conformance rc=$?" >>"$C"
 timeout 60 ./cuda_codecs >"$T" 2>&1; echo "codecs rc=$?" >>"$T"
 # One process per rank needs MPS on one GPU (../shared/GPU.md): start it for this test only.
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+# CUDA_DEVICE_MAX_CONNECTIONS=1 for the daemon and every client: with the default, the MPS
+# server gave only 3 clients a context (README).
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog CUDA_DEVICE_MAX_CONNECTIONS=1
 mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY; nvidia-cuda-mps-control -d
 timeout 120 ./cuda_processes >>"$T" 2>&1; echo "processes rc=$?" >>"$T"
-echo quit | nvidia-cuda-mps-control; sleep 1
+echo quit | nvidia-cuda-mps-control; sleep 1; unset CUDA_DEVICE_MAX_CONNECTIONS
 timeout 200 ./cuda_graphs >>"$T" 2>&1; echo "graphs rc=$?" >>"$T"
 timeout 300 ./cuda_fused >>"$T" 2>&1; echo "fused rc=$?" >>"$T"
 for r in 2 4 8; do

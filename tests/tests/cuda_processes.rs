@@ -97,6 +97,14 @@ mod procs {
     }
 
     pub fn launcher() -> ExitCode {
+        // Under MPS every client's hardware queues count against the server's limit: with the
+        // default (8) only 3 clients got a context on the H200 (MPS_MAX_CONNECTIONS_REACHED),
+        // and setting 1 in the workers alone was not enough while this launcher, the server's
+        // first client (it asks the driver for devices), kept the default. So before any CUDA
+        // call, here and (inherited) in every worker. A rank uses one stream.
+        if std::env::var_os("CUDA_DEVICE_MAX_CONNECTIONS").is_none() {
+            std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", "1");
+        }
         match allreduce::cuda::driver::device_count() {
             Ok(n) if n > 0 => {}
             Ok(_) => {
@@ -159,13 +167,6 @@ mod procs {
                     .env("MASTER_PORT", port.to_string())
                     .env(SECRET_ENV, secret.to_hex())
                     .env("SCENARIO", scenario)
-                    // Under MPS every client's hardware queues count against the server's
-                    // limit: with the default (8) only 3 clients got a context on the H200
-                    // (CUDA_ERROR_MPS_MAX_CONNECTIONS_REACHED). A rank uses one stream.
-                    .env(
-                        "CUDA_DEVICE_MAX_CONNECTIONS",
-                        std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").unwrap_or("1".into()),
-                    )
                     .spawn()
                     .expect("start a worker")
             })
