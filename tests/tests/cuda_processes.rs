@@ -4,7 +4,8 @@
 //! bootstrap (workspaces exchanged as CUDA IPC handles), and runs calls whose results it
 //! checks itself: exact sums of integer data bit for bit, quantized results against the
 //! format's definition. Then a group in which one rank stops making calls: the others must
-//! report `Error::Timeout` (or `Aborted`) within the deadline, not hang, and drop cleanly.
+//! report `Error::Timeout` (or `Aborted`) within the deadline, not hang, drop cleanly, and
+//! build a new group of the survivors (ranks renumbered, a new rendezvous) that works.
 //!
 //! All ranks share GPU 0 by default (`ALLREDUCE_TEST_DEVICES=0,1,..` spreads them): start
 //! MPS first (../shared/GPU.md), or the processes' kernels only time-slice. Skips with the
@@ -34,7 +35,7 @@ mod procs {
         AllReduceOptions, BackendKind, BufMut, BufRef, Codec, Communicator, DType, Error,
         GroupConfig, HostBytes, Precision, Strategy,
     };
-    use allreduce_bootstrap::{Secret, TcpBootstrap, SECRET_ENV};
+    use allreduce_bootstrap::{Secret, TcpBootstrap, TcpBootstrapConfig, SECRET_ENV};
 
     /// Exit code of a rank that saw the expected timeout in the failure scenario.
     const TIMED_OUT: u8 = 3;
@@ -138,7 +139,11 @@ mod procs {
             .all(|(r, &c)| c == if r == QUITTER { 0 } else { TIMED_OUT as i32 });
         println!(
             "{world} processes, rank {QUITTER} stops calling: the others {} ({:.2} s, exit codes {codes:?})",
-            if good { "time out cleanly" } else { "FAILED" },
+            if good {
+                "time out cleanly, then rebuild a group of 3 that works"
+            } else {
+                "FAILED"
+            },
             t.elapsed().as_secs_f64()
         );
         ok &= good;
@@ -155,6 +160,10 @@ mod procs {
             .and_then(|l| l.local_addr())
             .expect("a free port")
             .port();
+        let rebuild_port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
         let secret = Secret::generate().expect("random bytes");
         let exe = std::env::current_exe().expect("this program");
         let children: Vec<_> = (0..world)
@@ -167,6 +176,7 @@ mod procs {
                     .env("MASTER_PORT", port.to_string())
                     .env(SECRET_ENV, secret.to_hex())
                     .env("SCENARIO", scenario)
+                    .env("REBUILD_PORT", rebuild_port.to_string())
                     .spawn()
                     .expect("start a worker")
             })
@@ -201,22 +211,78 @@ mod procs {
         }
     }
 
+    /// One round of every call on `comm`: inputs from `rank`, results checked for a group of
+    /// `world`. `Err(Ok(e))` is the error `synchronize` reported; `Err(Err(text))` anything else.
+    fn round(
+        comm: &Communicator,
+        stream: &OwnedStream,
+        bufs: &[(Buffer, Buffer)],
+        rank: usize,
+        world: usize,
+        round: usize,
+    ) -> Result<(), Result<Error, String>> {
+        let e = |e: Error| Err(e.to_string());
+        let shapes = calls();
+        for (&(n, dtype, _, _), (input, _)) in shapes.iter().zip(bufs) {
+            input
+                .upload(ints(n, dtype, rank, round).as_slice(), stream)
+                .map_err(e)?;
+        }
+        for (&(n, dtype, strategy, precision), (input, output)) in shapes.iter().zip(bufs) {
+            // SAFETY: both buffers hold n elements and outlive the calls.
+            let (iv, ov) = unsafe {
+                (
+                    BufRef::from_raw(input.addr(), n, dtype, comm.device()),
+                    BufMut::from_raw(output.addr(), n, dtype, comm.device()),
+                )
+            };
+            let opts = AllReduceOptions::default()
+                .strategy(strategy)
+                .precision(precision)
+                .stream(stream.handle());
+            comm.all_reduce(iv, ov, &opts).map_err(e)?;
+        }
+        comm.synchronize(stream.handle()).map_err(Ok)?;
+        for (&(n, dtype, _, precision), (_, output)) in shapes.iter().zip(bufs) {
+            let mut got = HostBytes::zeroed(n * dtype.size());
+            output.download(got.as_mut_slice(), stream).map_err(e)?;
+            let want = expected(n, dtype, precision, world, round);
+            if let Some(i) = (0..n)
+                .find(|&i| dtype.load_f32(got.as_slice(), i) != dtype.load_f32(want.as_slice(), i))
+            {
+                return Err(Err(format!(
+                    "round {round}, {n} {dtype} {precision}: element {i} is {} not {}",
+                    dtype.load_f32(got.as_slice(), i),
+                    dtype.load_f32(want.as_slice(), i)
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn new_comm(
+        boot: &mut TcpBootstrap,
+        rank: usize,
+        world: usize,
+    ) -> Result<Communicator, String> {
+        let config = GroupConfig::new(world)
+            .devices(vec![ordinal(rank)])
+            .max_bytes(4 << 20)
+            .timeout(Duration::from_secs(3));
+        Communicator::new_rank(BackendKind::Cuda, config, boot).map_err(|e| e.to_string())
+    }
+
     fn run_worker(scenario: &str) -> Result<ExitCode, String> {
         let e = |e: Error| e.to_string();
         let mut boot = TcpBootstrap::from_env().map_err(e)?;
         let rank = allreduce::Bootstrap::rank(&boot);
         let world = allreduce::Bootstrap::world_size(&boot);
-        let config = GroupConfig::new(world)
-            .devices(vec![ordinal(rank)])
-            .max_bytes(4 << 20)
-            .timeout(Duration::from_secs(3));
-        let comm = Communicator::new_rank(BackendKind::Cuda, config, &mut boot).map_err(e)?;
+        let comm = new_comm(&mut boot, rank, world)?;
         let _dev = bind(ordinal(rank)).map_err(e)?;
         let stream = OwnedStream::new().map_err(e)?;
         stream.warm().map_err(e)?;
-        let shapes = calls();
         let mut bufs = Vec::new();
-        for &(n, dtype, _, _) in &shapes {
+        for &(n, dtype, _, _) in &calls() {
             bufs.push((
                 Buffer::zeroed(n * dtype.size(), &stream).map_err(e)?,
                 Buffer::zeroed(n * dtype.size(), &stream).map_err(e)?,
@@ -228,8 +294,8 @@ mod procs {
         allreduce::Bootstrap::all_gather(&mut boot, b"ready").map_err(e)?;
 
         let rounds = if scenario == "quit" { 2 } else { 3 };
-        for round in 0..rounds {
-            if scenario == "quit" && round == 1 && rank == QUITTER {
+        for r in 0..rounds {
+            if scenario == "quit" && r == 1 && rank == QUITTER {
                 // Stop taking part (a rank stuck in its own code, or dead): no more calls.
                 // The process stays until its peers have given up, so its workspace, which
                 // they map, outlives their kernels: a process that exits for real frees it
@@ -237,49 +303,42 @@ mod procs {
                 std::thread::sleep(Duration::from_secs(12));
                 return Ok(ExitCode::SUCCESS);
             }
-            for (&(n, dtype, _, _), (input, _)) in shapes.iter().zip(&bufs) {
-                input
-                    .upload(ints(n, dtype, rank, round).as_slice(), &stream)
-                    .map_err(e)?;
-            }
-            for (&(n, dtype, strategy, precision), (input, output)) in shapes.iter().zip(&bufs) {
-                // SAFETY: both buffers hold n elements and outlive the calls.
-                let (iv, ov) = unsafe {
-                    (
-                        BufRef::from_raw(input.addr(), n, dtype, comm.device()),
-                        BufMut::from_raw(output.addr(), n, dtype, comm.device()),
-                    )
-                };
-                let opts = AllReduceOptions::default()
-                    .strategy(strategy)
-                    .precision(precision)
-                    .stream(stream.handle());
-                comm.all_reduce(iv, ov, &opts).map_err(e)?;
-            }
-            match comm.synchronize(stream.handle()) {
+            match round(&comm, &stream, &bufs, rank, world, r) {
                 Ok(()) => {}
-                Err(err @ (Error::Timeout { .. } | Error::Aborted { .. }))
+                Err(Ok(err @ (Error::Timeout { .. } | Error::Aborted { .. })))
                     if scenario == "quit" =>
                 {
                     eprintln!("rank {rank}: as expected: {err}");
+                    // The survivors drop the broken group and build a new one without the
+                    // quitter (ranks renumbered, a new rendezvous), as a serving process
+                    // would after losing a peer, and check a round of calls on it.
                     drop(comm);
+                    let port: u16 = std::env::var("REBUILD_PORT")
+                        .ok()
+                        .and_then(|p| p.parse().ok())
+                        .ok_or("no REBUILD_PORT")?;
+                    let secret = Secret::from_hex(&std::env::var(SECRET_ENV).unwrap_or_default())
+                        .map_err(e)?;
+                    let (new_rank, new_world) = (rank - usize::from(rank > QUITTER), world - 1);
+                    let mut boot2 = TcpBootstrap::new(
+                        TcpBootstrapConfig::new(new_rank, new_world, port)
+                            .master_addr("127.0.0.1")
+                            .secret(secret),
+                    )
+                    .map_err(e)?;
+                    let comm2 = new_comm(&mut boot2, new_rank, new_world)?;
+                    allreduce::Bootstrap::all_gather(&mut boot2, b"ready").map_err(e)?;
+                    round(&comm2, &stream, &bufs, new_rank, new_world, 7).map_err(|r| {
+                        format!(
+                            "the rebuilt group of {new_world}: {}",
+                            r.map_or_else(|t| t, |e| e.to_string())
+                        )
+                    })?;
+                    allreduce::Bootstrap::all_gather(&mut boot2, b"done").map_err(e)?;
                     return Ok(ExitCode::from(TIMED_OUT));
                 }
-                Err(err) => return Err(err.to_string()),
-            }
-            for (&(n, dtype, _, precision), (_, output)) in shapes.iter().zip(&bufs) {
-                let mut got = HostBytes::zeroed(n * dtype.size());
-                output.download(got.as_mut_slice(), &stream).map_err(e)?;
-                let want = expected(n, dtype, precision, world, round);
-                if let Some(i) = (0..n).find(|&i| {
-                    dtype.load_f32(got.as_slice(), i) != dtype.load_f32(want.as_slice(), i)
-                }) {
-                    return Err(format!(
-                        "round {round}, {n} {dtype} {precision}: element {i} is {} not {}",
-                        dtype.load_f32(got.as_slice(), i),
-                        dtype.load_f32(want.as_slice(), i)
-                    ));
-                }
+                Err(Ok(err)) => return Err(err.to_string()),
+                Err(Err(text)) => return Err(text),
             }
         }
         if scenario == "quit" {
