@@ -118,7 +118,8 @@ fn host_fused_refuses_what_the_workspace_cannot_take() {
     let ws = FusedWorkspace::create_group(&comms, FusedConfig::new(4, 64, DType::BF16)).unwrap();
     let m = ws[1].metadata();
     assert_eq!((m.rank, m.world, m.max_tokens, m.hidden), (1, 2, 4, 64));
-    assert_eq!(m.lamport_buffer_size, 3 * 3 * 4 * 64 * 2);
+    // Three buffers of 2 + 1 slots of 4 x 64 bf16, each with 128 bytes of call tags.
+    assert_eq!(m.lamport_buffer_size, 3 * (3 * 4 * 64 * 2 + 128));
     let x = HostBytes::zeroed(8 * 64 * 2);
     let mut out = HostBytes::zeroed(8 * 64 * 2);
     let e = comms[0]
