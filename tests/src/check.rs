@@ -300,21 +300,12 @@ pub fn quantized_bitwise_in_pieces(
     what: &str,
 ) -> Result<(), String> {
     let want = quantized_expected_in_pieces(inputs, dtype, codec, piece);
-    let n = want.len() / dtype.size();
-    for i in 0..n {
-        let (g, w) = (
-            dtype.load_f32(out.as_slice(), i),
-            dtype.load_f32(want.as_slice(), i),
-        );
-        if g.to_bits() != w.to_bits() && !(g.is_nan() && w.is_nan()) {
-            return Err(format!(
-                "{what}: element {i} is {g:e} ({:#x}), the format's definition gives {w:e} ({:#x})",
-                g.to_bits(),
-                w.to_bits()
-            ));
-        }
-    }
-    Ok(())
+    same_values(
+        out,
+        &want,
+        dtype,
+        &format!("{what} (against the format's definition)"),
+    )
 }
 
 /// SNR in dB of `out` against the exact sum.
