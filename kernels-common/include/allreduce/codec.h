@@ -253,7 +253,9 @@ AR_DEVICE uint16_t encode_plain(const float (&x)[kPerLane], const Scan& sc,
   if (C::kFp8) {
     if (sc.finite && sc.amax != 0.0f) field = round_scale(div_rn(sc.amax, 448.0f));
   } else {
-    if (sc.finite && sc.amax != 0.0f) field = round_scale(div_rn(-sc.m, float(C::kH)));
+    // div_rn(-m, H): H is a power of two, so the product by 2^-k is the same correctly
+    // rounded value of the same exact quotient (subnormal results included).
+    if (sc.finite && sc.amax != 0.0f) field = round_scale(mul_rn(-sc.m, 1.0f / float(C::kH)));
   }
   // One correctly rounded division per element, as the format says: three FMA-unit operations
   // per element after one reciprocal per block (quotients_by_scale). (A reciprocal multiply
@@ -266,8 +268,15 @@ AR_DEVICE uint16_t encode_plain(const float (&x)[kPerLane], const Scan& sc,
   } else {
     // Zero, poisoned (s == 0 here) and extreme blocks: the compiler's division per element;
     // zero quotients give the zero codes.
+    // Clamped here to the code range [-H, H-1] (integer bounds: clamping commutes with the
+    // rounding below), since a subnormal scale has fewer significant bits than the bound the
+    // integer path relies on.
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) qt[j] = s == 0.0f ? 0.0f : div_rn(x[j], s);
+    for (int j = 0; j < kPerLane; ++j) {
+      float v = s == 0.0f ? 0.0f : div_rn(x[j], s);
+      if (!C::kFp8) v = fminf(fmaxf(v, -float(C::kH)), float(C::kH - 1));
+      qt[j] = v;
+    }
   }
   if (C::kFp8) {
 #if AR_HW_E4M3
@@ -285,11 +294,20 @@ AR_DEVICE uint16_t encode_plain(const float (&x)[kPerLane], const Scan& sc,
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       // rne_small's sum already holds the integer in its low mantissa bits: read it there
-      // instead of subtracting and converting (a quarter-rate F2I per element).
+      // instead of subtracting and converting (a quarter-rate F2I per element). Adding H to
+      // the magic number gives the biased code RNE(q) + H directly (H is an integer and the
+      // sum stays in [2^23, 2^24), where the f32 step is 1).
       const float kMagic = 12582912.0f;  // 1.5 * 2^23, as in rne_small
-      int32_t c = static_cast<int32_t>(as_uint(add_rn(qt[j], kMagic)) - as_uint(kMagic));
-      c = c < -C::kH ? -C::kH : (c > C::kH - 1 ? C::kH - 1 : c);
-      u[j] = static_cast<uint32_t>(c + C::kH);
+      int32_t b = static_cast<int32_t>(as_uint(add_rn(qt[j], kMagic + float(C::kH))) -
+                                       as_uint(kMagic));
+      // Range of b. The fast path's scale is |s| = RN7(|m| / H) (7 significant bits, normal),
+      // so |s| >= (1 - 2^-7) |m| / H and every |q| <= |m| / |s| <= H / (1 - 2^-7): at most
+      // 8.07 (q4) or 32.26 (q6), which round to at most H, so b is in [0, 2H] and only the
+      // top needs the clamp. q8's 129.02 can round to -129 or 129: both sides. The slow path
+      // clamped its quotients above.
+      if (C::kH >= 128) b = b < 0 ? 0 : b;
+      b = b > 2 * C::kH - 1 ? 2 * C::kH - 1 : b;
+      u[j] = static_cast<uint32_t>(b);
     }
   }
   // A scale that rounded to (signed) zero leaves a zero block: field 0, zero codes.
