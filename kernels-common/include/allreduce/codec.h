@@ -333,10 +333,15 @@ AR_DEVICE void decode_plain(const uint32_t (&u)[kPerLane], float s, float (&out)
 #endif
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) {
-    if (C::kFp8)
+    if (C::kFp8) {
       out[j] = e4m3_to_f32(u[j]) * s;
-    else
-      out[j] = static_cast<float>(static_cast<int>(u[j]) - C::kH) * s;
+    } else {
+      // float(u - H) without a conversion: the code in the low mantissa bits of 2^23 is
+      // 2^23 + u exactly, and subtracting 2^23 + H is exact (both integers below 2^24; a zero
+      // difference is +0.0, as the conversion gives). One byte permute or LOP3 and one FADD.
+      const float kBase = 8388608.0f + float(C::kH);
+      out[j] = sub_rn(as_float(0x4B000000u | u[j]), kBase) * s;
+    }
   }
 }
 
