@@ -323,7 +323,10 @@ AR_DEVICE uint16_t encode_plain(const float (&x)[kPerLane], const Scan& sc,
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       float v = s == 0.0f ? 0.0f : div_rn(x[j], s);
-      if (!C::kFp8) v = fminf(fmaxf(v, -float(C::kH)), float(C::kH - 1));
+      if (!C::kFp8) {  // never NaN here (s != 0, x finite); no libm on HIP RTC
+        const float lo = -float(C::kH), hi = float(C::kH - 1);
+        v = v < lo ? lo : (v > hi ? hi : v);
+      }
       qt[j] = v;
     }
   }
