@@ -52,6 +52,27 @@ AR_DEVICE float div_rn(float a, float b) { return __fdiv_rn(a, b); }
 AR_DEVICE float fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }
 #endif
 
+// RN(1 / s), the same value as div_rn(1.0f, s): CUDA's correctly rounded reciprocal skips the
+// division's general numerator path.
+#if AR_HIP
+AR_DEVICE float rcp_rn(float s) { return div_rn(1.0f, s); }
+#else
+AR_DEVICE float rcp_rn(float s) { return __frcp_rn(s); }
+#endif
+
+// max(a, b) that returns NaN when either is NaN (the FP8 block scan). AR_MAX_NAN: the target
+// has it as one instruction (PTX max.NaN.f32, sm_80+).
+#if !AR_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define AR_MAX_NAN 1
+AR_DEVICE float max_nan(float a, float b) {
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+#else
+#define AR_MAX_NAN 0
+#endif
+
 // |x| as the FP operand modifier (a compare or min/max takes it for free), not an integer AND.
 #if AR_HIP
 AR_DEVICE float abs_f(float x) { return __builtin_fabsf(x); }
@@ -60,11 +81,17 @@ AR_DEVICE float abs_f(float x) { return fabsf(x); }
 #endif
 AR_DEVICE bool is_finite_f(float x) { return (as_uint(x) & 0x7f800000u) != 0x7f800000u; }
 
-// codec::round_scale: nearest-even at f32 bit 17, top 16 bits, flag bit clear.
+// codec::round_scale of a value known not to be NaN, as the f32 bits of scale_value of the
+// field (the field is the top 16 bits): nearest-even at f32 bit 17, flag bit clear.
+AR_DEVICE uint32_t round_scale_bits(float s) {
+  const uint32_t b = as_uint(s);
+  return (b + 0xFFFFu + ((b >> 17) & 1u)) & 0xFFFE0000u;
+}
+
+// codec::round_scale.
 AR_DEVICE uint16_t round_scale(float s) {
   if (s != s) return kPoisonScale;
-  const uint32_t b = as_uint(s);
-  return static_cast<uint16_t>(((b + 0xFFFFu + ((b >> 17) & 1u)) & 0xFFFE0000u) >> 16);
+  return static_cast<uint16_t>(round_scale_bits(s) >> 16);
 }
 
 // codec::scale_value.
@@ -145,7 +172,7 @@ AR_DEVICE bool fast_scale(float s) {
 // below half the smallest code step, and s < 2^101 keeps y and every quotient normal. (The
 // compiler's div.rn instead recomputes the reciprocal and range-checks per element.)
 AR_DEVICE void quotients_by_scale(const float (&x)[kPerLane], float s, float (&q)[kPerLane]) {
-  const float y = div_rn(1.0f, s);
+  const float y = rcp_rn(s);
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) {
     const float q0 = mul_rn(x[j], y);
@@ -244,30 +271,64 @@ AR_DEVICE Scan scan_quad(const float (&x)[kPerLane], int q) {
   return Scan{finite, finite ? m : 0.0f, finite ? abs_f(m) : 0.0f};
 }
 
+// The scan for codecs that use only the block's largest magnitude and finiteness (FP8): with
+// a NaN-propagating max, one instruction per element (Inf is the largest magnitude, a NaN
+// wins over everything). m is not the reference's signed m here (it is amax); nothing of FP8
+// reads it.
+AR_DEVICE Scan scan_amax_quad(const float (&x)[kPerLane], int q) {
+#if AR_MAX_NAN
+  float a = abs_f(x[0]);
+#pragma unroll
+  for (int j = 1; j < kPerLane; ++j) a = max_nan(a, abs_f(x[j]));
+  a = max_nan(a, quad_xor<1>(a));
+  a = max_nan(a, quad_xor<2>(a));
+  const bool finite = a < as_float(0x7f800000u);  // false for Inf and NaN
+  const float amax = finite ? a : 0.0f;
+  return Scan{finite, amax, amax};
+#else
+  return scan_quad(x, q);
+#endif
+}
+
 // codec::encode_plain for C's codes (the adaptive codecs' plain candidate included): 8 biased
 // codes per lane; returns the field (flag clear), the same in all four lanes.
 template <typename C>
 AR_DEVICE uint16_t encode_plain(const float (&x)[kPerLane], const Scan& sc,
                                 uint32_t (&u)[kPerLane]) {
-  uint16_t field = 0;
+  // The scale's f32 bits (field << 16); the value rounded is finite here, so round_scale's
+  // NaN case cannot arise.
+  uint32_t sbits = 0;
   if (C::kFp8) {
-    if (sc.finite && sc.amax != 0.0f) field = round_scale(div_rn(sc.amax, 448.0f));
+    if (sc.finite && sc.amax != 0.0f) sbits = round_scale_bits(div_rn(sc.amax, 448.0f));
   } else {
-    if (sc.finite && sc.amax != 0.0f) field = round_scale(div_rn(-sc.m, float(C::kH)));
+    // div_rn(-m, H): H is a power of two, so the product by 2^-k is the same correctly
+    // rounded value of the same exact quotient (subnormal results included).
+    if (sc.finite && sc.amax != 0.0f) sbits = round_scale_bits(mul_rn(-sc.m, 1.0f / float(C::kH)));
   }
+  const uint16_t field = static_cast<uint16_t>(sbits >> 16);
   // One correctly rounded division per element, as the format says: three FMA-unit operations
   // per element after one reciprocal per block (quotients_by_scale). (A reciprocal multiply
   // with a division only next to rounding boundaries was tried: exact, but 12% slower on
   // sm_90 than per-element div.rn.)
-  const float s = scale_value(field);
+  const float s = as_float(sbits);  // scale_value(field)
   float qt[kPerLane];
   if (fast_scale(s)) {  // every finite block of ordinary data; quad-uniform
     quotients_by_scale(x, s, qt);
   } else {
     // Zero, poisoned (s == 0 here) and extreme blocks: the compiler's division per element;
     // zero quotients give the zero codes.
+    // Clamped here to the code range [-H, H-1] (integer bounds: clamping commutes with the
+    // rounding below), since a subnormal scale has fewer significant bits than the bound the
+    // integer path relies on.
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) qt[j] = s == 0.0f ? 0.0f : div_rn(x[j], s);
+    for (int j = 0; j < kPerLane; ++j) {
+      float v = s == 0.0f ? 0.0f : div_rn(x[j], s);
+      if (!C::kFp8) {  // never NaN here (s != 0, x finite); no libm on HIP RTC
+        const float lo = -float(C::kH), hi = float(C::kH - 1);
+        v = v < lo ? lo : (v > hi ? hi : v);
+      }
+      qt[j] = v;
+    }
   }
   if (C::kFp8) {
 #if AR_HW_E4M3
@@ -285,16 +346,25 @@ AR_DEVICE uint16_t encode_plain(const float (&x)[kPerLane], const Scan& sc,
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       // rne_small's sum already holds the integer in its low mantissa bits: read it there
-      // instead of subtracting and converting (a quarter-rate F2I per element).
+      // instead of subtracting and converting (a quarter-rate F2I per element). Adding H to
+      // the magic number gives the biased code RNE(q) + H directly (H is an integer and the
+      // sum stays in [2^23, 2^24), where the f32 step is 1).
       const float kMagic = 12582912.0f;  // 1.5 * 2^23, as in rne_small
-      int32_t c = static_cast<int32_t>(as_uint(add_rn(qt[j], kMagic)) - as_uint(kMagic));
-      c = c < -C::kH ? -C::kH : (c > C::kH - 1 ? C::kH - 1 : c);
-      u[j] = static_cast<uint32_t>(c + C::kH);
+      int32_t b = static_cast<int32_t>(as_uint(add_rn(qt[j], kMagic + float(C::kH))) -
+                                       as_uint(kMagic));
+      // Range of b. The fast path's scale is |s| = RN7(|m| / H) (7 significant bits, normal),
+      // so |s| >= (1 - 2^-7) |m| / H and every |q| <= |m| / |s| <= H / (1 - 2^-7): at most
+      // 8.07 (q4) or 32.26 (q6), which round to at most H, so b is in [0, 2H] and only the
+      // top needs the clamp. q8's 129.02 can round to -129 or 129: both sides. The slow path
+      // clamped its quotients above.
+      if (C::kH >= 128) b = b < 0 ? 0 : b;
+      b = b > 2 * C::kH - 1 ? 2 * C::kH - 1 : b;
+      u[j] = static_cast<uint32_t>(b);
     }
   }
   // A scale that rounded to (signed) zero leaves a zero block: field 0, zero codes.
   if (!sc.finite) return kPoisonScale;
-  return scale_value(field) == 0.0f ? uint16_t(0) : field;
+  return s == 0.0f ? uint16_t(0) : field;
 }
 
 // codec::decode_int / the FP8 decode: one exact product per element.
@@ -315,10 +385,15 @@ AR_DEVICE void decode_plain(const uint32_t (&u)[kPerLane], float s, float (&out)
 #endif
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) {
-    if (C::kFp8)
+    if (C::kFp8) {
       out[j] = e4m3_to_f32(u[j]) * s;
-    else
-      out[j] = static_cast<float>(static_cast<int>(u[j]) - C::kH) * s;
+    } else {
+      // float(u - H) without a conversion: the code in the low mantissa bits of 2^23 is
+      // 2^23 + u exactly, and subtracting 2^23 + H is exact (both integers below 2^24; a zero
+      // difference is +0.0, as the conversion gives). One byte permute or LOP3 and one FADD.
+      const float kBase = 8388608.0f + float(C::kH);
+      out[j] = sub_rn(as_float(0x4B000000u | u[j]), kBase) * s;
+    }
   }
 }
 
@@ -387,7 +462,7 @@ AR_DEVICE float squared_error(const float (&a)[kPerLane], const float (&b)[kPerL
 // codec::encode_block (without the packing): the block's 8 codes of this lane and its field.
 template <typename C>
 AR_DEVICE uint16_t encode_quad(const float (&x)[kPerLane], int q, uint32_t (&u)[kPerLane]) {
-  const Scan sc = scan_quad(x, q);
+  const Scan sc = C::kFp8 ? scan_amax_quad(x, q) : scan_quad(x, q);
   uint16_t field = encode_plain<C>(x, sc, u);
   if (C::kAdaptiveCodec) {
     // codec::choose_adaptive, computed for every block (the quad functions shuffle) and kept

@@ -218,27 +218,102 @@ struct UnrollOf {
   static constexpr int value = C::kAdaptiveCodec ? 1 : 2;
 };
 
+// Quads of one warp: a pass of the segment kernels covers kWarpQuads consecutive blocks per
+// warp and step.
+constexpr int kWarpQuads = kWarpSize / kQuad;
+
+// Loads of one 16-byte vector per step without bounds (the whole-pass fast path below).
+template <typename T>
+AR_DEVICE void load8_whole(const void* base, u64 e0, float (&x)[kPerLane]) {
+  constexpr int E = Packed<T>::kElems;
+  const uint4* p = reinterpret_cast<const uint4*>(static_cast<const char*>(base) + e0 * sizeof(T));
+#pragma unroll
+  for (int v = 0; v < kPerLane / E; ++v) {
+    float f[E];
+    Packed<T>::to_f32(p[v], f);
+#pragma unroll
+    for (int i = 0; i < E; ++i) x[v * E + i] = f[i];
+  }
+}
+template <typename T>
+AR_DEVICE void store8_whole(void* base, u64 e0, const float (&x)[kPerLane]) {
+  constexpr int E = Packed<T>::kElems;
+  uint4* p = reinterpret_cast<uint4*>(static_cast<char*>(base) + e0 * sizeof(T));
+#pragma unroll
+  for (int v = 0; v < kPerLane / E; ++v) {
+    float f[E];
+#pragma unroll
+    for (int i = 0; i < E; ++i) f[i] = x[v * E + i];
+    p[v] = Packed<T>::from_f32(f);
+  }
+}
+
+// One pass of encode_segment from block row k0 (warp-uniform). kWhole: every block the warp
+// touches in this pass lies wholly inside [0, n), so no load or store needs a bounds test.
+template <typename T, typename C, int kUnroll, bool kWhole>
+AR_DEVICE void encode_pass(const CodecArgs& a, const QuadLoop& L, const Segment<C>& seg, u64 k0) {
+  const u64 lane_k = L.quad - L.warp_quad;
+  float x[kUnroll][kPerLane];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const u64 e0 = (k0 + u * L.stride + lane_k) * kBlock + L.q * kPerLane;
+    if (kWhole)
+      load8_whole<T>(a.src, e0, x[u]);
+    else
+      load8<T>(a.src, e0, a.n, x[u]);
+  }
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    if (!kWhole && k0 + u * L.stride >= seg.nb) break;  // warp-uniform
+    const u64 k = k0 + u * L.stride + lane_k;
+    uint32_t codes[kPerLane];
+    const uint16_t field = encode_quad<C>(x[u], L.q, codes);
+    if (kWhole || k < seg.nb) seg.store(static_cast<char*>(a.dst), k, L.q, codes, field);
+  }
+}
+
 // T[n] -> one segment at dst (codes and scales; padding bytes are not written). Block k is
 // still handled by the lane the grid-stride loop gives it; a pass covers k, k + stride, ...
+// Passes whose blocks all lie inside the buffer (all but the last one or two of a warp) run
+// a copy of the body without bounds tests.
 template <typename T, typename C>
 __device__ void encode_segment(const CodecArgs& a) {
   const QuadLoop L;
   const Segment<C> seg(a.n);
-  const u64 lane_k = L.quad - L.warp_quad;
   constexpr int kUnroll = UnrollOf<C>::value;
-  for (u64 k0 = L.warp_quad; k0 < seg.nb; k0 += kUnroll * L.stride) {
-    float x[kUnroll][kPerLane];
+  // Whole passes first (a warp's passes are in increasing order, so once one reaches past
+  // the end, all later ones do), then the rest with bounds tests: two loops, so the fast one
+  // keeps only its own values in registers.
+  u64 k0 = L.warp_quad;
+  for (; (k0 + (kUnroll - 1) * L.stride + kWarpQuads) * kBlock <= a.n; k0 += kUnroll * L.stride)
+    encode_pass<T, C, kUnroll, true>(a, L, seg, k0);
+  for (; k0 < seg.nb; k0 += kUnroll * L.stride) encode_pass<T, C, kUnroll, false>(a, L, seg, k0);
+}
+
+// One pass of decode_segment, as encode_pass.
+template <typename T, typename C, int kUnroll, bool kWhole>
+AR_DEVICE void decode_pass(const CodecArgs& a, const QuadLoop& L, const Segment<C>& seg, u64 k0) {
+  const u64 lane_k = L.quad - L.warp_quad;
+  uint32_t codes[kUnroll][kPerLane];
+  uint16_t field[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      load8<T>(a.src, (k0 + u * L.stride + lane_k) * kBlock + L.q * kPerLane, a.n, x[u]);
+  for (int u = 0; u < kUnroll; ++u) {
+    const u64 k = k0 + u * L.stride + lane_k;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (k0 + u * L.stride >= seg.nb) break;  // warp-uniform
-      const u64 k = k0 + u * L.stride + lane_k;
-      uint32_t codes[kPerLane];
-      const uint16_t field = encode_quad<C>(x[u], L.q, codes);
-      if (k < seg.nb) seg.store(static_cast<char*>(a.dst), k, L.q, codes, field);
-    }
+    for (int j = 0; j < kPerLane; ++j) codes[u][j] = 0;
+    field[u] = 0;
+    if (kWhole || k < seg.nb) field[u] = seg.load(static_cast<const char*>(a.src), k, L.q, codes[u]);
+  }
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    if (!kWhole && k0 + u * L.stride >= seg.nb) break;  // warp-uniform
+    const u64 k = k0 + u * L.stride + lane_k;
+    float x[kPerLane];
+    decode_quad<C>(codes[u], field[u], L.q, x);
+    if (kWhole)
+      store8_whole<T>(a.dst, k * kBlock + L.q * kPerLane, x);
+    else if (k < seg.nb)
+      store8<T>(a.dst, k * kBlock + L.q * kPerLane, a.n, x);
   }
 }
 
@@ -247,28 +322,14 @@ template <typename T, typename C>
 __device__ void decode_segment(const CodecArgs& a) {
   const QuadLoop L;
   const Segment<C> seg(a.n);
-  const u64 lane_k = L.quad - L.warp_quad;
   constexpr int kUnroll = 2;  // decoding is cheap: more loads in flight, no register trouble
-  for (u64 k0 = L.warp_quad; k0 < seg.nb; k0 += kUnroll * L.stride) {
-    uint32_t codes[kUnroll][kPerLane];
-    uint16_t field[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const u64 k = k0 + u * L.stride + lane_k;
-#pragma unroll
-      for (int j = 0; j < kPerLane; ++j) codes[u][j] = 0;
-      field[u] = 0;
-      if (k < seg.nb) field[u] = seg.load(static_cast<const char*>(a.src), k, L.q, codes[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (k0 + u * L.stride >= seg.nb) break;  // warp-uniform
-      const u64 k = k0 + u * L.stride + lane_k;
-      float x[kPerLane];
-      decode_quad<C>(codes[u], field[u], L.q, x);
-      if (k < seg.nb) store8<T>(a.dst, k * kBlock + L.q * kPerLane, a.n, x);
-    }
-  }
+  // Whole passes first (a warp's passes are in increasing order, so once one reaches past
+  // the end, all later ones do), then the rest with bounds tests: two loops, so the fast one
+  // keeps only its own values in registers.
+  u64 k0 = L.warp_quad;
+  for (; (k0 + (kUnroll - 1) * L.stride + kWarpQuads) * kBlock <= a.n; k0 += kUnroll * L.stride)
+    decode_pass<T, C, kUnroll, true>(a, L, seg, k0);
+  for (; k0 < seg.nb; k0 += kUnroll * L.stride) decode_pass<T, C, kUnroll, false>(a, L, seg, k0);
 }
 
 }  // namespace ar

@@ -1214,3 +1214,23 @@ fn markstein_division_is_exact_for_scales() {
 fn markstein_division_is_exact_for_scales_exhaustive() {
     markstein_check(1);
 }
+
+/// The GPU integer encoders clamp a code only at the top for q4/q6 (kernels-common codec.h,
+/// `encode_plain`): with a normal scale `|s| = RN7(|m| / H)`, every quotient `x / s` of the
+/// block (|x| <= |m|) rounds to at most H in magnitude, and q8's to at most 129. The ratio
+/// depends only on the significands while everything stays normal, so every significand of
+/// m is checked.
+#[test]
+fn normal_scale_codes_stay_within_one_of_the_range() {
+    for (h, limit) in [(8u32, 8.0f32), (32, 32.0), (128, 129.0)] {
+        let hf = h as f32;
+        let mut worst = 0.0f32;
+        for sig in 0u32..1 << 23 {
+            let m = f32::from_bits(0x3f80_0000 | sig);
+            let s = scale_value(round_scale(m / hf));
+            let q = rne_small(m / s);
+            worst = worst.max(q);
+        }
+        assert!(worst <= limit, "H {h}: |code| up to {worst}");
+    }
+}
