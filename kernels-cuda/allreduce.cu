@@ -30,36 +30,38 @@ extern "C" __global__ void ar_copy_f32x4(const uint4* src, uint4* dst, u64 n_vec
 // ---- Quantized two-shot and the codec segment kernels (kernels-common quantized.h) ----------
 // One instantiation per (element type, codec): the codec is a template parameter, so each
 // kernel holds only its own arithmetic. f16 and bf16 only: the codecs carry 16-bit data.
-// MINB: resident 512-thread blocks per SM the segment kernels are built for. The codec bench
-// and tests launch 4 per SM (grid = 4 x SMs, grid-stride): at 33-40 registers only 3 fit, and
-// the fourth block of every SM ran alone in a second wave. Plain codecs: 4 (<= 32 registers);
-// adaptive: 2 (<= 64), so a 4-per-SM grid is exactly two full waves.
+// ENC_MINB / DEC_MINB: resident 512-thread blocks per SM the segment encoders / decoders are
+// built for (the codec bench and tests launch 4 per SM, grid-stride). Encoders code a block
+// per lane (quantized.h, EncodeShape): plain ones fit 64 registers (2 per SM), adaptive ones
+// need 128 (1 per SM; at 64 they spilled). Decoders work in quads: plain ones at 4 per SM
+// (<= 32 registers; at 33-40 only 3 fit and every SM ran its fourth block in a second wave),
+// adaptive ones at 2.
 
 #include "allreduce/quantized.h"
 
-#define AR_QUANTIZED(CODEC, C, MINB)                                                              \
+#define AR_QUANTIZED(CODEC, C, ENC_MINB, DEC_MINB)                                                              \
   AR_KERNEL ar_quantized_f16_##CODEC(AR_GRID_CONSTANT const Args a) {                           \
     quantized_twoshot<ar_half, C>(a);                                                           \
   }                                                                                             \
   AR_KERNEL ar_quantized_bf16_##CODEC(AR_GRID_CONSTANT const Args a) {                          \
     quantized_twoshot<ar_bf16, C>(a);                                                           \
   }                                                                                             \
-  extern "C" __global__ void __launch_bounds__(kThreads, MINB)                                  \
+  extern "C" __global__ void __launch_bounds__(kThreads, ENC_MINB)                              \
       ar_encode_f32_##CODEC(const CodecArgs a) { encode_segment<float, C>(a); }                 \
-  extern "C" __global__ void __launch_bounds__(kThreads, MINB)                                  \
+  extern "C" __global__ void __launch_bounds__(kThreads, DEC_MINB)                              \
       ar_decode_f32_##CODEC(const CodecArgs a) { decode_segment<float, C>(a); }                 \
-  extern "C" __global__ void __launch_bounds__(kThreads, MINB)                                  \
+  extern "C" __global__ void __launch_bounds__(kThreads, ENC_MINB)                              \
       ar_encode_bf16_##CODEC(const CodecArgs a) { encode_segment<ar_bf16, C>(a); }              \
-  extern "C" __global__ void __launch_bounds__(kThreads, MINB)                                  \
+  extern "C" __global__ void __launch_bounds__(kThreads, DEC_MINB)                              \
       ar_decode_bf16_##CODEC(const CodecArgs a) { decode_segment<ar_bf16, C>(a); }
 
-AR_QUANTIZED(fp8, CodecFp8, 4)
-AR_QUANTIZED(q8, CodecQ8, 4)
-AR_QUANTIZED(q6, CodecQ6, 4)
-AR_QUANTIZED(q4, CodecQ4, 4)
-AR_QUANTIZED(q8a, CodecQ8a, 2)
-AR_QUANTIZED(q6a, CodecQ6a, 2)
-AR_QUANTIZED(q4a, CodecQ4a, 2)
+AR_QUANTIZED(fp8, CodecFp8, 2, 4)
+AR_QUANTIZED(q8, CodecQ8, 2, 4)
+AR_QUANTIZED(q6, CodecQ6, 2, 4)
+AR_QUANTIZED(q4, CodecQ4, 2, 4)
+AR_QUANTIZED(q8a, CodecQ8a, 1, 2)
+AR_QUANTIZED(q6a, CodecQ6a, 1, 2)
+AR_QUANTIZED(q4a, CodecQ4a, 1, 2)
 
 // ---- Hierarchical quantized all-reduce, two NUMA groups (kernels-common hierarchical.h) ----
 // Templated on the codec like the quantized two-shot, so every codec has one.

@@ -3,13 +3,21 @@
 // specification is the Rust reference (crates/core/src/codec), and every function here says
 // which reference function it must match bit for bit.
 //
-// Work shape: a "quad" of 4 consecutive lanes codes one 32-element block, 8 elements per lane
-// (one 16-byte vector of f16/bf16). Block-wide steps (the max, the Hadamard stages h = 8 and
-// 16, the squared-error tree) cross lanes with xor-1 / xor-2 shuffles, which stay inside the
-// quad on 32- and 64-lane warps alike. Lane q of a quad holds block elements 8q..8q+7.
+// Work shape: a group of 32 / N consecutive lanes codes one 32-element block, N elements per
+// lane; lane q of the group holds block elements Nq..Nq+N-1. The functions are templated on N
+// (deduced from their arrays):
+//   N = 8, a "quad" of 4 lanes, one 16-byte vector of f16/bf16 per lane: the all-reduce
+//     kernels' shape (many blocks in flight, few registers). Block-wide steps (the max, the
+//     Hadamard stages h = 8 and 16, the squared-error tree) cross lanes with xor-1 / xor-2
+//     shuffles, which stay inside the quad on 32- and 64-lane warps alike.
+//   N = 32, one lane per block: no shuffles at all, and the per-block scalar work (scale,
+//     reciprocal) is done once instead of by four lanes. More registers; the segment kernels
+//     use it where it pays (quantized.h, EncodeShape).
+// The arithmetic and its order are the same for every N: each lane keeps groups of 8
+// elements, and the cross-lane steps of N = 8 are the in-lane steps of N = 32.
 //
-// Every lane of a warp must call the quad functions together (they shuffle), so nothing here
-// branches around a shuffle: the adaptive candidate is always computed and then selected.
+// Every lane of a warp must call the group functions together (they may shuffle), so nothing
+// here branches around a shuffle: the adaptive candidate is always computed and then selected.
 #pragma once
 
 #include "allreduce/shim.h"
@@ -171,10 +179,11 @@ AR_DEVICE bool fast_scale(float s) {
 // code) has |x| >= 2^-111; smaller elements get a quotient within a few 2^-149 of x / s, far
 // below half the smallest code step, and s < 2^101 keeps y and every quotient normal. (The
 // compiler's div.rn instead recomputes the reciprocal and range-checks per element.)
-AR_DEVICE void quotients_by_scale(const float (&x)[kPerLane], float s, float (&q)[kPerLane]) {
+template <int kN>
+AR_DEVICE void quotients_by_scale(const float (&x)[kN], float s, float (&q)[kN]) {
   const float y = rcp_rn(s);
 #pragma unroll
-  for (int j = 0; j < kPerLane; ++j) {
+  for (int j = 0; j < kN; ++j) {
     const float q0 = mul_rn(x[j], y);
     q[j] = fma_rn(fma_rn(-s, q0, x[j]), y, q0);
   }
@@ -244,7 +253,8 @@ struct Scan {
   bool finite;
   float m, amax;
 };
-AR_DEVICE Scan scan_quad(const float (&x)[kPerLane], int q) {
+template <int kN>
+AR_DEVICE Scan scan_quad(const float (&x)[kN], int q) {
   // The lane's first element of largest magnitude: one compare (|.| is an operand modifier)
   // and one select per element. m starts at +0.0 and only an |x| > 0 replaces it, so a zero
   // block keeps the reference's +0.0.
@@ -253,7 +263,7 @@ AR_DEVICE Scan scan_quad(const float (&x)[kPerLane], int q) {
   // bit test per element would be three instructions. Not folded: no fast-math.
   float probe = 0.0f;
 #pragma unroll
-  for (int j = 0; j < kPerLane; ++j) {
+  for (int j = 0; j < kN; ++j) {
     probe = x[j] * 0.0f + probe;
     if (abs_f(x[j]) > abs_f(m)) m = x[j];  // strict: the first of equal magnitudes wins
   }
@@ -265,8 +275,8 @@ AR_DEVICE Scan scan_quad(const float (&x)[kPerLane], int q) {
     const float a = abs_f(m), pa = abs_f(pm);
     if (pm != pm || pa > a || (pa == a && partner_lower)) m = pm;  // NaN m: all false
   };
-  merge(quad_xor<1>(m), (q & 1) != 0);
-  merge(quad_xor<2>(m), (q & 2) != 0);
+  if constexpr (kN <= 16) merge(quad_xor<1>(m), (q & 1) != 0);
+  if constexpr (kN <= 8) merge(quad_xor<2>(m), (q & 2) != 0);
   const bool finite = m == m;
   return Scan{finite, finite ? m : 0.0f, finite ? abs_f(m) : 0.0f};
 }
@@ -275,13 +285,14 @@ AR_DEVICE Scan scan_quad(const float (&x)[kPerLane], int q) {
 // a NaN-propagating max, one instruction per element (Inf is the largest magnitude, a NaN
 // wins over everything). m is not the reference's signed m here (it is amax); nothing of FP8
 // reads it.
-AR_DEVICE Scan scan_amax_quad(const float (&x)[kPerLane], int q) {
+template <int kN>
+AR_DEVICE Scan scan_amax_quad(const float (&x)[kN], int q) {
 #if AR_MAX_NAN
   float a = abs_f(x[0]);
 #pragma unroll
-  for (int j = 1; j < kPerLane; ++j) a = max_nan(a, abs_f(x[j]));
-  a = max_nan(a, quad_xor<1>(a));
-  a = max_nan(a, quad_xor<2>(a));
+  for (int j = 1; j < kN; ++j) a = max_nan(a, abs_f(x[j]));
+  if constexpr (kN <= 16) a = max_nan(a, quad_xor<1>(a));
+  if constexpr (kN <= 8) a = max_nan(a, quad_xor<2>(a));
   const bool finite = a < as_float(0x7f800000u);  // false for Inf and NaN
   const float amax = finite ? a : 0.0f;
   return Scan{finite, amax, amax};
@@ -292,9 +303,8 @@ AR_DEVICE Scan scan_amax_quad(const float (&x)[kPerLane], int q) {
 
 // codec::encode_plain for C's codes (the adaptive codecs' plain candidate included): 8 biased
 // codes per lane; returns the field (flag clear), the same in all four lanes.
-template <typename C>
-AR_DEVICE uint16_t encode_plain(const float (&x)[kPerLane], const Scan& sc,
-                                uint32_t (&u)[kPerLane]) {
+template <typename C, int kN>
+AR_DEVICE uint16_t encode_plain(const float (&x)[kN], const Scan& sc, uint32_t (&u)[kN]) {
   // The scale's f32 bits (field << 16); the value rounded is finite here, so round_scale's
   // NaN case cannot arise.
   uint32_t sbits = 0;
@@ -311,7 +321,7 @@ AR_DEVICE uint16_t encode_plain(const float (&x)[kPerLane], const Scan& sc,
   // with a division only next to rounding boundaries was tried: exact, but 12% slower on
   // sm_90 than per-element div.rn.)
   const float s = as_float(sbits);  // scale_value(field)
-  float qt[kPerLane];
+  float qt[kN];
   if (fast_scale(s)) {  // every finite block of ordinary data; quad-uniform
     quotients_by_scale(x, s, qt);
   } else {
@@ -321,7 +331,7 @@ AR_DEVICE uint16_t encode_plain(const float (&x)[kPerLane], const Scan& sc,
     // rounding below), since a subnormal scale has fewer significant bits than the bound the
     // integer path relies on.
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
+    for (int j = 0; j < kN; ++j) {
       float v = s == 0.0f ? 0.0f : div_rn(x[j], s);
       if (!C::kFp8) {  // never NaN here (s != 0, x finite); no libm on HIP RTC
         const float lo = -float(C::kH), hi = float(C::kH - 1);
@@ -333,18 +343,18 @@ AR_DEVICE uint16_t encode_plain(const float (&x)[kPerLane], const Scan& sc,
   if (C::kFp8) {
 #if AR_HW_E4M3
 #pragma unroll
-    for (int h = 0; h < kPerLane; h += 4) {
+    for (int h = 0; h < kN; h += 4) {
       const uint32_t w = f32x4_to_e4m3x4(qt[h], qt[h + 1], qt[h + 2], qt[h + 3]);
 #pragma unroll
       for (int j = 0; j < 4; ++j) u[h + j] = (w >> (8 * j)) & 0xFFu;
     }
 #else
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) u[j] = f32_to_e4m3(qt[j]);
+    for (int j = 0; j < kN; ++j) u[j] = f32_to_e4m3(qt[j]);
 #endif
   } else {
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
+    for (int j = 0; j < kN; ++j) {
       // rne_small's sum already holds the integer in its low mantissa bits: read it there
       // instead of subtracting and converting (a quarter-rate F2I per element). Adding H to
       // the magic number gives the biased code RNE(q) + H directly (H is an integer and the
@@ -368,25 +378,22 @@ AR_DEVICE uint16_t encode_plain(const float (&x)[kPerLane], const Scan& sc,
 }
 
 // codec::decode_int / the FP8 decode: one exact product per element.
-template <typename C>
-AR_DEVICE void decode_plain(const uint32_t (&u)[kPerLane], float s, float (&out)[kPerLane]) {
+template <typename C, int kN>
+AR_DEVICE void decode_plain(const uint32_t (&u)[kN], float s, float (&out)[kN]) {
+#pragma unroll
+  for (int j = 0; j < kN; ++j) {
+    if constexpr (C::kFp8) {
 #if AR_HW_E4M3
-  if (C::kFp8) {
-    // Pairs of codes to f16x2 in one conversion (exact), then f16 -> f32 (exact). A NaN code
-    // decodes to a NaN (its payload is not part of the format).
-#pragma unroll
-    for (int j = 0; j < kPerLane; j += 2) {
-      const uint32_t h2 = cvt_e4m3x2_to_f16x2(u[j] | (u[j + 1] << 8));
-      out[j] = f16_to_f32(static_cast<uint16_t>(h2)) * s;
-      out[j + 1] = f16_to_f32(static_cast<uint16_t>(h2 >> 16)) * s;
-    }
-    return;
-  }
-#endif
-#pragma unroll
-  for (int j = 0; j < kPerLane; ++j) {
-    if (C::kFp8) {
+      // Pairs of codes to f16x2 in one conversion (exact), then f16 -> f32 (exact). A NaN
+      // code decodes to a NaN (its payload is not part of the format).
+      if (j % 2 == 0) {
+        const uint32_t h2 = cvt_e4m3x2_to_f16x2(u[j] | (u[j + 1] << 8));
+        out[j] = f16_to_f32(static_cast<uint16_t>(h2)) * s;
+        out[j + 1] = f16_to_f32(static_cast<uint16_t>(h2 >> 16)) * s;
+      }
+#else
       out[j] = e4m3_to_f32(u[j]) * s;
+#endif
     } else {
       // float(u - H) without a conversion: the code in the low mantissa bits of 2^23 is
       // 2^23 + u exactly, and subtracting 2^23 + H is exact (both integers below 2^24; a zero
@@ -397,13 +404,15 @@ AR_DEVICE void decode_plain(const uint32_t (&u)[kPerLane], float s, float (&out)
   }
 }
 
-// codec::wht32 over the quad: stages h = 1, 2, 4 inside the lane, 8 and 16 across lanes.
-// Pair (a, b) -> (a + b, a - b); the lane holding the upper element computes partner - own.
-AR_DEVICE void wht_quad(float (&v)[kPerLane], int q) {
+// codec::wht32 over the lane group: stages h < N inside the lane, h = N and 2N across lanes
+// (xor-1, xor-2). Pair (a, b) -> (a + b, a - b); the lane holding the upper element computes
+// partner - own.
+template <int kN>
+AR_DEVICE void wht_quad(float (&v)[kN], int q) {
 #pragma unroll
-  for (int h = 1; h < kPerLane; h *= 2) {
+  for (int h = 1; h < kN; h *= 2) {
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
+    for (int j = 0; j < kN; ++j) {
       if ((j & h) == 0) {
         const float a = v[j], b = v[j + h];
         v[j] = add_rn(a, b);
@@ -411,78 +420,185 @@ AR_DEVICE void wht_quad(float (&v)[kPerLane], int q) {
       }
     }
   }
+  if constexpr (kN <= 16) {
 #pragma unroll
-  for (int j = 0; j < kPerLane; ++j) {
-    const float p = quad_xor<1>(v[j]);
-    v[j] = (q & 1) ? sub_rn(p, v[j]) : add_rn(v[j], p);
+    for (int j = 0; j < kN; ++j) {
+      const float p = quad_xor<1>(v[j]);
+      v[j] = (q & 1) ? sub_rn(p, v[j]) : add_rn(v[j], p);
+    }
   }
+  if constexpr (kN <= 8) {
 #pragma unroll
-  for (int j = 0; j < kPerLane; ++j) {
-    const float p = quad_xor<2>(v[j]);
-    v[j] = (q & 2) ? sub_rn(p, v[j]) : add_rn(v[j], p);
+    for (int j = 0; j < kN; ++j) {
+      const float p = quad_xor<2>(v[j]);
+      v[j] = (q & 2) ? sub_rn(p, v[j]) : add_rn(v[j], p);
+    }
   }
 }
 
+template <int kN>
 AR_DEVICE float sign_of(int q, int j, float v) {
-  return ((kHadamardSigns >> (q * kPerLane + j)) & 1u) ? -v : v;
+  return ((kHadamardSigns >> (q * kN + j)) & 1u) ? -v : v;
 }
 
 // codec::hadamard_forward.
-AR_DEVICE void hadamard_forward(float (&v)[kPerLane], int q) {
+template <int kN>
+AR_DEVICE void hadamard_forward(float (&v)[kN], int q) {
 #pragma unroll
-  for (int j = 0; j < kPerLane; ++j) v[j] = sign_of(q, j, v[j]);
+  for (int j = 0; j < kN; ++j) v[j] = sign_of<kN>(q, j, v[j]);
   wht_quad(v, q);
 }
 
 // codec::hadamard_inverse (exact on decoded blocks, so the order is free; it is kept anyway).
-AR_DEVICE void hadamard_inverse(float (&v)[kPerLane], int q) {
+template <int kN>
+AR_DEVICE void hadamard_inverse(float (&v)[kN], int q) {
   wht_quad(v, q);
 #pragma unroll
-  for (int j = 0; j < kPerLane; ++j) v[j] = sign_of(q, j, mul_rn(v[j], 0.03125f));
+  for (int j = 0; j < kN; ++j) v[j] = sign_of<kN>(q, j, mul_rn(v[j], 0.03125f));
 }
 
 // codec::squared_error: per-element (a - b)^2, then the tree h = 4, 2, 1 inside each group of
-// 8 (one lane's), then the four group sums as (g0 + g1) + (g2 + g3) across lanes. Every lane
-// ends with the block's value.
-AR_DEVICE float squared_error(const float (&a)[kPerLane], const float (&b)[kPerLane]) {
-  float e[kPerLane];
+// 8 elements, then the four group sums as (g0 + g1) + (g2 + g3): inside the lane where it
+// holds them, across lanes (xor-1, then xor-2) where not. f32 addition is commutative, so the
+// lane holding g1 computing g1 + g0 gets the same bits. Every lane ends with the block's value.
+template <int kN>
+AR_DEVICE float squared_error(const float (&a)[kN], const float (&b)[kN]) {
+  constexpr int kGroups = kN / 8;
+  float g[kGroups];
 #pragma unroll
-  for (int j = 0; j < kPerLane; ++j) {
-    const float d = sub_rn(a[j], b[j]);
-    e[j] = mul_rn(d, d);
+  for (int gi = 0; gi < kGroups; ++gi) {
+    float e[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float d = sub_rn(a[8 * gi + j], b[8 * gi + j]);
+      e[j] = mul_rn(d, d);
+    }
+#pragma unroll
+    for (int h = 4; h > 0; h /= 2)
+#pragma unroll
+      for (int j = 0; j < h; ++j) e[j] = add_rn(e[j], e[j + h]);
+    g[gi] = e[0];
   }
-#pragma unroll
-  for (int h = kPerLane / 2; h > 0; h /= 2)
-#pragma unroll
-    for (int j = 0; j < h; ++j) e[j] = add_rn(e[j], e[j + h]);
-  float t = add_rn(e[0], quad_xor<1>(e[0]));
-  return add_rn(t, quad_xor<2>(t));
+  if constexpr (kN == 8) {
+    const float t = add_rn(g[0], quad_xor<1>(g[0]));
+    return add_rn(t, quad_xor<2>(t));
+  } else if constexpr (kN == 16) {
+    const float t = add_rn(g[0], g[1]);
+    return add_rn(t, quad_xor<1>(t));
+  } else {
+    static_assert(kN == 32, "8, 16 or 32 elements per lane");
+    return add_rn(add_rn(g[0], g[1]), add_rn(g[2], g[3]));
+  }
 }
 
-// codec::encode_block (without the packing): the block's 8 codes of this lane and its field.
-template <typename C>
-AR_DEVICE uint16_t encode_quad(const float (&x)[kPerLane], int q, uint32_t (&u)[kPerLane]) {
+// ---- Packing: this lane's N codes of a block, as stored ---------------------------------
+
+// codec::pack: element j of the block at code j. q8/fp8: byte j. q4: nibble j (byte j / 2, low
+// nibble first). q6: the low nibbles as q4 at 0, the high 2-bit pairs from byte 16 (four
+// elements a byte). Lane q's N codes are therefore N bytes at Nq (q8/fp8), N / 2 bytes at
+// Nq / 2 (q4), or N / 2 bytes at Nq / 2 and N / 4 bytes at 16 + Nq / 4 (q6).
+// Codes<C, N> holds them as the words stored: the adaptive encoder selects between two
+// packed candidates (a few words) instead of two arrays of N codes.
+template <typename C, int kN>
+struct Codes {
+  static constexpr int kNibbleWords = kN / 8;  // q4/q6: the low nibbles
+  static constexpr int kWords = C::kCodeBytes == 32 ? kN / 4
+                                : C::kCodeBytes == 16 ? kN / 8
+                                                      : kN / 8 + (kN + 15) / 16;
+  uint32_t w[kWords];
+};
+
+template <typename C, int kN>
+AR_DEVICE void pack_codes(const uint32_t (&u)[kN], Codes<C, kN>& c) {
+  if constexpr (C::kCodeBytes == 32) {
+#pragma unroll
+    for (int i = 0; i < kN / 4; ++i)
+      c.w[i] = u[4 * i] | (u[4 * i + 1] << 8) | (u[4 * i + 2] << 16) | (u[4 * i + 3] << 24);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kN / 8; ++i) {
+      uint32_t w = 0;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) w |= (u[8 * i + e] & 0xFu) << (4 * e);
+      c.w[i] = w;
+    }
+    if constexpr (C::kCodeBytes == 24) {
+#pragma unroll
+      for (int i = 0; i < (kN + 15) / 16; ++i) {
+        uint32_t w = 0;
+#pragma unroll
+        for (int e = 0; e < 16 && 16 * i + e < kN; ++e) w |= (u[16 * i + e] >> 4) << (2 * e);
+        c.w[kN / 8 + i] = w;
+      }
+    }
+  }
+}
+
+// A block starts at a multiple of kCodeBytes (only 8-byte aligned for q6); every store is
+// aligned to its width.
+template <typename C, int kN>
+AR_DEVICE void store_codes(char* block, int q, const Codes<C, kN>& c) {
+  if constexpr (C::kCodeBytes == 32) {
+    char* p = block + kN * q;
+    if constexpr (kN == 8) {
+      *reinterpret_cast<uint2*>(p) = make_uint2(c.w[0], c.w[1]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kN / 4; i += 4)
+        *reinterpret_cast<uint4*>(p + 4 * i) = make_uint4(c.w[i], c.w[i + 1], c.w[i + 2], c.w[i + 3]);
+    }
+  } else {
+    char* p = block + (kN / 2) * q;
+    if constexpr (kN == 8) {
+      *reinterpret_cast<uint32_t*>(p) = c.w[0];
+    } else if constexpr (kN == 16 || C::kCodeBytes == 24) {
+#pragma unroll
+      for (int i = 0; i < kN / 8; i += 2) *reinterpret_cast<uint2*>(p + 4 * i) = make_uint2(c.w[i], c.w[i + 1]);
+    } else {
+      *reinterpret_cast<uint4*>(p) = make_uint4(c.w[0], c.w[1], c.w[2], c.w[3]);
+    }
+    if constexpr (C::kCodeBytes == 24) {
+      char* t = block + 16 + (kN / 4) * q;
+      constexpr int o = kN / 8;
+      if constexpr (kN == 8) {
+        *reinterpret_cast<uint16_t*>(t) = static_cast<uint16_t>(c.w[o]);
+      } else if constexpr (kN == 16) {
+        *reinterpret_cast<uint32_t*>(t) = c.w[o];
+      } else {
+        *reinterpret_cast<uint2*>(t) = make_uint2(c.w[o], c.w[o + 1]);
+      }
+    }
+  }
+}
+
+// codec::encode_block: the block's N codes of this lane, packed, and its field.
+template <typename C, int kN>
+AR_DEVICE uint16_t encode_quad(const float (&x)[kN], int q, Codes<C, kN>& out) {
   const Scan sc = C::kFp8 ? scan_amax_quad(x, q) : scan_quad(x, q);
+  uint32_t u[kN];
   uint16_t field = encode_plain<C>(x, sc, u);
-  if (C::kAdaptiveCodec) {
-    // codec::choose_adaptive, computed for every block (the quad functions shuffle) and kept
-    // only where the reference would try it and the Hadamard candidate is strictly better.
-    float dec[kPerLane];
+  pack_codes(u, out);
+  if constexpr (C::kAdaptiveCodec) {
+    // codec::choose_adaptive, computed for every block (the group functions may shuffle) and
+    // kept only where the reference would try it and the Hadamard candidate is strictly better.
+    float dec[kN];
     decode_plain<C>(u, scale_value(field), dec);
     const float err_plain = squared_error(dec, x);
-    float y[kPerLane];
+    float y[kN];
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) y[j] = x[j];
+    for (int j = 0; j < kN; ++j) y[j] = x[j];
     hadamard_forward(y, q);
-    uint32_t uh[kPerLane];
+    uint32_t uh[kN];
     const uint16_t fh = encode_plain<C>(y, scan_quad(y, q), uh);
     decode_plain<C>(uh, scale_value(fh), dec);
+    Codes<C, kN> ch;
+    pack_codes(uh, ch);
     hadamard_inverse(dec, q);
     const float err_h = squared_error(dec, x);
     const bool tried = sc.finite && sc.amax >= 0x1p-48f && sc.amax <= 0x1p48f;
     if (tried && err_plain != 0.0f && err_h < err_plain) {
 #pragma unroll
-      for (int j = 0; j < kPerLane; ++j) u[j] = uh[j];
+      for (int i = 0; i < Codes<C, kN>::kWords; ++i) out.w[i] = ch.w[i];
       field = fh | kFlagBit;
     }
   }
@@ -490,62 +606,77 @@ AR_DEVICE uint16_t encode_quad(const float (&x)[kPerLane], int q, uint32_t (&u)[
 }
 
 // codec::decode_block (without the unpacking).
-template <typename C>
-AR_DEVICE void decode_quad(const uint32_t (&u)[kPerLane], uint16_t field, int q,
-                           float (&out)[kPerLane]) {
+template <typename C, int kN>
+AR_DEVICE void decode_quad(const uint32_t (&u)[kN], uint16_t field, int q, float (&out)[kN]) {
   decode_plain<C>(u, scale_value(field), out);
-  if (C::kAdaptiveCodec) {
-    float t[kPerLane];
+  if constexpr (C::kAdaptiveCodec) {
+    float t[kN];
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) t[j] = out[j];
+    for (int j = 0; j < kN; ++j) t[j] = out[j];
     hadamard_inverse(t, q);  // every lane shuffles; only flagged blocks keep the result
     if (field & kFlagBit) {
 #pragma unroll
-      for (int j = 0; j < kPerLane; ++j) out[j] = t[j];
-    }
-  }
-}
-
-// ---- Packing: this lane's 8 codes of block `k` in a segment's code region -------------------
-
-// codec::pack. q8/fp8: 8 bytes at 8q. q4: bytes 4q..4q+3, element pairs in nibbles. q6: the
-// low nibbles as q4 at 4q, the high 2-bit pairs at 16 + 2q (four elements a byte).
-template <typename C>
-AR_DEVICE void store_codes(char* block, int q, const uint32_t (&u)[kPerLane]) {
-  if (C::kCodeBytes == 32) {
-    const uint32_t lo = u[0] | (u[1] << 8) | (u[2] << 16) | (u[3] << 24);
-    const uint32_t hi = u[4] | (u[5] << 8) | (u[6] << 16) | (u[7] << 24);
-    *reinterpret_cast<uint2*>(block + 8 * q) = make_uint2(lo, hi);
-  } else {
-    uint32_t nib = 0;
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) nib |= (u[j] & 0xFu) << (4 * j);
-    *reinterpret_cast<uint32_t*>(block + 4 * q) = nib;
-    if (C::kCodeBytes == 24) {
-      uint32_t top = 0;
-#pragma unroll
-      for (int j = 0; j < kPerLane; ++j) top |= (u[j] >> 4) << (2 * j);
-      *reinterpret_cast<uint16_t*>(block + 16 + 2 * q) = static_cast<uint16_t>(top);
+      for (int j = 0; j < kN; ++j) out[j] = t[j];
     }
   }
 }
 
 // codec::unpack. Loads through L2 only (.cg on CUDA): the bytes may come from a peer.
-template <typename C>
-AR_DEVICE void load_codes(const char* block, int q, uint32_t (&u)[kPerLane]) {
-  if (C::kCodeBytes == 32) {
-    const uint2 w = load_peer(reinterpret_cast<const uint2*>(block + 8 * q));
+template <typename C, int kN>
+AR_DEVICE void load_codes(const char* block, int q, Codes<C, kN>& c) {
+  if constexpr (C::kCodeBytes == 32) {
+    const char* p = block + kN * q;
+    if constexpr (kN == 8) {
+      const uint2 w = load_peer(reinterpret_cast<const uint2*>(p));
+      c.w[0] = w.x;
+      c.w[1] = w.y;
+    } else {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      u[j] = (w.x >> (8 * j)) & 0xFFu;
-      u[j + 4] = (w.y >> (8 * j)) & 0xFFu;
+      for (int i = 0; i < kN / 4; i += 4) {
+        const uint4 w = load_peer(reinterpret_cast<const uint4*>(p + 4 * i));
+        c.w[i] = w.x, c.w[i + 1] = w.y, c.w[i + 2] = w.z, c.w[i + 3] = w.w;
+      }
     }
   } else {
-    const uint32_t nib = load_peer(reinterpret_cast<const uint32_t*>(block + 4 * q));
-    uint32_t top = 0;
-    if (C::kCodeBytes == 24) top = load_peer(reinterpret_cast<const uint16_t*>(block + 16 + 2 * q));
+    const char* p = block + (kN / 2) * q;
+    if constexpr (kN == 8) {
+      c.w[0] = load_peer(reinterpret_cast<const uint32_t*>(p));
+    } else if constexpr (kN == 16 || C::kCodeBytes == 24) {
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) u[j] = ((nib >> (4 * j)) & 0xFu) | (((top >> (2 * j)) & 3u) << 4);
+      for (int i = 0; i < kN / 8; i += 2) {
+        const uint2 w = load_peer(reinterpret_cast<const uint2*>(p + 4 * i));
+        c.w[i] = w.x, c.w[i + 1] = w.y;
+      }
+    } else {
+      const uint4 w = load_peer(reinterpret_cast<const uint4*>(p));
+      c.w[0] = w.x, c.w[1] = w.y, c.w[2] = w.z, c.w[3] = w.w;
+    }
+    if constexpr (C::kCodeBytes == 24) {
+      const char* t = block + 16 + (kN / 4) * q;
+      constexpr int o = kN / 8;
+      if constexpr (kN == 8) {
+        c.w[o] = load_peer(reinterpret_cast<const uint16_t*>(t));
+      } else if constexpr (kN == 16) {
+        c.w[o] = load_peer(reinterpret_cast<const uint32_t*>(t));
+      } else {
+        const uint2 w = load_peer(reinterpret_cast<const uint2*>(t));
+        c.w[o] = w.x, c.w[o + 1] = w.y;
+      }
+    }
+  }
+}
+
+template <typename C, int kN>
+AR_DEVICE void unpack_codes(const Codes<C, kN>& c, uint32_t (&u)[kN]) {
+  if constexpr (C::kCodeBytes == 32) {
+#pragma unroll
+    for (int j = 0; j < kN; ++j) u[j] = (c.w[j / 4] >> (8 * (j % 4))) & 0xFFu;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+      u[j] = (c.w[j / 8] >> (4 * (j % 8))) & 0xFu;
+      if constexpr (C::kCodeBytes == 24) u[j] |= ((c.w[kN / 8 + j / 16] >> (2 * (j % 16))) & 3u) << 4;
+    }
   }
 }
 

@@ -82,7 +82,7 @@ __device__ void hierarchical_quantized(const Args& a) {
       const u64 k = k0 + (L.quad - L.warp_quad);
       float x[kPerLane];
       load8<T>(a.input, jlo + k * kBlock + q * kPerLane, jhi, x);
-      uint32_t u[kPerLane];
+      Codes<C, kPerLane> u;
       const uint16_t field = encode_quad<C>(x, q, u);
       if (k < seg.nb) seg.store(dst, k, q, u, field);
     }
@@ -118,7 +118,7 @@ __device__ void hierarchical_quantized(const Args& a) {
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e)
         if (e0 + e >= hi) acc[e] = 0.0f;
-      uint32_t u[kPerLane];
+      Codes<C, kPerLane> u;
       const uint16_t field = encode_quad<C>(acc, q, u);
       if (live) {
         mine.store(to_partner, k, q, u, field);
@@ -152,7 +152,7 @@ __device__ void hierarchical_quantized(const Args& a) {
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e)
         if (e0 + e >= hi) acc[e] = 0.0f;
-      uint32_t u[kPerLane];
+      Codes<C, kPerLane> u;
       const uint16_t field = encode_quad<C>(acc, q, u);
       if (live)
         for (unsigned p = 0; p < G.g; ++p)

@@ -36,13 +36,13 @@ namespace ar {
 
 constexpr int kQuadsPerCta = kThreads / kQuad;  // 128 codec blocks per CTA pass
 
-// Eight consecutive elements [e0, e0 + 8) of T as f32, zeros at and past `end`.
-template <typename T>
-AR_DEVICE void load8(const void* base, u64 e0, u64 end, float (&x)[kPerLane]) {
+// N consecutive elements [e0, e0 + N) of T as f32, zeros at and past `end`.
+template <typename T, int kN>
+AR_DEVICE void load8(const void* base, u64 e0, u64 end, float (&x)[kN]) {
   constexpr int E = Packed<T>::kElems;
   const char* p = static_cast<const char*>(base);
 #pragma unroll
-  for (int v = 0; v < kPerLane / E; ++v) {
+  for (int v = 0; v < kN / E; ++v) {
     const u64 s = e0 + u64(v) * E;
     uint4 raw = make_uint4(0, 0, 0, 0);
     if (s + E <= end)
@@ -56,13 +56,13 @@ AR_DEVICE void load8(const void* base, u64 e0, u64 end, float (&x)[kPerLane]) {
   }
 }
 
-// Rounds x into T (nearest even) and stores the elements of [e0, e0 + 8) below `end`.
-template <typename T>
-AR_DEVICE void store8(void* base, u64 e0, u64 end, const float (&x)[kPerLane]) {
+// Rounds x into T (nearest even) and stores the elements of [e0, e0 + N) below `end`.
+template <typename T, int kN>
+AR_DEVICE void store8(void* base, u64 e0, u64 end, const float (&x)[kN]) {
   constexpr int E = Packed<T>::kElems;
   char* p = static_cast<char*>(base);
 #pragma unroll
-  for (int v = 0; v < kPerLane / E; ++v) {
+  for (int v = 0; v < kN / E; ++v) {
     const u64 s = e0 + u64(v) * E;
     float f[E];
 #pragma unroll
@@ -80,32 +80,38 @@ template <typename C>
 struct Segment {
   u64 nb, scales;
   AR_DEVICE explicit Segment(u64 n) : nb(blocks_of(n)), scales(scales_offset<C>(n)) {}
-  AR_DEVICE void store(char* base, u64 k, int q, const uint32_t (&u)[kPerLane],
-                       uint16_t field) const {
+  template <int kN>
+  AR_DEVICE void store(char* base, u64 k, int q, const Codes<C, kN>& u, uint16_t field) const {
     store_codes<C>(base + k * C::kCodeBytes, q, u);
     if (q == 0) *reinterpret_cast<uint16_t*>(base + scales + 2 * k) = field;
   }
   // Block k (k < nb) of a segment that may live on a peer.
-  AR_DEVICE uint16_t load(const char* base, u64 k, int q, uint32_t (&u)[kPerLane]) const {
-    load_codes<C>(base + k * C::kCodeBytes, q, u);
+  template <int kN>
+  AR_DEVICE uint16_t load(const char* base, u64 k, int q, uint32_t (&u)[kN]) const {
+    Codes<C, kN> c;
+    load_codes<C>(base + k * C::kCodeBytes, q, c);
+    unpack_codes(c, u);
     return load_peer(reinterpret_cast<const uint16_t*>(base + scales + 2 * k));
   }
 };
 
-// Loop over codec blocks [0, nb) by quads, grid-stride. The bound is tested on the warp's
-// first quad so whole warps iterate together (the codec functions shuffle); `k` may be past
-// nb for trailing quads, which then compute on zeros and store nothing.
-struct QuadLoop {
+// Loop over codec blocks [0, nb) by lane groups of kLanes (a quad by default), grid-stride.
+// The bound is tested on the warp's first group so whole warps iterate together (the codec
+// functions may shuffle); `k` may be past nb for trailing groups, which then compute on zeros
+// and store nothing. (`quad` names the group's block index whatever its width.)
+template <int kLanes = kQuad>
+struct GroupLoop {
   u64 quad, warp_quad, stride;
   int q;
-  AR_DEVICE QuadLoop() {
-    q = int(thread_x() & (kQuad - 1));
-    const unsigned per_cta = block_dim_x() / kQuad;  // kQuadsPerCta in the all-reduce
-    quad = u64(block_x()) * per_cta + thread_x() / kQuad;
-    warp_quad = quad - (thread_x() % kWarpSize) / kQuad;
+  AR_DEVICE GroupLoop() {
+    q = int(thread_x() & (kLanes - 1));
+    const unsigned per_cta = block_dim_x() / kLanes;  // kQuadsPerCta in the all-reduce
+    quad = u64(block_x()) * per_cta + thread_x() / kLanes;
+    warp_quad = quad - (thread_x() % kWarpSize) / kLanes;
     stride = u64(grid_dim_x()) * per_cta;
   }
 };
+using QuadLoop = GroupLoop<>;
 
 template <typename T, typename C>
 __device__ void quantized_twoshot(const Args& a) {
@@ -131,7 +137,7 @@ __device__ void quantized_twoshot(const Args& a) {
       const u64 k = k0 + (L.quad - L.warp_quad);
       float x[kPerLane];
       load8<T>(a.input, lo + k * kBlock + q * kPerLane, hi, x);
-      uint32_t u[kPerLane];
+      Codes<C, kPerLane> u;
       const uint16_t field = encode_quad<C>(x, q, u);
       if (k < seg.nb) seg.store(dst, k, q, u, field);
     }
@@ -170,7 +176,7 @@ __device__ void quantized_twoshot(const Args& a) {
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i)
         if (e0 + i >= hi) acc[i] = 0.0f;
-      uint32_t u[kPerLane];
+      Codes<C, kPerLane> u;
       const uint16_t field = encode_quad<C>(acc, q, u);
       if (live)
         for (unsigned p = 0; p < a.world; ++p)
@@ -209,38 +215,49 @@ struct CodecArgs {
 };
 static_assert(sizeof(CodecArgs) == 24, "CodecArgs");
 
-// Blocks per lane per pass in the segment kernels: their loads are issued together before any
-// block is coded. Measured on the H200 (docs/benchmarks.md): 4 did not speed the plain
-// encoders (they are instruction-bound) and slowed the adaptive ones (87 registers: one
-// block per SM), so 2 for plain codecs, 1 for adaptive.
+// Shape of the segment encoder per codec: kN elements per lane (codec.h: 8, a quad per block,
+// or 32, a lane per block), and kUnroll blocks per lane per pass, whose loads are issued
+// together before any block is coded. Quads, measured on the H200 (docs/benchmarks.md): 4
+// blocks per lane did not speed the plain encoders (instruction-bound) and slowed the
+// adaptive ones (87 registers: one block per SM), so 2 for plain codecs, 1 for adaptive.
+// A lane per block saves the adaptive encoder its 16 Hadamard shuffles and 6 scan and error
+// shuffles per lane and block, and every encoder three quarters of its per-block scale work.
+// CUDA: a lane per block, measured on the H200 (docs/benchmarks.md, session 4: encoders 1.2-1.7x
+// faster). HIP keeps quads: its quad shuffles are DPP moves, cheap, and 128 VGPRs would be
+// the whole budget of a wave at the kernels' 4 waves per SIMD (kernels-hip). Not measured on
+// AMD either way.
+#ifndef AR_ENCODE_LANE_ELEMS
+#if AR_HIP
+#define AR_ENCODE_LANE_ELEMS 8
+#else
+#define AR_ENCODE_LANE_ELEMS 32
+#endif
+#endif
 template <typename C>
-struct UnrollOf {
-  static constexpr int value = C::kAdaptiveCodec ? 1 : 2;
+struct EncodeShape {
+  static constexpr int kN = AR_ENCODE_LANE_ELEMS;
+  static constexpr int kUnroll = kN == 8 ? (C::kAdaptiveCodec ? 1 : 2) : 1;
 };
 
-// Quads of one warp: a pass of the segment kernels covers kWarpQuads consecutive blocks per
-// warp and step.
-constexpr int kWarpQuads = kWarpSize / kQuad;
-
 // Loads of one 16-byte vector per step without bounds (the whole-pass fast path below).
-template <typename T>
-AR_DEVICE void load8_whole(const void* base, u64 e0, float (&x)[kPerLane]) {
+template <typename T, int kN>
+AR_DEVICE void load8_whole(const void* base, u64 e0, float (&x)[kN]) {
   constexpr int E = Packed<T>::kElems;
   const uint4* p = reinterpret_cast<const uint4*>(static_cast<const char*>(base) + e0 * sizeof(T));
 #pragma unroll
-  for (int v = 0; v < kPerLane / E; ++v) {
+  for (int v = 0; v < kN / E; ++v) {
     float f[E];
     Packed<T>::to_f32(p[v], f);
 #pragma unroll
     for (int i = 0; i < E; ++i) x[v * E + i] = f[i];
   }
 }
-template <typename T>
-AR_DEVICE void store8_whole(void* base, u64 e0, const float (&x)[kPerLane]) {
+template <typename T, int kN>
+AR_DEVICE void store8_whole(void* base, u64 e0, const float (&x)[kN]) {
   constexpr int E = Packed<T>::kElems;
   uint4* p = reinterpret_cast<uint4*>(static_cast<char*>(base) + e0 * sizeof(T));
 #pragma unroll
-  for (int v = 0; v < kPerLane / E; ++v) {
+  for (int v = 0; v < kN / E; ++v) {
     float f[E];
 #pragma unroll
     for (int i = 0; i < E; ++i) f[i] = x[v * E + i];
@@ -250,13 +267,14 @@ AR_DEVICE void store8_whole(void* base, u64 e0, const float (&x)[kPerLane]) {
 
 // One pass of encode_segment from block row k0 (warp-uniform). kWhole: every block the warp
 // touches in this pass lies wholly inside [0, n), so no load or store needs a bounds test.
-template <typename T, typename C, int kUnroll, bool kWhole>
-AR_DEVICE void encode_pass(const CodecArgs& a, const QuadLoop& L, const Segment<C>& seg, u64 k0) {
+template <typename T, typename C, int kN, int kUnroll, bool kWhole>
+AR_DEVICE void encode_pass(const CodecArgs& a, const GroupLoop<kBlock / kN>& L,
+                           const Segment<C>& seg, u64 k0) {
   const u64 lane_k = L.quad - L.warp_quad;
-  float x[kUnroll][kPerLane];
+  float x[kUnroll][kN];
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
-    const u64 e0 = (k0 + u * L.stride + lane_k) * kBlock + L.q * kPerLane;
+    const u64 e0 = (k0 + u * L.stride + lane_k) * kBlock + L.q * kN;
     if (kWhole)
       load8_whole<T>(a.src, e0, x[u]);
     else
@@ -266,7 +284,7 @@ AR_DEVICE void encode_pass(const CodecArgs& a, const QuadLoop& L, const Segment<
   for (int u = 0; u < kUnroll; ++u) {
     if (!kWhole && k0 + u * L.stride >= seg.nb) break;  // warp-uniform
     const u64 k = k0 + u * L.stride + lane_k;
-    uint32_t codes[kPerLane];
+    Codes<C, kN> codes;
     const uint16_t field = encode_quad<C>(x[u], L.q, codes);
     if (kWhole || k < seg.nb) seg.store(static_cast<char*>(a.dst), k, L.q, codes, field);
   }
@@ -278,29 +296,41 @@ AR_DEVICE void encode_pass(const CodecArgs& a, const QuadLoop& L, const Segment<
 // a copy of the body without bounds tests.
 template <typename T, typename C>
 __device__ void encode_segment(const CodecArgs& a) {
-  const QuadLoop L;
+  constexpr int kN = EncodeShape<C>::kN, kUnroll = EncodeShape<C>::kUnroll;
+  constexpr int kLanes = kBlock / kN, kWarpGroups = kWarpSize / kLanes;
+  const GroupLoop<kLanes> L;
   const Segment<C> seg(a.n);
-  constexpr int kUnroll = UnrollOf<C>::value;
   // Whole passes first (a warp's passes are in increasing order, so once one reaches past
   // the end, all later ones do), then the rest with bounds tests: two loops, so the fast one
   // keeps only its own values in registers.
   u64 k0 = L.warp_quad;
-  for (; (k0 + (kUnroll - 1) * L.stride + kWarpQuads) * kBlock <= a.n; k0 += kUnroll * L.stride)
-    encode_pass<T, C, kUnroll, true>(a, L, seg, k0);
-  for (; k0 < seg.nb; k0 += kUnroll * L.stride) encode_pass<T, C, kUnroll, false>(a, L, seg, k0);
+  for (; (k0 + (kUnroll - 1) * L.stride + kWarpGroups) * kBlock <= a.n; k0 += kUnroll * L.stride)
+    encode_pass<T, C, kN, kUnroll, true>(a, L, seg, k0);
+  for (; k0 < seg.nb; k0 += kUnroll * L.stride) encode_pass<T, C, kN, kUnroll, false>(a, L, seg, k0);
 }
 
+// Shape of the segment decoder, as EncodeShape: quads, 2 blocks per lane in flight. A lane
+// per block was measured for the adaptive decoders (no inverse-transform shuffles; bit-exact)
+// and was slower on the H200: q8a 192 us against 141 (64-byte stores per lane, fewer blocks in
+// flight), so every decoder keeps quads; the template still takes N = 16 or 32.
+template <typename C>
+struct DecodeShape {
+  static constexpr int kN = kPerLane;
+  static constexpr int kUnroll = kN == 8 ? 2 : 1;
+};
+
 // One pass of decode_segment, as encode_pass.
-template <typename T, typename C, int kUnroll, bool kWhole>
-AR_DEVICE void decode_pass(const CodecArgs& a, const QuadLoop& L, const Segment<C>& seg, u64 k0) {
+template <typename T, typename C, int kN, int kUnroll, bool kWhole>
+AR_DEVICE void decode_pass(const CodecArgs& a, const GroupLoop<kBlock / kN>& L,
+                           const Segment<C>& seg, u64 k0) {
   const u64 lane_k = L.quad - L.warp_quad;
-  uint32_t codes[kUnroll][kPerLane];
+  uint32_t codes[kUnroll][kN];
   uint16_t field[kUnroll];
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const u64 k = k0 + u * L.stride + lane_k;
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) codes[u][j] = 0;
+    for (int j = 0; j < kN; ++j) codes[u][j] = 0;
     field[u] = 0;
     if (kWhole || k < seg.nb) field[u] = seg.load(static_cast<const char*>(a.src), k, L.q, codes[u]);
   }
@@ -308,28 +338,29 @@ AR_DEVICE void decode_pass(const CodecArgs& a, const QuadLoop& L, const Segment<
   for (int u = 0; u < kUnroll; ++u) {
     if (!kWhole && k0 + u * L.stride >= seg.nb) break;  // warp-uniform
     const u64 k = k0 + u * L.stride + lane_k;
-    float x[kPerLane];
+    float x[kN];
     decode_quad<C>(codes[u], field[u], L.q, x);
     if (kWhole)
-      store8_whole<T>(a.dst, k * kBlock + L.q * kPerLane, x);
+      store8_whole<T>(a.dst, k * kBlock + L.q * kN, x);
     else if (k < seg.nb)
-      store8<T>(a.dst, k * kBlock + L.q * kPerLane, a.n, x);
+      store8<T>(a.dst, k * kBlock + L.q * kN, a.n, x);
   }
 }
 
 // One segment at src -> T[n], rounded to nearest even.
 template <typename T, typename C>
 __device__ void decode_segment(const CodecArgs& a) {
-  const QuadLoop L;
+  constexpr int kN = DecodeShape<C>::kN, kUnroll = DecodeShape<C>::kUnroll;
+  constexpr int kLanes = kBlock / kN, kWarpGroups = kWarpSize / kLanes;
+  const GroupLoop<kLanes> L;
   const Segment<C> seg(a.n);
-  constexpr int kUnroll = 2;  // decoding is cheap: more loads in flight, no register trouble
   // Whole passes first (a warp's passes are in increasing order, so once one reaches past
   // the end, all later ones do), then the rest with bounds tests: two loops, so the fast one
   // keeps only its own values in registers.
   u64 k0 = L.warp_quad;
-  for (; (k0 + (kUnroll - 1) * L.stride + kWarpQuads) * kBlock <= a.n; k0 += kUnroll * L.stride)
-    decode_pass<T, C, kUnroll, true>(a, L, seg, k0);
-  for (; k0 < seg.nb; k0 += kUnroll * L.stride) decode_pass<T, C, kUnroll, false>(a, L, seg, k0);
+  for (; (k0 + (kUnroll - 1) * L.stride + kWarpGroups) * kBlock <= a.n; k0 += kUnroll * L.stride)
+    decode_pass<T, C, kN, kUnroll, true>(a, L, seg, k0);
+  for (; k0 < seg.nb; k0 += kUnroll * L.stride) decode_pass<T, C, kN, kUnroll, false>(a, L, seg, k0);
 }
 
 }  // namespace ar
