@@ -12,6 +12,7 @@ use allreduce_core::codec;
 use allreduce_core::layout::{shard_range, QUANT_GRANULE};
 use allreduce_core::{Call, Codec, Element, Result};
 
+use crate::pieces::{self, SendLayout};
 use crate::{output_slice, reduce, Ctx, HostComm, Scratch};
 
 impl HostComm {
@@ -28,14 +29,8 @@ impl HostComm {
         let partner = (self.rank + g) % (2 * g);
         let slots = &self.group.slots;
         let shard = |j| shard_range(n, g, j, QUANT_GRANULE);
-        // Offsets of each in-group owner's segment inside a rank's send buffer.
-        let mut seg_off = Vec::with_capacity(g + 1);
-        let mut total = 0;
-        for j in 0..g {
-            seg_off.push(total);
-            total += codec.encoded_len(shard(j).len());
-        }
-        seg_off.push(total);
+        let layout = SendLayout::new(codec, g, shard);
+        let total = layout.total();
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let Scratch { a, b } = &mut *scratch;
         let max_shard = shard(0).len();
@@ -49,11 +44,7 @@ impl HostComm {
         // SAFETY: own slot before the first barrier; last call's readers are done (module doc).
         let send =
             unsafe { std::slice::from_raw_parts_mut(slots[self.rank].qsend.prepare(total), total) };
-        for owner in (0..g).filter(|&o| o != local) {
-            let x = &mut a[..shard(owner).len()];
-            reduce::widen(&input[shard(owner)], x);
-            codec::encode(codec, x, &mut send[seg_off[owner]..seg_off[owner + 1]]);
-        }
+        pieces::encode_pieces(codec, input, send, &layout, local, shard, a);
         self.barrier(ctx, "all ranks to encode their in-group pieces")?;
         self.agree(ctx)?;
 
@@ -64,16 +55,10 @@ impl HostComm {
         let enc_len = codec.encoded_len(len);
         let acc = &mut a[..len];
         let tmp = &mut b[..len];
-        for i in 0..g {
-            if i == local {
-                reduce::widen(&input[mine.clone()], tmp);
-            } else {
-                // SAFETY: written by that rank before the barrier above.
-                let bytes = unsafe { slots[group * g + i].qsend.read(total) };
-                codec::decode(codec, &bytes[seg_off[local]..seg_off[local + 1]], tmp);
-            }
-            reduce::accumulate(acc, tmp, i == 0);
-        }
+        // SAFETY (of the reads): each group member wrote its `qsend` before the barrier above.
+        let sent = |i: usize| unsafe { slots[group * g + i].qsend.read(total) };
+        let own_piece = &input[mine.clone()];
+        pieces::sum_pieces(codec, own_piece, &layout, local, sent, acc, tmp);
         // SAFETY: own slot; the partner reads it only after the next barrier.
         let partial = unsafe {
             std::slice::from_raw_parts_mut(slots[self.rank].qpartial.prepare(max_enc), enc_len)

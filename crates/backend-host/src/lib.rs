@@ -19,6 +19,7 @@
 
 mod barrier;
 mod hierarchical;
+mod pieces;
 mod reduce;
 mod workspace;
 
@@ -309,14 +310,8 @@ impl HostComm {
         let n = call.len();
         let world = self.group.world;
         let shard = |r| shard_range(n, world, r, QUANT_GRANULE);
-        // Offsets of each owner's segment inside a rank's send buffer.
-        let mut seg_off = Vec::with_capacity(world + 1);
-        let mut total = 0;
-        for r in 0..world {
-            seg_off.push(total);
-            total += codec.encoded_len(shard(r).len());
-        }
-        seg_off.push(total);
+        let layout = pieces::SendLayout::new(codec, world, shard);
+        let total = layout.total();
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let Scratch { a, b } = &mut *scratch;
         let max_shard = shard(0).len();
@@ -331,12 +326,7 @@ impl HostComm {
         let send = unsafe {
             std::slice::from_raw_parts_mut(self.group.slots[self.rank].qsend.prepare(total), total)
         };
-        for owner in (0..world).filter(|&o| o != self.rank) {
-            let range = shard(owner);
-            let x = &mut a[..range.len()];
-            reduce::widen(&input[range], x);
-            codec::encode(codec, x, &mut send[seg_off[owner]..seg_off[owner + 1]]);
-        }
+        pieces::encode_pieces(codec, input, send, &layout, self.rank, shard, a);
         self.barrier(ctx, "all ranks to encode their shards")?;
         self.agree(ctx)?;
 
@@ -347,20 +337,10 @@ impl HostComm {
         let mine = shard(self.rank);
         let acc = &mut a[..mine.len()];
         let tmp = &mut b[..mine.len()];
-        for (src, slot) in self.group.slots.iter().enumerate() {
-            if src == self.rank {
-                reduce::widen(&input[mine.clone()], tmp);
-            } else {
-                // SAFETY: written by `src` before the barrier above.
-                let bytes = unsafe { slot.qsend.read(total) };
-                codec::decode(
-                    codec,
-                    &bytes[seg_off[self.rank]..seg_off[self.rank + 1]],
-                    tmp,
-                );
-            }
-            reduce::accumulate(acc, tmp, src == 0);
-        }
+        // SAFETY (of the reads): each peer wrote its `qsend` before the barrier above.
+        let sent = |src: usize| unsafe { self.group.slots[src].qsend.read(total) };
+        let own_piece = &input[mine.clone()];
+        pieces::sum_pieces(codec, own_piece, &layout, self.rank, sent, acc, tmp);
         let enc_len = codec.encoded_len(mine.len());
         // SAFETY: own slot; peers read `qresult` only after the next barrier.
         let result = unsafe {
