@@ -76,16 +76,8 @@ __device__ void hierarchical_quantized(const Args& a) {
   for (unsigned j = 0; j < G.g; ++j) {
     const u64 jlo = min_u64(u64(j) * shard, n), jhi = min_u64(jlo + shard, n);
     if (j == G.local || jlo == jhi) continue;
-    const Segment<C> seg(jhi - jlo);
-    char* dst = staging_of(a.peers[G.base + j], a, parity) + u64(G.local) * slot_bytes;
-    for (u64 k0 = L.warp_quad; k0 < seg.nb; k0 += L.stride) {
-      const u64 k = k0 + (L.quad - L.warp_quad);
-      float x[kPerLane];
-      load8<T>(a.input, jlo + k * kBlock + q * kPerLane, jhi, x);
-      Codes<C, kPerLane> u;
-      const uint16_t field = encode_quad<C>(x, q, u);
-      if (k < seg.nb) seg.store(dst, k, q, u, field);
-    }
+    encode_range<T, C>(L, a.input, jlo, jhi,
+                       staging_of(a.peers[G.base + j], a, parity) + u64(G.local) * slot_bytes);
   }
   if (!barrier(a, h, b, parity, aborted)) return;
   if (!agree(a, h, b, parity)) return;
@@ -103,21 +95,14 @@ __device__ void hierarchical_quantized(const Args& a) {
       float acc[kPerLane];
       for (unsigned i = 0; i < G.g; ++i) {
         float x[kPerLane];
-        if (i == G.local) {
+        if (i == G.local)
           load8<T>(a.input, e0, hi, x);
-        } else {
-          uint32_t u[kPerLane] = {0, 0, 0, 0, 0, 0, 0, 0};
-          uint16_t field = 0;
-          if (live) field = mine.load(staging + u64(i) * slot_bytes, k, q, u);
-          decode_quad<C>(u, field, q, x);
-        }
+        else
+          decode_block_at(mine, staging + u64(i) * slot_bytes, k, q, x);
 #pragma unroll
         for (int e = 0; e < kPerLane; ++e) acc[e] = i == 0 ? x[e] : acc[e] + x[e];
       }
-      // Past the shard's end the reference encodes +0.0 padding (see quantized.h).
-#pragma unroll
-      for (int e = 0; e < kPerLane; ++e)
-        if (e0 + e >= hi) acc[e] = 0.0f;
+      zero_past(acc, e0, hi);
       Codes<C, kPerLane> u;
       const uint16_t field = encode_quad<C>(acc, q, u);
       if (live) {
@@ -140,18 +125,12 @@ __device__ void hierarchical_quantized(const Args& a) {
       const u64 e0 = lo + k * kBlock + q * kPerLane;
       float acc[kPerLane];
       for (int grp = 0; grp < 2; ++grp) {
-        const char* src = (grp == 0) == first_group ? ours : theirs;
-        uint32_t u[kPerLane] = {0, 0, 0, 0, 0, 0, 0, 0};
-        uint16_t field = 0;
-        if (live) field = mine.load(src, k, q, u);
         float x[kPerLane];
-        decode_quad<C>(u, field, q, x);
+        decode_block_at(mine, (grp == 0) == first_group ? ours : theirs, k, q, x);
 #pragma unroll
         for (int e = 0; e < kPerLane; ++e) acc[e] = grp == 0 ? x[e] : acc[e] + x[e];
       }
-#pragma unroll
-      for (int e = 0; e < kPerLane; ++e)
-        if (e0 + e >= hi) acc[e] = 0.0f;
+      zero_past(acc, e0, hi);
       Codes<C, kPerLane> u;
       const uint16_t field = encode_quad<C>(acc, q, u);
       if (live)
@@ -165,18 +144,7 @@ __device__ void hierarchical_quantized(const Args& a) {
   // ---- Stage 4: every in-group owner's bytes, decoded from our own `reduced`.
   for (unsigned j = 0; j < G.g; ++j) {
     const u64 jlo = min_u64(u64(j) * shard, n), jhi = min_u64(jlo + shard, n);
-    if (jlo == jhi) continue;
-    const Segment<C> seg(jhi - jlo);
-    const char* src = reduced_of(self, a) + u64(j) * slot_bytes;
-    for (u64 k0 = L.warp_quad; k0 < seg.nb; k0 += L.stride) {
-      const u64 k = k0 + (L.quad - L.warp_quad);
-      uint32_t u[kPerLane] = {0, 0, 0, 0, 0, 0, 0, 0};
-      uint16_t field = 0;
-      if (k < seg.nb) field = seg.load(src, k, q, u);
-      float x[kPerLane];
-      decode_quad<C>(u, field, q, x);
-      if (k < seg.nb) store8<T>(a.output, jlo + k * kBlock + q * kPerLane, jhi, x);
-    }
+    if (jlo < jhi) decode_range<T, C>(L, reduced_of(self, a) + u64(j) * slot_bytes, a.output, jlo, jhi);
   }
 
   if (thread_x() == 0) h->calls[b] += 1;

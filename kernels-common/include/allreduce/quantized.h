@@ -113,6 +113,54 @@ struct GroupLoop {
 };
 using QuadLoop = GroupLoop<>;
 
+// ---- Segment loops the all-reduce kernels share (quantized_twoshot, hierarchical.h) ---------
+
+// Elements [lo, hi) of `input`, encoded into the segment at `dst` (a peer's staging slot).
+template <typename T, typename C>
+AR_DEVICE void encode_range(const QuadLoop& L, const void* input, u64 lo, u64 hi, char* dst) {
+  const Segment<C> seg(hi - lo);
+  for (u64 k0 = L.warp_quad; k0 < seg.nb; k0 += L.stride) {
+    const u64 k = k0 + (L.quad - L.warp_quad);
+    float x[kPerLane];
+    load8<T>(input, lo + k * kBlock + L.q * kPerLane, hi, x);
+    Codes<C, kPerLane> u;
+    const uint16_t field = encode_quad<C>(x, L.q, u);
+    if (k < seg.nb) seg.store(dst, k, L.q, u, field);
+  }
+}
+
+// Block k of the segment at `src`, decoded; all-zero codes past the segment's end (trailing
+// quads compute on them, since decode_quad shuffles, and store nothing).
+template <typename C>
+AR_DEVICE void decode_block_at(const Segment<C>& seg, const char* src, u64 k, int q,
+                               float (&x)[kPerLane]) {
+  uint32_t u[kPerLane] = {0, 0, 0, 0, 0, 0, 0, 0};
+  uint16_t field = 0;
+  if (k < seg.nb) field = seg.load(src, k, q, u);
+  decode_quad<C>(u, field, q, x);
+}
+
+// The segment at `src` (a slot of our own `reduced`), decoded into `output`'s [lo, hi).
+template <typename T, typename C>
+AR_DEVICE void decode_range(const QuadLoop& L, const char* src, void* output, u64 lo, u64 hi) {
+  const Segment<C> seg(hi - lo);
+  for (u64 k0 = L.warp_quad; k0 < seg.nb; k0 += L.stride) {
+    const u64 k = k0 + (L.quad - L.warp_quad);
+    float x[kPerLane];
+    decode_block_at(seg, src, k, L.q, x);
+    if (k < seg.nb) store8<T>(output, lo + k * kBlock + L.q * kPerLane, hi, x);
+  }
+}
+
+// Before encoding a sum: past the shard's end it must be the +0.0 padding the reference
+// encodes, while a peer's Hadamard-coded block decodes to non-zero values there (the inverse
+// transform spreads the block's error over all 32 positions).
+AR_DEVICE void zero_past(float (&acc)[kPerLane], u64 e0, u64 hi) {
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i)
+    if (e0 + i >= hi) acc[i] = 0.0f;
+}
+
 template <typename T, typename C>
 __device__ void quantized_twoshot(const Args& a) {
   const unsigned b = block_x();
@@ -131,16 +179,7 @@ __device__ void quantized_twoshot(const Args& a) {
   for (unsigned j = 0; j < a.world; ++j) {
     const u64 lo = min_u64(u64(j) * shard, n), hi = min_u64(lo + shard, n);
     if (j == a.rank || lo == hi) continue;
-    const Segment<C> seg(hi - lo);
-    char* dst = staging_of(a.peers[j], a, parity) + u64(a.rank) * slot_bytes;
-    for (u64 k0 = L.warp_quad; k0 < seg.nb; k0 += L.stride) {
-      const u64 k = k0 + (L.quad - L.warp_quad);
-      float x[kPerLane];
-      load8<T>(a.input, lo + k * kBlock + q * kPerLane, hi, x);
-      Codes<C, kPerLane> u;
-      const uint16_t field = encode_quad<C>(x, q, u);
-      if (k < seg.nb) seg.store(dst, k, q, u, field);
-    }
+    encode_range<T, C>(L, a.input, lo, hi, staging_of(a.peers[j], a, parity) + u64(a.rank) * slot_bytes);
   }
   if (!barrier(a, h, b, parity, aborted)) return;
   if (!agree(a, h, b, parity)) return;
@@ -158,24 +197,14 @@ __device__ void quantized_twoshot(const Args& a) {
       float acc[kPerLane];
       for (unsigned r = 0; r < a.world; ++r) {
         float x[kPerLane];
-        if (r == a.rank) {
+        if (r == a.rank)
           load8<T>(a.input, lo + k * kBlock + q * kPerLane, hi, x);
-        } else {
-          uint32_t u[kPerLane] = {0, 0, 0, 0, 0, 0, 0, 0};
-          uint16_t field = 0;
-          if (live) field = seg.load(staging + u64(r) * slot_bytes, k, q, u);
-          decode_quad<C>(u, field, q, x);
-        }
+        else
+          decode_block_at(seg, staging + u64(r) * slot_bytes, k, q, x);
 #pragma unroll
         for (int i = 0; i < kPerLane; ++i) acc[i] = r == 0 ? x[i] : acc[i] + x[i];
       }
-      // Past the end of the shard the sum must be the +0.0 padding the reference encodes: a
-      // peer's Hadamard-coded block decodes to non-zero values there (the inverse transform
-      // spreads the block's error over all 32 positions).
-      const u64 e0 = lo + k * kBlock + q * kPerLane;
-#pragma unroll
-      for (int i = 0; i < kPerLane; ++i)
-        if (e0 + i >= hi) acc[i] = 0.0f;
+      zero_past(acc, lo + k * kBlock + q * kPerLane, hi);
       Codes<C, kPerLane> u;
       const uint16_t field = encode_quad<C>(acc, q, u);
       if (live)
@@ -188,18 +217,7 @@ __device__ void quantized_twoshot(const Args& a) {
   // ---- Phase 3: every owner's bytes, decoded from our own `reduced`.
   for (unsigned j = 0; j < a.world; ++j) {
     const u64 lo = min_u64(u64(j) * shard, n), hi = min_u64(lo + shard, n);
-    if (lo == hi) continue;
-    const Segment<C> seg(hi - lo);
-    const char* src = reduced_of(self, a) + u64(j) * slot_bytes;
-    for (u64 k0 = L.warp_quad; k0 < seg.nb; k0 += L.stride) {
-      const u64 k = k0 + (L.quad - L.warp_quad);
-      uint32_t u[kPerLane] = {0, 0, 0, 0, 0, 0, 0, 0};
-      uint16_t field = 0;
-      if (k < seg.nb) field = seg.load(src, k, q, u);
-      float x[kPerLane];
-      decode_quad<C>(u, field, q, x);
-      if (k < seg.nb) store8<T>(a.output, lo + k * kBlock + q * kPerLane, hi, x);
-    }
+    if (lo < hi) decode_range<T, C>(L, reduced_of(self, a) + u64(j) * slot_bytes, a.output, lo, hi);
   }
 
   if (thread_x() == 0) h->calls[b] += 1;
