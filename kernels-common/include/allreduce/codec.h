@@ -501,7 +501,6 @@ AR_DEVICE float squared_error(const float (&a)[kN], const float (&b)[kN]) {
 // packed candidates (a few words) instead of two arrays of N codes.
 template <typename C, int kN>
 struct Codes {
-  static constexpr int kNibbleWords = kN / 8;  // q4/q6: the low nibbles
   static constexpr int kWords = C::kCodeBytes == 32 ? kN / 4
                                 : C::kCodeBytes == 16 ? kN / 8
                                                       : kN / 8 + (kN + 15) / 16;
@@ -621,48 +620,18 @@ AR_DEVICE void decode_quad(const uint32_t (&u)[kN], uint16_t field, int q, float
   }
 }
 
-// codec::unpack. Loads through L2 only (.cg on CUDA): the bytes may come from a peer.
+// codec::unpack. Loads through L2 only (.cg on CUDA): the bytes may come from a peer. Only
+// quads decode (quantized.h, DecodeShape), so only N = 8.
 template <typename C, int kN>
 AR_DEVICE void load_codes(const char* block, int q, Codes<C, kN>& c) {
+  static_assert(kN == 8, "decoders work in quads");
   if constexpr (C::kCodeBytes == 32) {
-    const char* p = block + kN * q;
-    if constexpr (kN == 8) {
-      const uint2 w = load_peer(reinterpret_cast<const uint2*>(p));
-      c.w[0] = w.x;
-      c.w[1] = w.y;
-    } else {
-#pragma unroll
-      for (int i = 0; i < kN / 4; i += 4) {
-        const uint4 w = load_peer(reinterpret_cast<const uint4*>(p + 4 * i));
-        c.w[i] = w.x, c.w[i + 1] = w.y, c.w[i + 2] = w.z, c.w[i + 3] = w.w;
-      }
-    }
+    const uint2 w = load_peer(reinterpret_cast<const uint2*>(block + 8 * q));
+    c.w[0] = w.x;
+    c.w[1] = w.y;
   } else {
-    const char* p = block + (kN / 2) * q;
-    if constexpr (kN == 8) {
-      c.w[0] = load_peer(reinterpret_cast<const uint32_t*>(p));
-    } else if constexpr (kN == 16 || C::kCodeBytes == 24) {
-#pragma unroll
-      for (int i = 0; i < kN / 8; i += 2) {
-        const uint2 w = load_peer(reinterpret_cast<const uint2*>(p + 4 * i));
-        c.w[i] = w.x, c.w[i + 1] = w.y;
-      }
-    } else {
-      const uint4 w = load_peer(reinterpret_cast<const uint4*>(p));
-      c.w[0] = w.x, c.w[1] = w.y, c.w[2] = w.z, c.w[3] = w.w;
-    }
-    if constexpr (C::kCodeBytes == 24) {
-      const char* t = block + 16 + (kN / 4) * q;
-      constexpr int o = kN / 8;
-      if constexpr (kN == 8) {
-        c.w[o] = load_peer(reinterpret_cast<const uint16_t*>(t));
-      } else if constexpr (kN == 16) {
-        c.w[o] = load_peer(reinterpret_cast<const uint32_t*>(t));
-      } else {
-        const uint2 w = load_peer(reinterpret_cast<const uint2*>(t));
-        c.w[o] = w.x, c.w[o + 1] = w.y;
-      }
-    }
+    c.w[0] = load_peer(reinterpret_cast<const uint32_t*>(block + 4 * q));
+    if constexpr (C::kCodeBytes == 24) c.w[1] = load_peer(reinterpret_cast<const uint16_t*>(block + 16 + 2 * q));
   }
 }
 

@@ -330,11 +330,11 @@ __device__ void encode_segment(const CodecArgs& a) {
 // Shape of the segment decoder, as EncodeShape: quads, 2 blocks per lane in flight. A lane
 // per block was measured for the adaptive decoders (no inverse-transform shuffles; bit-exact)
 // and was slower on the H200: q8a 192 us against 141 (64-byte stores per lane, fewer blocks in
-// flight), so every decoder keeps quads; the template still takes N = 16 or 32.
+// flight), so every decoder keeps quads.
 template <typename C>
 struct DecodeShape {
   static constexpr int kN = kPerLane;
-  static constexpr int kUnroll = kN == 8 ? 2 : 1;
+  static constexpr int kUnroll = 2;
 };
 
 // One pass of decode_segment, as encode_pass.
