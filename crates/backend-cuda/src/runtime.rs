@@ -5,7 +5,7 @@
 
 use std::ffi::CStr;
 
-use allreduce_core::gpu::{GpuBackend, GpuComm, GpuRuntime};
+use allreduce_core::gpu::{Fill, GpuBackend, GpuComm, GpuRuntime};
 use allreduce_core::{Call, Device, Error, Link, Result, Stream};
 use cudarc::driver::sys;
 
@@ -173,7 +173,30 @@ impl GpuRuntime for CudaRuntime {
         group: allreduce_core::gpu::GroupView<CudaRuntime>,
         config: &allreduce_core::FusedConfig,
     ) -> Result<Option<Vec<Box<dyn allreduce_core::FusedComm>>>> {
-        crate::fused::create_group(group, config).map(Some)
+        allreduce_core::gpu::fused::create_group(group, config).map(Some)
+    }
+
+    const FUSED_WORLDS: &'static [usize] = &[2, 4, 8];
+
+    /// On the context the caller made current (no bind of our own).
+    fn load_fused_module(_dev: &driver::Device) -> Result<driver::Module> {
+        driver::Module::load(crate::fused::FUSED_FATBIN)
+    }
+
+    /// cuMemAlloc, a cuMemsetD32/D16 of the whole allocation, and a context synchronise (the
+    /// memset runs on the legacy stream; the kernels later run on the caller's).
+    fn alloc_filled(_dev: &driver::Device, bytes: usize, fill: Fill) -> Result<driver::DeviceMem> {
+        let m = driver::DeviceMem::alloc(bytes)?;
+        // SAFETY: the allocation holds `m.bytes`, a multiple of the word size (the caller's
+        // Lamport sizes are whole elements).
+        unsafe {
+            match fill {
+                Fill::U32(v) => check(sys::cuMemsetD32_v2(m.ptr, v, m.bytes / 4), "cuMemsetD32")?,
+                Fill::U16(v) => check(sys::cuMemsetD16_v2(m.ptr, v, m.bytes / 2), "cuMemsetD16")?,
+            }
+        }
+        driver::context_synchronize()?;
+        Ok(m)
     }
 
     fn device_id(dev: &driver::Device) -> Vec<u8> {

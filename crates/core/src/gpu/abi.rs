@@ -119,3 +119,42 @@ const _: () = assert!(std::mem::offset_of!(Args, world) == 116);
 const _: () = assert!(std::mem::offset_of!(Args, desc) == 120);
 const _: () = assert!(std::mem::offset_of!(Control, waited_ns) == 16);
 const _: () = assert!(std::mem::offset_of!(Control, theirs) == 32);
+
+/// The fused kernels' one by-value parameter (`ar::fused::FusedArgs` in
+/// `kernels-common/include/allreduce/fused.h`, which asserts the same size and offsets). Null
+/// (0) output pointers are outputs not asked for.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct FusedArgs {
+    pub input: u64,
+    pub allreduce_out: u64,
+    pub residual_in: u64,
+    pub residual_out: u64,
+    pub norm_out: u64,
+    pub quant_out: u64,
+    pub scale_out: u64,
+    pub gamma: u64,
+    pub lamport: [u64; MAX_WORLD],
+    pub ws: [u64; MAX_WORLD],
+    pub state: u64,
+    pub control: u64,
+    pub comm_bytes: u64,
+    pub max_elems: u64,
+    pub timeout_ns: u64,
+    pub tokens: u32,
+    pub hidden: u32,
+    pub rank: u32,
+    pub world: u32,
+    pub pattern: u32,
+    pub eps: f32,
+}
+
+const _: () = assert!(size_of::<FusedArgs>() == 256);
+const _: () = assert!(std::mem::offset_of!(FusedArgs, lamport) == 64);
+const _: () = assert!(std::mem::offset_of!(FusedArgs, ws) == 128);
+const _: () = assert!(std::mem::offset_of!(FusedArgs, state) == 192);
+const _: () = assert!(std::mem::offset_of!(FusedArgs, comm_bytes) == 208);
+const _: () = assert!(std::mem::offset_of!(FusedArgs, tokens) == 232);
+const _: () = assert!(std::mem::offset_of!(FusedArgs, pattern) == 248);
+// `ar::fused::BlockState` is 16 bytes, one per block of at most MAX_BLOCKS.
+const _: () = assert!(crate::fused::FLAG_BYTES == MAX_BLOCKS * 16);

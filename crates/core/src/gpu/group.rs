@@ -659,7 +659,7 @@ impl<R: GpuRuntime> Drop for Group<R> {
     }
 }
 
-/// What a backend's own extra kernels (the CUDA fused all-reduce) need of a group: its shape,
+/// What the fused all-reduce (`gpu::fused`, over any runtime) needs of a group: its shape,
 /// every rank's workspace (whose header holds the abort word) and Control, and the devices.
 /// Keeps the group alive. In-process groups only: every rank's Control and device are here.
 pub struct GroupView<R: GpuRuntime>(Arc<Group<R>>);

@@ -19,9 +19,18 @@ use std::ffi::CStr;
 use crate::{Call, Device, GroupConfig, Result, SelectionTable, Stream};
 
 pub mod abi;
+pub mod fused;
 mod group;
 
 pub use group::{GpuBackend, GpuComm, GroupView};
+
+/// A pattern [`GpuRuntime::alloc_filled`] repeats over a whole allocation: one word of the
+/// width of the elements the memory will hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fill {
+    U32(u32),
+    U16(u16),
+}
 
 /// The device operations the shared group logic needs from a vendor runtime.
 ///
@@ -171,14 +180,39 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
         )))
     }
 
-    /// Fused all-reduce workspaces for every rank of `group` (the backend's own kernels, e.g.
-    /// CUDA's Lamport all-reduce + RMSNorm), or `None` where the runtime has none: the facade
-    /// then runs the all-reduce and the epilogue separately.
+    /// Fused all-reduce workspaces for every rank of `group`, or `None` where the runtime has
+    /// none: the facade then runs the all-reduce and the epilogue separately. A runtime with
+    /// the fused module ([`GpuRuntime::load_fused_module`], [`GpuRuntime::alloc_filled`])
+    /// returns [`fused::create_group`]'s.
     fn create_fused_group(
         _group: GroupView<Self>,
         _config: &crate::FusedConfig,
     ) -> Result<Option<Vec<Box<dyn crate::FusedComm>>>> {
         Ok(None)
+    }
+
+    /// World sizes the fused module has specialised instances for (`ar_fused_*_w2`); other
+    /// worlds use the generic `_w0` instance.
+    const FUSED_WORLDS: &'static [usize] = &[];
+
+    /// Load the fused all-reduce + RMSNorm kernels (a second module, `fused.h`'s) for `dev`,
+    /// which the caller has made current.
+    fn load_fused_module(_dev: &Self::Device) -> Result<Self::Module> {
+        Err(crate::Error::InvalidConfig(format!(
+            "the {} backend has no fused kernels",
+            Self::NAME
+        )))
+    }
+
+    /// Device memory of `bytes` that peers' kernels read and write (as
+    /// [`GpuRuntime::alloc_workspace`]'s), every word set to `fill` rather than zero: the
+    /// fused kernels' Lamport buffers, whose "not written yet" is -0.0. Runs with `dev`
+    /// current (the caller bound it); complete on return.
+    fn alloc_filled(_dev: &Self::Device, _bytes: usize, _fill: Fill) -> Result<Self::Memory> {
+        Err(crate::Error::InvalidConfig(format!(
+            "the {} backend has no fused kernels",
+            Self::NAME
+        )))
     }
 
     /// A handle another process can open to map `mem` (CUDA/HIP IPC handles), for groups

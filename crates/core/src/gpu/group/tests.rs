@@ -6,8 +6,8 @@ use std::cell::RefCell;
 use std::ffi::CStr;
 
 use super::*;
-use crate::gpu::GpuRuntime;
-use crate::{AllReduceOptions, BufMut, BufRef, Device};
+use crate::gpu::{Fill, GpuRuntime};
+use crate::{AllReduceOptions, BufMut, BufRef, Device, FusionPattern};
 
 #[derive(Clone, Debug)]
 struct Launch {
@@ -15,7 +15,24 @@ struct Launch {
     grid: u32,
     block: u32,
     stream: usize,
+    /// The argument block when it is an `Args` (zeroed for other kernels' blocks).
     args: Args,
+    /// The argument block's bytes, whatever its type.
+    raw: Vec<u8>,
+}
+
+impl Launch {
+    /// The argument block as the fused kernels' `FusedArgs`.
+    fn fused(&self) -> abi::FusedArgs {
+        assert_eq!(
+            self.raw.len(),
+            size_of::<abi::FusedArgs>(),
+            "{}",
+            self.kernel
+        );
+        // SAFETY: as many bytes as a FusedArgs, which is plain data (any bits are valid).
+        unsafe { std::ptr::read_unaligned(self.raw.as_ptr() as *const abi::FusedArgs) }
+    }
 }
 
 thread_local! {
@@ -65,6 +82,29 @@ const KERNELS: [&str; 34] = [
     "ar_hierarchical_bf16_q6a",
     "ar_hierarchical_bf16_q4a",
 ];
+
+/// The fused module's kernels as the CUDA fatbin has them: per-world instances for 2, 4 and 8
+/// ranks, the generic `_w0`, and the unfused norm.
+fn fused_kernels() -> &'static [&'static str] {
+    static NAMES: std::sync::OnceLock<Vec<&'static str>> = std::sync::OnceLock::new();
+    NAMES.get_or_init(|| {
+        let mut v = Vec::new();
+        for dtype in ["f32", "f16", "bf16"] {
+            for w in [0, 2, 4, 8] {
+                for s in ["oneshot", "twoshot"] {
+                    v.push(&*format!("ar_fused_{s}_{dtype}_w{w}").leak());
+                }
+            }
+            v.push(&*format!("ar_rmsnorm_{dtype}").leak());
+        }
+        v
+    })
+}
+
+thread_local! {
+    /// Fills asked of `alloc_filled`, with their sizes.
+    static FILLS: RefCell<Vec<(usize, Fill)>> = const { RefCell::new(Vec::new()) };
+}
 
 struct Mock;
 
@@ -136,6 +176,7 @@ impl GpuRuntime for Mock {
     fn function(_module: &(), name: &CStr) -> Result<&'static str> {
         KERNELS
             .iter()
+            .chain(fused_kernels())
             .find(|k| k.as_bytes() == name.to_bytes())
             .copied()
             .ok_or_else(|| Error::InvalidConfig(format!("no kernel {name:?}")))
@@ -147,8 +188,13 @@ impl GpuRuntime for Mock {
         stream: Stream,
         args: &A,
     ) -> Result<()> {
-        assert_eq!(size_of::<A>(), size_of::<Args>());
-        let args = *(args as *const A as *const Args);
+        let raw = std::slice::from_raw_parts(args as *const A as *const u8, size_of::<A>());
+        let args = if size_of::<A>() == size_of::<Args>() {
+            *(args as *const A as *const Args)
+        } else {
+            // Plain data: null pointers and zeros.
+            std::mem::zeroed()
+        };
         LAUNCHES.with(|l| {
             l.borrow_mut().push(Launch {
                 kernel: f,
@@ -156,6 +202,7 @@ impl GpuRuntime for Mock {
                 block,
                 stream: stream.as_raw() as usize,
                 args,
+                raw: raw.to_vec(),
             })
         });
         Ok(())
@@ -174,6 +221,24 @@ impl GpuRuntime for Mock {
     }
     unsafe fn import_memory(_dev: &MockDevice, handle: &[u8]) -> Result<u64> {
         Ok(u64::from_le_bytes(handle.try_into().unwrap()) + 1)
+    }
+    fn create_fused_group(
+        group: GroupView<Mock>,
+        config: &crate::FusedConfig,
+    ) -> Result<Option<Vec<Box<dyn crate::FusedComm>>>> {
+        crate::gpu::fused::create_group(group, config).map(Some)
+    }
+    const FUSED_WORLDS: &'static [usize] = &[2, 4, 8];
+    fn load_fused_module(_dev: &MockDevice) -> Result<()> {
+        Ok(())
+    }
+    fn alloc_filled(_dev: &MockDevice, bytes: usize, fill: Fill) -> Result<Box<[u64]>> {
+        FILLS.with(|f| f.borrow_mut().push((bytes, fill)));
+        let word = match fill {
+            Fill::U32(v) => u64::from(v) * 0x1_0000_0001,
+            Fill::U16(v) => u64::from(v) * 0x0001_0001_0001_0001,
+        };
+        Ok(vec![word; bytes.div_ceil(8)].into_boxed_slice())
     }
     fn vendor_unavailable(_ordinals: &[u32]) -> Option<String> {
         Some("the mock has no vendor library".into())
@@ -706,4 +771,247 @@ fn ranks_built_one_per_process_map_each_other() {
             Ok(())
         );
     }
+}
+
+// ---- The fused all-reduce + RMSNorm through the generic host side (gpu/fused.rs) ----------
+
+fn fused_group(
+    devices: Vec<u32>,
+    config: &crate::FusedConfig,
+) -> (Vec<GpuComm<Mock>>, Vec<Box<dyn crate::FusedComm>>) {
+    let comms = group(devices);
+    // Only the fused group's own launches from here on.
+    take_launches();
+    let fused = comms[0]
+        .create_fused_group(config)
+        .expect("fused group")
+        .expect("the mock has fused kernels");
+    (comms, fused)
+}
+
+#[test]
+fn fused_workspaces_are_sized_filled_and_warmed_per_rank() {
+    take_launches();
+    FILLS.with(|f| f.borrow_mut().clear());
+    let config = crate::FusedConfig::new(16, 1024, DType::BF16);
+    let (comms, fused) = fused_group(vec![0, 1, 2, 3], &config);
+    assert_eq!(fused.len(), 4);
+    // (world + 1) slots of 16 x 1024 bf16, and the 128 bytes of call tags.
+    let comm_bytes = 5 * 16 * 1024 * 2 + 128;
+    for (r, f) in fused.iter().enumerate() {
+        let m = f.metadata();
+        assert_eq!((m.rank, m.world), (r, 4));
+        assert_eq!(m.lamport_comm_size, comm_bytes);
+        assert_eq!(m.buffer_size, 3 * comm_bytes + 1024);
+    }
+    // bf16 Lamport buffers hold bf16: -0.0 is 0x8000 in every 16-bit word.
+    let fills = FILLS.with(|f| std::mem::take(&mut *f.borrow_mut()));
+    assert_eq!(fills, vec![(3 * comm_bytes, Fill::U16(0x8000)); 4]);
+    let warm = take_launches();
+    assert_eq!(warm.len(), 4 * 3);
+    for (i, l) in warm.iter().enumerate() {
+        let rank = i / 3;
+        let want = [
+            "ar_fused_oneshot_bf16_w4",
+            "ar_fused_twoshot_bf16_w4",
+            "ar_rmsnorm_bf16",
+        ];
+        assert_eq!(l.kernel, want[i % 3]);
+        // One block per compute unit (20 in the mock), one rank per device.
+        assert_eq!((l.grid, l.block, l.stream), (20, THREADS, 0));
+        let a = l.fused();
+        // Alone and empty: world 1, rank 0, no rows, only its own buffers.
+        assert_eq!((a.world, a.rank, a.tokens, a.hidden), (1, 0, 0, 1024));
+        assert_ne!(a.lamport[0], 0);
+        assert!(a.lamport[1..].iter().all(|&p| p == 0));
+        assert_eq!(a.ws[0], comms[rank].group.peers[rank]);
+        assert!(a.ws[1..].iter().all(|&p| p == 0));
+        assert_eq!(
+            a.control,
+            Mock::host_mapped_ptrs(comms[rank].group.control(rank)).1
+        );
+        assert_eq!(a.comm_bytes, comm_bytes as u64);
+        assert_eq!(a.max_elems, 16 * 1024);
+    }
+}
+
+#[test]
+fn fused_calls_launch_the_chosen_kernel_with_every_ranks_buffers() {
+    let config = crate::FusedConfig::new(16, 1024, DType::BF16);
+    let (comms, fused) = fused_group(vec![0, 1, 2, 3], &config);
+    let warm = take_launches();
+    let lamports: Vec<u64> = warm
+        .iter()
+        .step_by(3)
+        .map(|l| l.fused().lamport[0])
+        .collect();
+    let states: Vec<u64> = warm.iter().step_by(3).map(|l| l.fused().state).collect();
+    let n = 8 * 1024;
+    let (input, res_in) = (vec![0u16; n], vec![0u16; n]);
+    let (mut res_out, mut norm_out, gamma) = (vec![0u16; n], vec![0u16; n], vec![0u16; 1024]);
+    let dev = Device::Rocm(2);
+    let view =
+        |v: &[u16]| unsafe { BufRef::from_raw(v.as_ptr() as usize, v.len(), DType::BF16, dev) };
+    let view_mut = |v: &mut [u16]| unsafe {
+        BufMut::from_raw(v.as_mut_ptr() as usize, v.len(), DType::BF16, dev)
+    };
+    let args = crate::FusedArgs::new(FusionPattern::ResidualRmsNorm, 8, view(&input))
+        .residual(view(&res_in), Some(view_mut(&mut res_out)))
+        .rms_norm(view(&gamma), 1e-5, Some(view_mut(&mut norm_out)))
+        .strategy(Strategy::TwoShot)
+        .stream(Stream::from_raw(0x77 as *mut c_void));
+    let table = crate::fused::default_table();
+    let call = crate::fused::prepare_fused(&args, fused[2].metadata(), &table, dev, 16).unwrap();
+    fused[2].run(&call).unwrap();
+    let l = take_launches().pop().expect("one launch");
+    assert_eq!(
+        (l.kernel, l.grid, l.block, l.stream),
+        ("ar_fused_twoshot_bf16_w4", 20, THREADS, 0x77)
+    );
+    let a = l.fused();
+    assert_eq!((a.rank, a.world, a.tokens, a.hidden), (2, 4, 8, 1024));
+    assert_eq!(
+        (a.pattern, a.eps),
+        (FusionPattern::ResidualRmsNorm.code(), 1e-5)
+    );
+    assert_eq!(a.input, input.as_ptr() as u64);
+    assert_eq!(a.residual_in, res_in.as_ptr() as u64);
+    assert_eq!(a.residual_out, res_out.as_ptr() as u64);
+    assert_eq!(a.norm_out, norm_out.as_ptr() as u64);
+    assert_eq!(a.gamma, gamma.as_ptr() as u64);
+    assert_eq!((a.allreduce_out, a.quant_out, a.scale_out), (0, 0, 0));
+    // Every rank's Lamport buffer in rank order, this rank's state and Control.
+    assert_eq!(&a.lamport[..4], &lamports[..]);
+    assert!(a.lamport[4..].iter().all(|&p| p == 0));
+    assert_eq!(a.ws, comms[2].group.peers);
+    assert_eq!(a.state, states[2]);
+    assert_eq!(
+        a.control,
+        Mock::host_mapped_ptrs(comms[2].group.control(2)).1
+    );
+    assert_eq!(a.timeout_ns, comms[2].group.timeout.as_nanos() as u64);
+
+    // Beyond the workspace: refused on the host, nothing launched.
+    let (big, mut big_out) = (vec![0u16; 17 * 1024], vec![0u16; 17 * 1024]);
+    let args = crate::FusedArgs::new(FusionPattern::AllReduce, 17, view(&big))
+        .allreduce_out(view_mut(&mut big_out));
+    let e = crate::fused::prepare_fused(&args, fused[2].metadata(), &table, dev, 16).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::WorkspaceExceeded {
+                what: "tokens",
+                requested: 17,
+                max: 16
+            }
+        ),
+        "{e}"
+    );
+    // A strategy the fused kernels do not have, even past validation.
+    let mut odd = call;
+    odd.strategy = Strategy::QuantizedTwoShot;
+    assert!(matches!(
+        fused[2].run(&odd),
+        Err(Error::StrategyUnavailable { .. })
+    ));
+    assert!(take_launches().is_empty());
+}
+
+#[test]
+fn fused_worlds_without_an_instance_use_the_generic_kernels_and_f32_lamport_words() {
+    take_launches();
+    FILLS.with(|f| f.borrow_mut().clear());
+    // Three ranks, two on device 0: the generic instance, and 20 units split two ways.
+    let config = crate::FusedConfig::new(4, 256, DType::F32);
+    let (_comms, fused) = fused_group(vec![0, 0, 1], &config);
+    let comm_bytes = 4 * 4 * 256 * 4 + 128;
+    let fills = FILLS.with(|f| std::mem::take(&mut *f.borrow_mut()));
+    assert_eq!(fills, vec![(3 * comm_bytes, Fill::U32(0x8000_0000)); 3]);
+    let warm = take_launches();
+    let kernels: Vec<&str> = warm.iter().map(|l| l.kernel).collect();
+    assert_eq!(
+        &kernels[..3],
+        [
+            "ar_fused_oneshot_f32_w0",
+            "ar_fused_twoshot_f32_w0",
+            "ar_rmsnorm_f32"
+        ]
+    );
+    assert!(warm.iter().all(|l| l.grid == 10));
+    // The mock's device memory is host memory: every word reads -0.0 until a kernel writes.
+    let lamport = warm[0].fused().lamport[0] as *const u32;
+    // SAFETY: the rank's Lamport allocation, alive while `fused` is.
+    let words = unsafe { std::slice::from_raw_parts(lamport, 3 * comm_bytes / 4) };
+    assert!(words.iter().all(|&w| w == 0x8000_0000));
+    assert_eq!(f32::from_bits(words[0]), -0.0);
+    drop(fused);
+    assert_eq!(
+        super::super::fused::kernel_names::<Mock>(8)[1],
+        [
+            "ar_fused_twoshot_f32_w8",
+            "ar_fused_twoshot_f16_w8",
+            "ar_fused_twoshot_bf16_w8"
+        ]
+    );
+}
+
+#[test]
+fn the_unfused_norm_kernel_checks_rows_and_clamps_its_grid() {
+    use crate::gpu::fused::{NormBuffers, RmsNormKernel};
+    take_launches();
+    let k = RmsNormKernel::<Mock>::from_module(()).unwrap();
+    let bufs = NormBuffers {
+        input: 0x1000,
+        gamma: 0x2000,
+        ..Default::default()
+    };
+    // SAFETY: the mock records launches and touches nothing.
+    unsafe {
+        k.launch(
+            DType::F16,
+            FusionPattern::ResidualRmsNorm,
+            &bufs,
+            100,
+            4096,
+            1e-6,
+            36,
+            Stream::NULL,
+        )
+        .unwrap();
+        k.launch(
+            DType::F16,
+            FusionPattern::AllReduce,
+            &bufs,
+            0,
+            4096,
+            1e-6,
+            36,
+            Stream::NULL,
+        )
+        .unwrap();
+        let e = k
+            .launch(
+                DType::F16,
+                FusionPattern::ResidualRmsNorm,
+                &bufs,
+                1,
+                4100,
+                1e-6,
+                36,
+                Stream::NULL,
+            )
+            .unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    }
+    let l = take_launches();
+    assert_eq!(l.len(), 2);
+    assert_eq!(
+        (l[0].kernel, l[0].grid, l[1].grid),
+        ("ar_rmsnorm_f16", 36, 1)
+    );
+    let a = l[0].fused();
+    assert_eq!(
+        (a.input, a.gamma, a.tokens, a.hidden, a.world),
+        (0x1000, 0x2000, 100, 4096, 1)
+    );
 }

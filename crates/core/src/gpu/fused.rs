@@ -1,0 +1,420 @@
+//! The fused all-reduce + residual + RMSNorm (+ FP8) over any [`GpuRuntime`]: Lamport
+//! workspaces for a group, launches of the kernels in `kernels-cuda/fused.cu` and
+//! `kernels-hip/fused.hip` (bodies in `kernels-common/include/allreduce/fused.h`, whose
+//! `FusedArgs` is [`abi::FusedArgs`]), and the unfused baseline's residual + RMSNorm kernel
+//! for tests and the bench. A runtime provides the fused module
+//! ([`GpuRuntime::load_fused_module`]) and sentinel-filled memory
+//! ([`GpuRuntime::alloc_filled`]), and opts in through [`GpuRuntime::create_fused_group`].
+//!
+//! Each rank allocates three Lamport buffers of `world + 1` slots of `max_tokens x hidden`
+//! elements plus the call tags, pre-filled with -0.0, and 1 KiB of per-block call state
+//! (zeroed). The group's existing workspaces provide the abort word, and its Controls the
+//! error reports, so a poll that times out shows up in `Communicator::synchronize` like any
+//! other timeout (group.rs maps `ERROR_FUSED_MISMATCH` the same way).
+
+use std::ffi::CString;
+use std::sync::Arc;
+
+use super::abi::{self, FusedArgs, MAX_WORLD, THREADS};
+use super::{Fill, GpuRuntime, GroupView};
+use crate::{
+    DType, Error, FusedCall, FusedComm, FusedConfig, FusedMetadata, FusionPattern, Result,
+    Strategy, Stream,
+};
+
+fn dtype_index(d: DType) -> usize {
+    match d {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::BF16 => 2,
+    }
+}
+
+/// The kernel names of the fused module for groups of `world` ranks: one-shot, two-shot and
+/// the unfused norm, each for f32, f16 and bf16. A world the module has no instance for
+/// (`R::FUSED_WORLDS`) uses the generic one (`_w0`), which reads the world from its arguments.
+pub fn kernel_names<R: GpuRuntime>(world: usize) -> [[String; 3]; 3] {
+    let w = if R::FUSED_WORLDS.contains(&world) {
+        world
+    } else {
+        0
+    };
+    let set = |prefix: &str, tail: &str| {
+        ["f32", "f16", "bf16"].map(|dtype| format!("{prefix}_{dtype}{tail}"))
+    };
+    let tail = format!("_w{w}");
+    [
+        set("ar_fused_oneshot", &tail),
+        set("ar_fused_twoshot", &tail),
+        set("ar_rmsnorm", ""),
+    ]
+}
+
+/// The fused module's kernels on one device.
+struct Kernels<R: GpuRuntime> {
+    oneshot: [R::Function; 3],
+    twoshot: [R::Function; 3],
+    norm: [R::Function; 3],
+    _module: R::Module,
+}
+
+impl<R: GpuRuntime> Kernels<R> {
+    /// Look up (eagerly: see [`GpuRuntime::function`]) the instances for groups of `world`
+    /// ranks in a loaded fused module.
+    fn from_module(module: R::Module, world: usize) -> Result<Self> {
+        let [oneshot, twoshot, norm] = kernel_names::<R>(world);
+        let set = |names: &[String; 3]| -> Result<[R::Function; 3]> {
+            let f = |name: &String| {
+                let name = CString::new(name.as_str()).map_err(|_| {
+                    Error::InvalidArgument(format!("kernel name {name:?} holds a NUL"))
+                })?;
+                R::function(&module, &name)
+            };
+            Ok([f(&names[0])?, f(&names[1])?, f(&names[2])?])
+        };
+        Ok(Kernels {
+            oneshot: set(&oneshot)?,
+            twoshot: set(&twoshot)?,
+            norm: set(&norm)?,
+            _module: module,
+        })
+    }
+}
+
+/// What every rank's workspace shares: the group, the per-rank allocations, the kernels.
+struct Shared<R: GpuRuntime> {
+    group: GroupView<R>,
+    /// Blocks per launch, the same on every rank (see [`fused_grid`]).
+    grid: u32,
+    meta: Vec<FusedMetadata>,
+    lamport: Vec<R::Memory>,
+    state: Vec<R::Memory>,
+    /// Per rank (kernels loaded once per rank's device; ranks on one GPU share a load
+    /// through the Arc).
+    kernels: Vec<Arc<Kernels<R>>>,
+}
+
+impl<R: GpuRuntime> Drop for Shared<R> {
+    fn drop(&mut self) {
+        // Free each allocation with its own device current.
+        while let Some(lamport) = self.lamport.pop() {
+            let _ = R::bind(self.group.device(self.lamport.len()));
+            drop(lamport);
+            self.state.pop();
+        }
+    }
+}
+
+/// One rank's fused workspace.
+pub struct GpuFused<R: GpuRuntime> {
+    rank: usize,
+    shared: Arc<Shared<R>>,
+}
+
+/// The -0.0 that marks a Lamport element "not written yet", as a fill of `elem`-byte words.
+pub fn sentinel(elem: usize) -> Fill {
+    if elem == 4 {
+        Fill::U32(0x8000_0000)
+    } else {
+        Fill::U16(0x8000)
+    }
+}
+
+/// Allocate and fill every rank's workspace, load the kernels, and run each once per rank
+/// with nothing to move (see `Group::warm_up`: a first launch may wait for the whole device,
+/// which must not happen while a peer polls). Call it while no collective of the group is in
+/// flight.
+pub fn create_group<R: GpuRuntime>(
+    group: GroupView<R>,
+    config: &FusedConfig,
+) -> Result<Vec<Box<dyn FusedComm>>> {
+    config.validate()?;
+    let world = group.world();
+    let meta: Vec<FusedMetadata> = (0..world)
+        .map(|r| FusedMetadata::new(config, r, world))
+        .collect();
+    let mut lamport = Vec::with_capacity(world);
+    let mut state = Vec::with_capacity(world);
+    let mut kernels: Vec<Arc<Kernels<R>>> = Vec::with_capacity(world);
+    let mut loaded: Vec<(u32, Arc<Kernels<R>>)> = Vec::new();
+    for m in &meta {
+        let dev = group.device(m.rank);
+        R::bind(dev)?;
+        lamport.push(R::alloc_filled(
+            dev,
+            m.lamport_buffer_size,
+            sentinel(config.lamport_elem()),
+        )?);
+        state.push(R::alloc_workspace(dev, m.flag_size)?);
+        let ordinal = R::ordinal(dev);
+        let k = match loaded.iter().find(|(o, _)| *o == ordinal) {
+            Some((_, k)) => k.clone(),
+            None => {
+                let k = Arc::new(Kernels::from_module(R::load_fused_module(dev)?, world)?);
+                loaded.push((ordinal, k.clone()));
+                k
+            }
+        };
+        kernels.push(k);
+    }
+    let grid = fused_grid(&group);
+    tracing::debug!(
+        backend = R::NAME,
+        world,
+        max_tokens = config.max_tokens,
+        hidden = config.hidden,
+        dtype = %config.dtype,
+        bytes_per_rank = meta[0].buffer_size,
+        grid,
+        "fused workspace"
+    );
+    let shared = Arc::new(Shared {
+        grid,
+        group,
+        meta,
+        lamport,
+        state,
+        kernels,
+    });
+    warm_up(&shared, config.dtype)?;
+    Ok((0..world)
+        .map(|rank| {
+            Box::new(GpuFused {
+                rank,
+                shared: shared.clone(),
+            }) as Box<dyn FusedComm>
+        })
+        .collect())
+}
+
+/// Blocks per fused launch: one per SM (CU) for each rank of the busiest GPU, at most 64 (the
+/// per-block state's size). More than the exact kernels' 36 when few ranks share a GPU: the
+/// fused kernels' phases are latency-bound loops, so more threads means more loads in flight.
+/// Every rank's grid still co-resides with room to spare (the kernels fit two 512-thread
+/// blocks per SM, and per CU on wave64 AMD, where fused.hip asks for it through
+/// `amdgpu_waves_per_eu`; all ranks of a GPU together ask for at most one per SM/CU), which
+/// the polls need.
+pub fn fused_grid<R: GpuRuntime>(group: &GroupView<R>) -> u32 {
+    let world = group.world();
+    let busiest = (0..world)
+        .map(|r| {
+            let o = R::ordinal(group.device(r));
+            (0..world)
+                .filter(|&q| R::ordinal(group.device(q)) == o)
+                .count()
+        })
+        .max()
+        .unwrap_or(1) as u32;
+    let sms = (0..world)
+        .map(|r| R::compute_units(group.device(r)))
+        .min()
+        .unwrap_or(1);
+    (sms / busiest).clamp(1, abi::MAX_BLOCKS as u32)
+}
+
+fn warm_up<R: GpuRuntime>(s: &Shared<R>, dtype: DType) -> Result<()> {
+    let d = dtype_index(dtype);
+    for rank in 0..s.meta.len() {
+        let mut args = s.args(rank, 0, s.meta[rank].hidden, FusionPattern::AllReduce, 0.0);
+        // World 1, no rows: each kernel touches only this rank's state, and every rank's call
+        // count advances by the same two.
+        args.lamport = [0; MAX_WORLD];
+        args.lamport[0] = R::memory_addr(&s.lamport[rank]);
+        args.ws = [0; MAX_WORLD];
+        args.ws[0] = s.group.workspaces()[rank];
+        args.rank = 0;
+        args.world = 1;
+        R::bind(s.group.device(rank))?;
+        let k = &s.kernels[rank];
+        for f in [k.oneshot[d], k.twoshot[d], k.norm[d]] {
+            // SAFETY: tokens = 0 and world = 1: only this rank's state is touched.
+            unsafe { R::launch(f, s.grid, THREADS, Stream::NULL, &args)? };
+        }
+    }
+    for rank in 0..s.meta.len() {
+        R::synchronize_device(s.group.device(rank))?;
+    }
+    Ok(())
+}
+
+impl<R: GpuRuntime> Shared<R> {
+    /// Launch arguments of `rank` with no buffers.
+    fn args(
+        &self,
+        rank: usize,
+        tokens: usize,
+        hidden: usize,
+        pattern: FusionPattern,
+        eps: f32,
+    ) -> FusedArgs {
+        let m = &self.meta[rank];
+        let mut lamport = [0u64; MAX_WORLD];
+        for (r, l) in self.lamport.iter().enumerate() {
+            lamport[r] = R::memory_addr(l);
+        }
+        FusedArgs {
+            input: 0,
+            allreduce_out: 0,
+            residual_in: 0,
+            residual_out: 0,
+            norm_out: 0,
+            quant_out: 0,
+            scale_out: 0,
+            gamma: 0,
+            lamport,
+            ws: self.group.workspaces(),
+            state: R::memory_addr(&self.state[rank]),
+            control: self.group.control(rank),
+            comm_bytes: m.lamport_comm_size as u64,
+            max_elems: (m.max_tokens * m.hidden) as u64,
+            timeout_ns: self.group.timeout_ns(),
+            tokens: tokens as u32,
+            hidden: hidden as u32,
+            rank: rank as u32,
+            world: m.world as u32,
+            pattern: pattern.code(),
+            eps,
+        }
+    }
+}
+
+fn addr(b: Option<crate::RawBuffer>) -> u64 {
+    b.map_or(0, |b| b.addr as u64)
+}
+
+impl<R: GpuRuntime> FusedComm for GpuFused<R> {
+    fn metadata(&self) -> &FusedMetadata {
+        &self.shared.meta[self.rank]
+    }
+
+    fn run(&self, call: &FusedCall) -> Result<()> {
+        let s = &*self.shared;
+        if let Some(reason) = s.group.aborted() {
+            return Err(Error::Aborted { reason });
+        }
+        let k = &s.kernels[self.rank];
+        let d = dtype_index(call.dtype);
+        let f = match call.strategy {
+            Strategy::OneShot => k.oneshot[d],
+            Strategy::TwoShot => k.twoshot[d],
+            other => {
+                return Err(Error::StrategyUnavailable {
+                    strategy: other,
+                    reason: "the fused kernels are oneshot and twoshot".into(),
+                })
+            }
+        };
+        let mut args = s.args(self.rank, call.tokens, call.hidden, call.pattern, call.eps);
+        args.input = call.input.addr as u64;
+        args.allreduce_out = addr(call.allreduce_out);
+        args.residual_in = addr(call.residual_in);
+        args.residual_out = addr(call.residual_out);
+        args.norm_out = addr(call.norm_out);
+        args.quant_out = call.quant_out.map_or(0, |(a, _)| a as u64);
+        args.scale_out = addr(call.scale_out);
+        args.gamma = addr(call.gamma);
+        R::bind(s.group.device(self.rank))?;
+        // SAFETY: FusedArgs mirrors the kernel's parameter; the workspaces live as long as
+        // `shared`, and `prepare_fused` validated the caller's buffers (device, sizes,
+        // alignment, overlap).
+        unsafe { R::launch(f, s.grid, THREADS, call.stream, &args) }
+    }
+}
+
+/// The unfused baseline's second kernel (residual add + RMSNorm, + FP8 codes), for tests and
+/// the bench: what a model runs after a plain all-reduce.
+pub struct RmsNormKernel<R: GpuRuntime> {
+    kernels: Kernels<R>,
+}
+
+/// Buffers of one [`RmsNormKernel`] launch (device addresses; 0 for outputs not wanted).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NormBuffers {
+    pub input: u64,
+    pub residual_in: u64,
+    pub residual_out: u64,
+    pub norm_out: u64,
+    pub quant_out: u64,
+    pub scale_out: u64,
+    pub gamma: u64,
+}
+
+impl<R: GpuRuntime> RmsNormKernel<R> {
+    /// From a fused module loaded on the device the launches will run on.
+    pub fn from_module(module: R::Module) -> Result<Self> {
+        Ok(RmsNormKernel {
+            kernels: Kernels::from_module(module, 0)?,
+        })
+    }
+
+    /// `norm_out = RMSNorm(residual_out = input + residual_in) * gamma` per row, one block of
+    /// 512 threads per row up to `max_grid` blocks, on the current device.
+    ///
+    /// # Safety
+    /// Every non-zero address must hold `tokens x hidden` elements of `dtype` (gamma:
+    /// `hidden`; quant_out: bytes; scale_out: `tokens` f32), 16-byte aligned, valid until the
+    /// kernel has run on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch(
+        &self,
+        dtype: DType,
+        pattern: FusionPattern,
+        bufs: &NormBuffers,
+        tokens: usize,
+        hidden: usize,
+        eps: f32,
+        max_grid: u32,
+        stream: Stream,
+    ) -> Result<()> {
+        let args = norm_args(dtype, pattern, bufs, tokens, hidden, eps)?;
+        let grid = (tokens as u32).clamp(1, max_grid.max(1));
+        R::launch(
+            self.kernels.norm[dtype_index(dtype)],
+            grid,
+            THREADS,
+            stream,
+            &args,
+        )
+    }
+}
+
+/// The argument block of an unfused norm launch, or why the row cannot be one.
+pub fn norm_args(
+    dtype: DType,
+    pattern: FusionPattern,
+    bufs: &NormBuffers,
+    tokens: usize,
+    hidden: usize,
+    eps: f32,
+) -> Result<FusedArgs> {
+    if hidden % (16 / dtype.size()) != 0 || hidden * dtype.size() > crate::fused::MAX_HIDDEN_BYTES {
+        return Err(Error::InvalidArgument(format!(
+            "hidden {hidden} {dtype} is not a whole number of 16-byte vectors of at most {} \
+             bytes",
+            crate::fused::MAX_HIDDEN_BYTES
+        )));
+    }
+    Ok(FusedArgs {
+        input: bufs.input,
+        allreduce_out: 0,
+        residual_in: bufs.residual_in,
+        residual_out: bufs.residual_out,
+        norm_out: bufs.norm_out,
+        quant_out: bufs.quant_out,
+        scale_out: bufs.scale_out,
+        gamma: bufs.gamma,
+        lamport: [0; MAX_WORLD],
+        ws: [0; MAX_WORLD],
+        state: 0,
+        control: 0,
+        comm_bytes: 0,
+        max_elems: 0,
+        timeout_ns: 0,
+        tokens: tokens as u32,
+        hidden: hidden as u32,
+        rank: 0,
+        world: 1,
+        pattern: pattern.code(),
+        eps,
+    })
+}
