@@ -1,6 +1,6 @@
 // HIP twin of kernels-cuda/fused.cu: the same bodies (kernels-common/include/allreduce/
-// fused.h), the launch bounds of kernels-hip/allreduce.hip. Compiled in CI only; no Rust
-// caller yet (the ROCm backend is issue 5).
+// fused.h), the launch bounds of kernels-hip/allreduce.hip. Launched by the ROCm backend
+// through allreduce_core::gpu::fused (Hip::load_fused_module); never yet run on AMD hardware.
 
 #include "allreduce/fused.h"
 
@@ -14,9 +14,10 @@ constexpr int kWavesPerSimd = kBlocksPerCu * (kThreads / kWarpSize) / kSimdsPerC
 #define AR_KERNEL                                                                     \
   extern "C" __global__ void __attribute__((amdgpu_flat_work_group_size(1, kThreads), \
                                             amdgpu_waves_per_eu(kWavesPerSimd)))
-// Only the generic instance (w0: the world from the arguments) until a ROCm backend launches
-// these: the per-world instances of fused.cu would quadruple the compile time (about 80 s per
-// target on CI's two cores) for code nothing runs yet.
+// Only the generic instance (w0: the world from the arguments): the per-world instances of
+// fused.cu would quadruple the compile time (about 80 s per target on CI's two cores) for code
+// never yet run on AMD hardware. Adding them means listing them in Hip::FUSED_WORLDS
+// (backend-rocm's kernels test checks the two agree).
 #define AR_FUSED_WORLD(SUFFIX, T, W)                                                            \
   AR_KERNEL ar_fused_oneshot_##SUFFIX##_w##W(AR_GRID_CONSTANT const FusedArgs a) { oneshot<T, W>(a); } \
   AR_KERNEL ar_fused_twoshot_##SUFFIX##_w##W(AR_GRID_CONSTANT const FusedArgs a) { twoshot<T, W>(a); }

@@ -1,14 +1,27 @@
 //! The kernels embedded at build time: one AMDGPU code object per gfx target (kernels-hip +
 //! kernels-common, compiled by build-support when build.rs found a HIP compiler), or none.
+//! Two modules, as on CUDA: the all-reduce kernels (allreduce.hip) and the fused all-reduce +
+//! RMSNorm (fused.hip).
 
 include!(concat!(env!("OUT_DIR"), "/allreduce.hip.rs"));
 
-/// What build.rs did: "compiled for gfx90a, gfx942, gfx950" or "not compiled: ..." with the reason.
+mod fused {
+    include!(concat!(env!("OUT_DIR"), "/fused.hip.rs"));
+}
+
+/// What build.rs did: "compiled for gfx90a, gfx942, gfx950 (allreduce.hip, fused.hip)" or
+/// "not compiled: ..." with the reason.
 pub const BUILD: &str = env!("ALLREDUCE_HIP_BUILD");
 
 /// `(gfx target, code object)` pairs, empty when the build found no HIP compiler.
 pub fn code_objects() -> &'static [(&'static str, &'static [u8])] {
     HIP_CODE_OBJECTS
+}
+
+/// `(gfx target, code object)` pairs of the fused kernels (fused.hip), empty when the build
+/// found no HIP compiler.
+pub fn fused_code_objects() -> &'static [(&'static str, &'static [u8])] {
+    fused::HIP_CODE_OBJECTS
 }
 
 /// The gfx targets compiled in.
@@ -37,6 +50,7 @@ mod tests {
     fn embedded_code_objects_are_amdgpu_elfs_or_absent_with_a_reason() {
         if code_objects().is_empty() {
             assert!(BUILD.starts_with("not compiled"), "{BUILD}");
+            assert!(fused_code_objects().is_empty());
             assert!(missing().contains("scripts/setup-hip.sh"));
             // CI builds with ALLREDUCE_REQUIRE_HIP=1 after setup-hip.sh: kernels must be in.
             assert!(
@@ -65,6 +79,36 @@ mod tests {
                     image.windows(k.len()).any(|w| w == k.as_bytes()),
                     "{arch} lacks {k}"
                 );
+            }
+        }
+        assert_eq!(
+            fused_code_objects()
+                .iter()
+                .map(|(a, _)| *a)
+                .collect::<Vec<_>>(),
+            targets()
+        );
+        for (arch, image) in fused_code_objects() {
+            assert_eq!(&image[..4], b"\x7fELF", "{arch}");
+            // The generic instance every world can fall back to, and each one Hip::FUSED_WORLDS
+            // promises (the names the generic host code asks for).
+            let worlds = <crate::Hip as allreduce_core::gpu::GpuRuntime>::FUSED_WORLDS;
+            // And no instance the host would never ask for.
+            for w in (1..=8).filter(|w| !worlds.contains(w)) {
+                let k = format!("ar_fused_oneshot_f32_w{w}");
+                assert!(
+                    !image.windows(k.len()).any(|x| x == k.as_bytes()),
+                    "{arch} has {k}, which Hip::FUSED_WORLDS does not list"
+                );
+            }
+            for w in [0].iter().chain(worlds) {
+                let names = allreduce_core::gpu::fused::kernel_names::<crate::Hip>(*w);
+                for k in names.iter().flatten() {
+                    assert!(
+                        image.windows(k.len()).any(|w| w == k.as_bytes()),
+                        "{arch} lacks {k}"
+                    );
+                }
             }
         }
         assert!(targets().contains(&"gfx942"), "{:?}", targets());

@@ -5,7 +5,8 @@
 //! build, and without one every entry point returns `Error::LibraryUnavailable` naming the
 //! files tried) and a thin `result` layer. [`Hip`] implements `allreduce_core::gpu::GpuRuntime`
 //! over them, so the group logic ([`Rocm`] = `GpuBackend<Hip>`) is the code every GPU backend
-//! shares: workspace layout, flag protocol, strategy choice, launch arguments. [`kernels`]
+//! shares: workspace layout, flag protocol, strategy choice, launch arguments, and the fused
+//! all-reduce + RMSNorm (`allreduce_core::gpu::fused`, fused.hip's kernels). [`kernels`]
 //! holds the code objects build.rs compiled from `kernels-hip/` when it found a HIP compiler;
 //! [`select`] is the default `Auto` table (vLLM's ROCm thresholds).
 //!

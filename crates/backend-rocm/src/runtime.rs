@@ -25,7 +25,7 @@
 use std::ffi::{c_void, CStr};
 use std::sync::OnceLock;
 
-use allreduce_core::gpu::{abi::THREADS, GpuRuntime};
+use allreduce_core::gpu::{abi::THREADS, Fill, GpuRuntime};
 use allreduce_core::{Call, Device, Error, GroupConfig, Result, SelectionTable, Stream};
 
 use crate::hip::result::{self as hip, device, memory, module};
@@ -200,6 +200,59 @@ pub fn queue_shortfall(ordinals: &[u32], queues: usize) -> Option<(u32, usize, u
     worst.and_then(|(o, n)| (n > queues).then_some((o, n, queues)))
 }
 
+/// Device memory peers' kernels read and write: uncached where the runtime knows the flag
+/// (ROCm 6+), else fine-grained, which is also coherent between GPUs. Uninitialised.
+fn alloc_uncached(dev: &HipDevice, bytes: usize) -> Result<HipMemory> {
+    Hip::bind(dev)?;
+    let ptr = match memory::malloc_with_flags(bytes, sys::hipDeviceMallocUncached) {
+        Err(e) if e.code() == Some(sys::hipErrorInvalidValue) => {
+            hip::clear_last_error();
+            tracing::debug!(device = dev.ordinal, "no uncached memory: fine-grained");
+            memory::malloc_with_flags(bytes, sys::hipDeviceMallocFinegrained)?
+        }
+        other => other?,
+    };
+    Ok(HipMemory { ptr, bytes })
+}
+
+/// Load whichever of `objs` (one per gfx target) the device accepts.
+fn load_code_object(
+    dev: &HipDevice,
+    objs: &'static [(&'static str, &'static [u8])],
+) -> Result<HipModule> {
+    if objs.is_empty() {
+        return Err(Error::LibraryUnavailable {
+            library: "allreduce's HIP kernels",
+            detail: kernels::missing(),
+        });
+    }
+    Hip::bind(dev)?;
+    let mut failures = Vec::new();
+    for (arch, image) in objs {
+        // SAFETY: a complete code object produced by build-support.
+        match unsafe { module::load_data(image) } {
+            Ok(m) => {
+                tracing::debug!(device = dev.ordinal, arch, "HIP kernels loaded");
+                return Ok(HipModule { module: m, arch });
+            }
+            Err(e) => {
+                hip::clear_last_error();
+                failures.push(format!("{arch}: {e}"));
+            }
+        }
+    }
+    Err(Error::Device {
+        api: "hipModuleLoadData",
+        detail: format!(
+            "none of the embedded code objects loads on ROCm device {} ({}): {}; rebuild \
+             with its gfx target in ALLREDUCE_HIP_ARCHS",
+            dev.ordinal,
+            dev.name,
+            failures.join("; ")
+        ),
+    })
+}
+
 impl GpuRuntime for Hip {
     const NAME: &'static str = "rocm";
 
@@ -278,18 +331,7 @@ impl GpuRuntime for Hip {
     }
 
     fn alloc_workspace(dev: &HipDevice, bytes: usize) -> Result<HipMemory> {
-        Self::bind(dev)?;
-        // Uncached where the runtime knows the flag (ROCm 6+), else fine-grained, which is
-        // also coherent between GPUs.
-        let ptr = match memory::malloc_with_flags(bytes, sys::hipDeviceMallocUncached) {
-            Err(e) if e.code() == Some(sys::hipErrorInvalidValue) => {
-                hip::clear_last_error();
-                tracing::debug!(device = dev.ordinal, "no uncached memory: fine-grained");
-                memory::malloc_with_flags(bytes, sys::hipDeviceMallocFinegrained)?
-            }
-            other => other?,
-        };
-        let m = HipMemory { ptr, bytes };
+        let m = alloc_uncached(dev, bytes)?;
         // SAFETY: the allocation holds at least `bytes`. Synchronous memset, then a device
         // sync: the kernels later run on non-blocking streams that do not order with it.
         unsafe { memory::memset(m.ptr, 0, bytes.max(1))? };
@@ -324,38 +366,7 @@ impl GpuRuntime for Hip {
     }
 
     fn load_module(dev: &HipDevice) -> Result<HipModule> {
-        let objs = kernels::code_objects();
-        if objs.is_empty() {
-            return Err(Error::LibraryUnavailable {
-                library: "allreduce's HIP kernels",
-                detail: kernels::missing(),
-            });
-        }
-        Self::bind(dev)?;
-        let mut failures = Vec::new();
-        for (arch, image) in objs {
-            // SAFETY: a complete code object produced by build-support.
-            match unsafe { module::load_data(image) } {
-                Ok(m) => {
-                    tracing::debug!(device = dev.ordinal, arch, "HIP kernels loaded");
-                    return Ok(HipModule { module: m, arch });
-                }
-                Err(e) => {
-                    hip::clear_last_error();
-                    failures.push(format!("{arch}: {e}"));
-                }
-            }
-        }
-        Err(Error::Device {
-            api: "hipModuleLoadData",
-            detail: format!(
-                "none of the embedded code objects loads on ROCm device {} ({}): {}; rebuild \
-                 with its gfx target in ALLREDUCE_HIP_ARCHS",
-                dev.ordinal,
-                dev.name,
-                failures.join("; ")
-            ),
-        })
+        load_code_object(dev, kernels::code_objects())
     }
 
     fn function(m: &HipModule, name: &CStr) -> Result<HipFunction> {
@@ -466,6 +477,37 @@ impl GpuRuntime for Hip {
             call.dtype(),
             call.stream.as_raw(),
         )
+    }
+
+    fn create_fused_group(
+        group: allreduce_core::gpu::GroupView<Hip>,
+        config: &allreduce_core::FusedConfig,
+    ) -> Result<Option<Vec<Box<dyn allreduce_core::FusedComm>>>> {
+        allreduce_core::gpu::fused::create_group(group, config).map(Some)
+    }
+
+    /// None: fused.hip compiles only the generic instance (`_w0`), since per-world ones would
+    /// quadruple its compile time for kernels never yet run on AMD hardware.
+    const FUSED_WORLDS: &'static [usize] = &[];
+
+    fn load_fused_module(dev: &HipDevice) -> Result<HipModule> {
+        load_code_object(dev, kernels::fused_code_objects())
+    }
+
+    /// The Lamport buffers are polled by peers like the workspaces, so the same uncached
+    /// memory. hipMemsetD16/D32 run on the null stream: the device sync orders them before
+    /// the kernels on the caller's non-blocking streams.
+    fn alloc_filled(dev: &HipDevice, bytes: usize, fill: Fill) -> Result<HipMemory> {
+        let m = alloc_uncached(dev, bytes)?;
+        // SAFETY: the allocation holds `bytes`, whole words of the fill's width.
+        unsafe {
+            match fill {
+                Fill::U32(v) => memory::memset_d32(m.ptr, v, bytes / 4)?,
+                Fill::U16(v) => memory::memset_d16(m.ptr, v, bytes / 2)?,
+            }
+        }
+        device::synchronize()?;
+        Ok(m)
     }
 
     fn default_selection(config: &GroupConfig) -> SelectionTable {

@@ -12,11 +12,11 @@ use std::process::Command;
 use std::ffi::{c_char, c_void, CStr};
 
 use allreduce_backend_rocm::{hip, kernels, select, Hip, IpcMapping, Rocm};
-use allreduce_core::gpu::abi::{Args, Desc};
+use allreduce_core::gpu::abi::{Args, Desc, FusedArgs};
 use allreduce_core::gpu::GpuRuntime;
 use allreduce_core::{
     prepare, AllReduceOptions, Backend, BackendComm, BufMut, BufRef, DType, Device, Error,
-    GroupConfig, Precision, Strategy, Stream,
+    FusedConfig, FusionPattern, GroupConfig, Precision, Strategy, Stream,
 };
 
 /// The stub's record of what the backend did (its `stub_*` functions).
@@ -51,6 +51,13 @@ impl Probe {
         }
     }
     fn args(&self) -> Args {
+        self.block()
+    }
+    fn fused_args(&self) -> FusedArgs {
+        self.block()
+    }
+    /// The last launch's argument block, which must be a `T`.
+    fn block<T: Copy>(&self) -> T {
         let mut n = 0usize;
         // SAFETY: the getter returns the recorded block and its size.
         unsafe {
@@ -59,8 +66,8 @@ impl Probe {
                 .get::<unsafe extern "C" fn(*mut usize) -> *const c_void>("stub_last_args")
                 .unwrap();
             let p = f(&mut n);
-            assert_eq!(n, size_of::<Args>(), "the launch's argument block size");
-            std::ptr::read_unaligned(p as *const Args)
+            assert_eq!(n, size_of::<T>(), "the launch's argument block size");
+            std::ptr::read_unaligned(p as *const T)
         }
     }
 }
@@ -369,6 +376,62 @@ fn hip_layers_against_a_stub_runtime() {
     assert_eq!(probe.u32("stub_replays"), 3);
     drop(graph);
     drop(s);
+
+    // The fused all-reduce + RMSNorm through the generic host side: Lamport buffers of
+    // uncached memory filled with bf16 -0.0 by hipMemsetD16, the fused code object loaded,
+    // its three kernels warmed per rank, and a call launching the generic (w0) one-shot.
+    let warmed = probe.u32("stub_launches");
+    let fused = c
+        .create_fused_group(&FusedConfig::new(8, 1024, DType::BF16))
+        .unwrap()
+        .expect("the ROCm backend has fused kernels");
+    assert_eq!(fused.len(), 2);
+    assert_eq!(probe.u32("stub_fills"), 2);
+    assert_eq!(probe.u32("stub_launches"), warmed + 2 * 3);
+    assert_eq!(probe.string("stub_last_kernel"), "ar_rmsnorm_bf16");
+    // The stub's 304 compute units, one rank per GPU: the per-block state's 64 blocks.
+    assert_eq!(
+        (probe.u32("stub_last_grid"), probe.u32("stub_last_block")),
+        (64, 512)
+    );
+    let comm_bytes = 3 * 8 * 1024 * 2 + 128;
+    assert_eq!(fused[1].metadata().lamport_buffer_size, 3 * comm_bytes);
+    let warm = probe.fused_args();
+    assert_eq!((warm.world, warm.rank, warm.tokens), (1, 0, 0));
+    // The stub's device memory is host memory: every bf16 word is -0.0 until a kernel writes.
+    // SAFETY: rank 1's live Lamport allocation of 3 * comm_bytes.
+    let words =
+        unsafe { std::slice::from_raw_parts(warm.lamport[0] as *const u16, 3 * comm_bytes / 2) };
+    assert!(words.iter().all(|&w| w == 0x8000));
+    // SAFETY: fake device addresses, as above.
+    let (input, output) = unsafe {
+        (
+            BufRef::from_raw(0x10_0000, 4 * 1024, DType::BF16, dev),
+            BufMut::from_raw(0x20_0000, 4 * 1024, DType::BF16, dev),
+        )
+    };
+    let args = allreduce_core::FusedArgs::new(FusionPattern::AllReduce, 4, input)
+        .allreduce_out(output)
+        .stream(stream);
+    let call = allreduce_core::fused::prepare_fused(
+        &args,
+        fused[1].metadata(),
+        &allreduce_core::fused::default_table(),
+        dev,
+        16,
+    )
+    .unwrap();
+    assert_eq!(call.strategy, Strategy::OneShot);
+    fused[1].run(&call).unwrap();
+    assert_eq!(probe.string("stub_last_kernel"), "ar_fused_oneshot_bf16_w0");
+    assert_eq!(probe.stream(), 0x5000);
+    let a = probe.fused_args();
+    assert_eq!((a.rank, a.world, a.tokens, a.hidden), (1, 2, 4, 1024));
+    assert_eq!((a.input, a.allreduce_out), (0x10_0000, 0x20_0000));
+    assert_eq!(a.lamport[1], warm.lamport[0]);
+    assert!(a.lamport[0] != 0 && a.lamport[2..].iter().all(|&p| p == 0));
+    assert_eq!(a.comm_bytes, comm_bytes as u64);
+    drop(fused);
     drop(comms);
 
     // IPC (groups across processes): the handle of an uncached allocation opens, with lazy

@@ -316,6 +316,28 @@ pub mod memory {
         )
     }
 
+    /// Synchronous fill of `count` 32-bit words with `value`.
+    ///
+    /// # Safety
+    /// `dst` holds `4 * count` bytes of device memory.
+    pub unsafe fn memset_d32(dst: *mut c_void, value: u32, count: usize) -> Result<(), HipError> {
+        let lib = lib()?;
+        check(
+            lib,
+            (lib.hipMemsetD32)(dst, value as c_int, count),
+            "hipMemsetD32",
+        )
+    }
+
+    /// Synchronous fill of `count` 16-bit words with `value`.
+    ///
+    /// # Safety
+    /// `dst` holds `2 * count` bytes of device memory.
+    pub unsafe fn memset_d16(dst: *mut c_void, value: u16, count: usize) -> Result<(), HipError> {
+        let lib = lib()?;
+        check(lib, (lib.hipMemsetD16)(dst, value, count), "hipMemsetD16")
+    }
+
     /// # Safety
     /// `dst` holds `bytes` of device memory, alive until the stream passes the memset.
     pub unsafe fn memset_async(

@@ -1,13 +1,17 @@
 //! The slice of the HIP runtime API (`libamdhip64`) this crate calls, loaded at run time.
 //!
-//! Hand-written, not generated: 48 functions, every one present with the same parameter and
-//! return types in the bindgen output of HIP 5.4 (`hip-runtime-sys` 0.1.2) and of ROCm 6.2,
+//! Hand-written, not generated: 50 functions, 48 of them checked present with the same
+//! parameter and return types in the bindgen output of HIP 5.4 (`hip-runtime-sys` 0.1.2) and of ROCm 6.2,
 //! 7.2 and 7.14 (`cubecl-hip-sys` 7.14.6085001's binding sets), checked 2026-12-03. Calls whose structs
 //! changed across versions (`hipGetDeviceProperties` → `hipGetDevicePropertiesR0600`) are
 //! avoided: attributes come from `hipDeviceGetAttribute` (same values in all four), the
 //! architecture from which embedded code object loads. Two values differ by version and are
 //! handled where used: `hipDeviceMallocUncached` is absent before ROCm 6 (the workspace falls
 //! back to fine-grained memory), `hipIpcMemLazyEnablePeerAccess` was 0 in HIP 5.4.
+//!
+//! (`hipMemsetD16`/`hipMemsetD32`, the fused workspace's -0.0 fill, were added later from
+//! `hip_runtime_api.h`'s declarations, the same since HIP 3.x; not re-checked against those
+//! four binding sets.)
 //!
 //! [`lib`] opens the library once per process and resolves every symbol; a machine without
 //! ROCm gets an error naming the files tried, never a panic.
@@ -119,6 +123,8 @@ loader::function_table! {
     fn hipMemset(dst: *mut c_void, value: c_int, size: usize) -> hipError_t;
     fn hipMemsetAsync(dst: *mut c_void, value: c_int, size: usize, stream: hipStream_t)
         -> hipError_t;
+    fn hipMemsetD32(dst: *mut c_void, value: c_int, count: usize) -> hipError_t;
+    fn hipMemsetD16(dst: *mut c_void, value: u16, count: usize) -> hipError_t;
     fn hipMemcpy(dst: *mut c_void, src: *const c_void, size: usize, kind: hipMemcpyKind)
         -> hipError_t;
     fn hipMemcpyAsync(

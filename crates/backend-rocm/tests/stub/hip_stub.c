@@ -49,6 +49,19 @@ int hipExtMallocWithFlags(void** p, size_t n, unsigned flags) {
 }
 int hipFree(void* p) { free(p); return 0; }
 int hipMemset(void* d, int v, size_t n) { memset(d, v, n); return 0; }
+static int fills;
+int hipMemsetD32(void* d, int v, size_t n) {
+  uint32_t* p = d;
+  for (size_t i = 0; i < n; i++) p[i] = (uint32_t)v;
+  fills++;
+  return 0;
+}
+int hipMemsetD16(void* d, unsigned short v, size_t n) {
+  uint16_t* p = d;
+  for (size_t i = 0; i < n; i++) p[i] = v;
+  fills++;
+  return 0;
+}
 int hipHostMalloc(void** p, size_t n, unsigned flags) {
   if (!works()) return 1;
   last_host_flags = flags;
@@ -174,6 +187,7 @@ int hipIpcCloseMemHandle(void* p) { (void)p; ipc_closes++; return 0; }
 
 // What the test reads back.
 int stub_launches(void) { return launches; }
+int stub_fills(void) { return fills; }
 int stub_captured(void) { return captured; }
 int stub_replays(void) { return replays; }
 int stub_peer_enables(void) { return peer_enables; }

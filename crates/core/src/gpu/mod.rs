@@ -9,7 +9,8 @@
 //! device-side timeout or mismatch becomes an [`Error`](crate::Error).
 //!
 //! Both GPU backends are built this way: `Cuda = GpuBackend<CudaRuntime>` (allreduce-backend-cuda)
-//! and `Rocm = GpuBackend<Hip>` (allreduce-backend-rocm).
+//! and `Rocm = GpuBackend<Hip>` (allreduce-backend-rocm). The fused all-reduce + RMSNorm's
+//! host side is [`fused`], over the same trait.
 //!
 //! Methods are associated functions (`R::bind(&dev)`): a runtime is a type, not a value,
 //! because the vendor library behind it is process-global and loaded once.
