@@ -22,7 +22,7 @@ for line in open(sys.argv[1]):
 PY
 rm -f "$json"
 cargo build --release -p allreduce-bench --features cuda
-cp target/release/allreduce-bench gpu-bin/
+cp "${CARGO_TARGET_DIR:-target}/release/allreduce-bench" gpu-bin/
 strip gpu-bin/conformance gpu-bin/cuda_graphs gpu-bin/cuda_codecs gpu-bin/cuda_processes gpu-bin/cuda_fused gpu-bin/allreduce-bench
 cat >gpu-bin/run.sh <<'RUN'
 #!/usr/bin/env bash
