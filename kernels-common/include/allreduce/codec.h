@@ -8,7 +8,7 @@
 // (deduced from their arrays):
 //   N = 8, a "quad" of 4 lanes, one 16-byte vector of f16/bf16 per lane: the all-reduce
 //     kernels' shape (many blocks in flight, few registers). Block-wide steps (the max, the
-//     Hadamard stages h = 8 and 16, the squared-error tree) cross lanes with xor-1 / xor-2
+//     Hadamard stages h = 8 and 16, the residual sums) cross lanes with xor-1 / xor-2
 //     shuffles, which stay inside the quad on 32- and 64-lane warps alike.
 //   N = 32, one lane per block: no shuffles at all, and the per-block scalar work (scale,
 //     reciprocal) is done once instead of by four lanes. More registers; the segment kernels
@@ -253,7 +253,9 @@ struct Scan {
   bool finite;
   float m, amax;
 };
-template <int kN>
+// kCheckFinite = false skips the finiteness probe for blocks known finite (the adaptive
+// encoder's Hadamard candidate, which only counts where x was finite and in range).
+template <int kN, bool kCheckFinite = true>
 AR_DEVICE Scan scan_quad(const float (&x)[kN], int q) {
   // The lane's first element of largest magnitude: one compare (|.| is an operand modifier)
   // and one select per element. m starts at +0.0 and only an |x| > 0 replaces it, so a zero
@@ -264,7 +266,7 @@ AR_DEVICE Scan scan_quad(const float (&x)[kN], int q) {
   float probe = 0.0f;
 #pragma unroll
   for (int j = 0; j < kN; ++j) {
-    probe = x[j] * 0.0f + probe;
+    if (kCheckFinite) probe = x[j] * 0.0f + probe;
     if (abs_f(x[j]) > abs_f(m)) m = x[j];  // strict: the first of equal magnitudes wins
   }
   // "Not finite" rides in m as a NaN, which the merges below keep. Across lanes the lower
@@ -301,10 +303,42 @@ AR_DEVICE Scan scan_amax_quad(const float (&x)[kN], int q) {
 #endif
 }
 
-// codec::encode_plain for C's codes (the adaptive codecs' plain candidate included): 8 biased
-// codes per lane; returns the field (flag clear), the same in all four lanes.
-template <typename C, int kN>
-AR_DEVICE uint16_t encode_plain(const float (&x)[kN], const Scan& sc, uint32_t (&u)[kN]) {
+// codec::residual_sum of this lane group's block from its residuals d = q - R (one per
+// element): per group of 8 one product and seven FMAs in index order, then the four group
+// sums as (g0 + g1) + (g2 + g3): inside the lane where it holds them, across lanes (xor-1,
+// then xor-2) where not. f32 addition is commutative, so the lane holding g1 computing g1 + g0
+// gets the same bits. Every lane ends with the block's value.
+template <int kN>
+AR_DEVICE float residual_sum(const float (&d)[kN]) {
+  constexpr int kGroups = kN / 8;
+  float g[kGroups];
+#pragma unroll
+  for (int gi = 0; gi < kGroups; ++gi) {
+    float e = mul_rn(d[8 * gi], d[8 * gi]);
+#pragma unroll
+    for (int j = 1; j < 8; ++j) e = fma_rn(d[8 * gi + j], d[8 * gi + j], e);
+    g[gi] = e;
+  }
+  if constexpr (kN == 8) {
+    const float t = add_rn(g[0], quad_xor<1>(g[0]));
+    return add_rn(t, quad_xor<2>(t));
+  } else if constexpr (kN == 16) {
+    const float t = add_rn(g[0], g[1]);
+    return add_rn(t, quad_xor<1>(t));
+  } else {
+    static_assert(kN == 32, "8, 16 or 32 elements per lane");
+    return add_rn(add_rn(g[0], g[1]), add_rn(g[2], g[3]));
+  }
+}
+
+// codec::encode_plain for C's codes (the adaptive codecs' plain candidate included): N biased
+// codes per lane; returns the field (flag clear), the same in every lane of the group.
+// kResidual (integer codecs): also codec::residual_sum of the block into *resid, from the
+// quotients and rounded codes computed here anyway (meaningful where the scale is in the fast
+// range, which every block the adaptive codecs try is).
+template <typename C, bool kResidual = false, int kN>
+AR_DEVICE uint16_t encode_plain(const float (&x)[kN], const Scan& sc, uint32_t (&u)[kN],
+                                float* resid = nullptr) {
   // The scale's f32 bits (field << 16); the value rounded is finite here, so round_scale's
   // NaN case cannot arise.
   uint32_t sbits = 0;
@@ -352,6 +386,23 @@ AR_DEVICE uint16_t encode_plain(const float (&x)[kN], const Scan& sc, uint32_t (
 #pragma unroll
     for (int j = 0; j < kN; ++j) u[j] = f32_to_e4m3(qt[j]);
 #endif
+  } else if constexpr (kResidual) {
+    // As below, with the clamp on the rounded sum t (the same codes: t is in [2^23, 2^24),
+    // where its bits grow with its value one for one), so that R = t - (magic + H) is the
+    // code's integer and d = q - R the residual, both exact (R is within one of q, Sterbenz).
+    const float kMagic = 12582912.0f, kBias = kMagic + float(C::kH);
+    float d[kN];
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+      float t = add_rn(qt[j], kBias);
+      if (C::kH >= 128) t = t < kMagic ? kMagic : t;
+      t = t > kMagic + float(2 * C::kH - 1) ? kMagic + float(2 * C::kH - 1) : t;
+      // The code is the low bits of t: as_uint(t) = as_uint(magic) + code, and the magic's
+      // low 22 bits are zero.
+      u[j] = as_uint(t) & uint32_t(2 * C::kH - 1);
+      d[j] = sub_rn(qt[j], sub_rn(t, kBias));
+    }
+    *resid = residual_sum(d);
   } else {
 #pragma unroll
     for (int j = 0; j < kN; ++j) {
@@ -420,19 +471,17 @@ AR_DEVICE void wht_quad(float (&v)[kN], int q) {
       }
     }
   }
+  // Across lanes: fma(v, -+1, p) is p -+ v rounded once, i.e. the lower lane's a + b (as
+  // v + p, commutative) and the upper lane's a - b, with one FMA and no per-lane select.
   if constexpr (kN <= 16) {
+    const float sg = (q & 1) ? -1.0f : 1.0f;
 #pragma unroll
-    for (int j = 0; j < kN; ++j) {
-      const float p = quad_xor<1>(v[j]);
-      v[j] = (q & 1) ? sub_rn(p, v[j]) : add_rn(v[j], p);
-    }
+    for (int j = 0; j < kN; ++j) v[j] = fma_rn(v[j], sg, quad_xor<1>(v[j]));
   }
   if constexpr (kN <= 8) {
+    const float sg = (q & 2) ? -1.0f : 1.0f;
 #pragma unroll
-    for (int j = 0; j < kN; ++j) {
-      const float p = quad_xor<2>(v[j]);
-      v[j] = (q & 2) ? sub_rn(p, v[j]) : add_rn(v[j], p);
-    }
+    for (int j = 0; j < kN; ++j) v[j] = fma_rn(v[j], sg, quad_xor<2>(v[j]));
   }
 }
 
@@ -455,40 +504,6 @@ AR_DEVICE void hadamard_inverse(float (&v)[kN], int q) {
   wht_quad(v, q);
 #pragma unroll
   for (int j = 0; j < kN; ++j) v[j] = sign_of<kN>(q, j, mul_rn(v[j], 0.03125f));
-}
-
-// codec::squared_error: per-element (a - b)^2, then the tree h = 4, 2, 1 inside each group of
-// 8 elements, then the four group sums as (g0 + g1) + (g2 + g3): inside the lane where it
-// holds them, across lanes (xor-1, then xor-2) where not. f32 addition is commutative, so the
-// lane holding g1 computing g1 + g0 gets the same bits. Every lane ends with the block's value.
-template <int kN>
-AR_DEVICE float squared_error(const float (&a)[kN], const float (&b)[kN]) {
-  constexpr int kGroups = kN / 8;
-  float g[kGroups];
-#pragma unroll
-  for (int gi = 0; gi < kGroups; ++gi) {
-    float e[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float d = sub_rn(a[8 * gi + j], b[8 * gi + j]);
-      e[j] = mul_rn(d, d);
-    }
-#pragma unroll
-    for (int h = 4; h > 0; h /= 2)
-#pragma unroll
-      for (int j = 0; j < h; ++j) e[j] = add_rn(e[j], e[j + h]);
-    g[gi] = e[0];
-  }
-  if constexpr (kN == 8) {
-    const float t = add_rn(g[0], quad_xor<1>(g[0]));
-    return add_rn(t, quad_xor<2>(t));
-  } else if constexpr (kN == 16) {
-    const float t = add_rn(g[0], g[1]);
-    return add_rn(t, quad_xor<1>(t));
-  } else {
-    static_assert(kN == 32, "8, 16 or 32 elements per lane");
-    return add_rn(add_rn(g[0], g[1]), add_rn(g[2], g[3]));
-  }
 }
 
 // ---- Packing: this lane's N codes of a block, as stored ---------------------------------
@@ -575,27 +590,28 @@ template <typename C, int kN>
 AR_DEVICE uint16_t encode_quad(const float (&x)[kN], int q, Codes<C, kN>& out) {
   const Scan sc = C::kFp8 ? scan_amax_quad(x, q) : scan_quad(x, q);
   uint32_t u[kN];
-  uint16_t field = encode_plain<C>(x, sc, u);
+  float dp = 0.0f;
+  uint16_t field = encode_plain<C, C::kAdaptiveCodec>(x, sc, u, &dp);
   pack_codes(u, out);
   if constexpr (C::kAdaptiveCodec) {
     // codec::choose_adaptive, computed for every block (the group functions may shuffle) and
-    // kept only where the reference would try it and the Hadamard candidate is strictly better.
-    float dec[kN];
-    decode_plain<C>(u, scale_value(field), dec);
-    const float err_plain = squared_error(dec, x);
+    // kept only where the reference would try it and the Hadamard candidate is strictly
+    // better. Each candidate's error comes from its own quotients (residual_sum): neither is
+    // decoded, nor the Hadamard one transformed back (Parseval: E_h against 32 E_p).
     float y[kN];
 #pragma unroll
     for (int j = 0; j < kN; ++j) y[j] = x[j];
     hadamard_forward(y, q);
     uint32_t uh[kN];
-    const uint16_t fh = encode_plain<C>(y, scan_quad(y, q), uh);
-    decode_plain<C>(uh, scale_value(fh), dec);
+    float dh;
+    const uint16_t fh = encode_plain<C, true>(y, scan_quad<kN, false>(y, q), uh, &dh);
     Codes<C, kN> ch;
     pack_codes(uh, ch);
-    hadamard_inverse(dec, q);
-    const float err_h = squared_error(dec, x);
+    const float sp = scale_value(field), sh = scale_value(fh);
+    const float err_p = mul_rn(mul_rn(mul_rn(sp, sp), dp), 32.0f);
+    const float err_h = mul_rn(mul_rn(sh, sh), dh);
     const bool tried = sc.finite && sc.amax >= 0x1p-48f && sc.amax <= 0x1p48f;
-    if (tried && err_plain != 0.0f && err_h < err_plain) {
+    if (tried && dp != 0.0f && err_h < err_p) {
 #pragma unroll
       for (int i = 0; i < Codes<C, kN>::kWords; ++i) out.w[i] = ch.w[i];
       field = fh | kFlagBit;
@@ -604,18 +620,34 @@ AR_DEVICE uint16_t encode_quad(const float (&x)[kN], int q, Codes<C, kN>& out) {
   return field;
 }
 
-// codec::decode_block (without the unpacking).
+// codec::decode_block (without the unpacking). Adaptive codecs: the inverse transform of a
+// flagged block, D H (c S) / 32 with c the code integers, is exact in any order (docs/codecs.md),
+// so it runs on the integers c (|H c| <= 4096) before the scale: the plain and the Hadamard
+// result share the conversion, and the 1/32 and the signs of D fold into one multiplier per
+// element that depends only on the lane (hoisted out of the caller's loop).
 template <typename C, int kN>
 AR_DEVICE void decode_quad(const uint32_t (&u)[kN], uint16_t field, int q, float (&out)[kN]) {
-  decode_plain<C>(u, scale_value(field), out);
-  if constexpr (C::kAdaptiveCodec) {
-    float t[kN];
+  const float s = scale_value(field);
+  if constexpr (!C::kAdaptiveCodec) {
+    decode_plain<C>(u, s, out);
+  } else {
+    const float kBase = 8388608.0f + float(C::kH);
+    float c[kN], t[kN];
 #pragma unroll
-    for (int j = 0; j < kN; ++j) t[j] = out[j];
-    hadamard_inverse(t, q);  // every lane shuffles; only flagged blocks keep the result
-    if (field & kFlagBit) {
+    for (int j = 0; j < kN; ++j) {
+      c[j] = sub_rn(as_float(0x4B000000u | u[j]), kBase);  // u - H, exact (decode_plain)
+      t[j] = c[j];
+    }
+    wht_quad(t, q);  // every lane shuffles; only flagged blocks keep the result
+    // A flagged block is d_i t_i (S / 32): the sign of D flips t's sign bit, and one
+    // multiplier per block serves both cases (t S / 32 and c S are exact products).
+    const bool flagged = (field & kFlagBit) != 0;
+    const uint32_t lane_signs = kHadamardSigns >> (q * kN);
+    const float m = flagged ? s * 0.03125f : s;
 #pragma unroll
-      for (int j = 0; j < kN; ++j) out[j] = t[j];
+    for (int j = 0; j < kN; ++j) {
+      const uint32_t sign = (lane_signs << (31 - j)) & 0x80000000u;
+      out[j] = (flagged ? as_float(as_uint(t[j]) ^ sign) : c[j]) * m;
     }
   }
 }

@@ -14,8 +14,9 @@
 //! * A block with any Inf or NaN is poisoned: scale [`POISON_SCALE`], zero codes; it decodes
 //!   to 32 NaNs.
 //! * Adaptive integer codecs: each block is coded both plain and after the transform
-//!   `y = H32 * (D * x)` (unnormalized; the inverse divides by 32), and the candidate whose
-//!   decoded block has the smaller f32 squared error against `x` is kept (plain on ties),
+//!   `y = H32 * (D * x)` (unnormalized; the inverse divides by 32), and the candidate with
+//!   the smaller squared error is kept (plain on ties; measured in f32 from each candidate's
+//!   quantization residuals, Parseval relating the two domains),
 //!   the choice recorded in [`FLAG_BIT`]. Only blocks with `amax` in
 //!   [[`ADAPTIVE_MIN_AMAX`], [`ADAPTIVE_MAX_AMAX`]] try the transform.
 //!
@@ -153,13 +154,15 @@ impl Codec {
     /// cover blocks whose scale rounds to zero and that decode to all zeros. A relative slack
     /// of 2^-16 and an absolute 2^-149 cover the f32 division and (FP8) the decode multiply.
     ///
-    /// Adaptive codecs: `sqrt(32)` times the plain codec's bound. A block coded plain is
-    /// within the plain bound. A block coded in the Hadamard domain was chosen because its
-    /// squared error `E_h` is at most the plain candidate's `E_p <= 32 * plain_bound^2`, and
-    /// one element's error is at most `sqrt(E_h)`. (The f32 error sums are within a relative
-    /// 2^-20 of the exact ones and the inverse transform is exact, so the 2^-16 slack covers
-    /// the selection's own rounding.) For normal scales: Q8a `amax / 11.4`, Q6a
-    /// `amax / 4.55`, Q4a `amax / 1.34`. Random blocks use at most about half of it, blocks
+    /// Adaptive codecs: `sqrt(32)` times the plain codec's bound, plus `2^-16 amax`. A block
+    /// coded plain is within the plain bound. A block coded in the Hadamard domain was chosen
+    /// because its squared error `E_h` is at most the plain candidate's
+    /// `E_p <= 32 * plain_bound^2`, and one element's error is at most `sqrt(E_h)`. The
+    /// selection measures `E_h` against the rounded forward transform `y` (Parseval), whose
+    /// elements are within `5 * 32 * 2^-24 amax < 2^-16.6 amax` of the exact transform's, and
+    /// the inverse transform is exact: that is the additive term. (The f32 error sums are
+    /// within a relative 2^-20 of the exact ones, inside the 2^-16 slack.) For normal scales:
+    /// Q8a `amax / 11.4`, Q6a `amax / 4.55`, Q4a `amax / 1.34`. Random blocks use at most about half of it, blocks
     /// searched for the worst case about three quarters (docs/codecs.md): an adaptive
     /// codec's largest error can exceed the plain codec's, its squared error cannot.
     ///
@@ -184,7 +187,7 @@ impl Codec {
         };
         if self.is_adaptive() {
             // sqrt(E_h) <= sqrt(E_p) <= sqrt(32 * b^2). f64's sqrt(32) is within 2^-53.
-            b *= 32f64.sqrt();
+            b = b * 32f64.sqrt() + a / 65536.0;
         }
         (b * (1.0 + 1.0 / 65536.0) + F32_TINY) as f32
     }
@@ -419,44 +422,73 @@ pub fn hadamard_inverse(v: &mut [f32; BLOCK]) {
     }
 }
 
-/// The adaptive codecs' selection metric: `sum_i (a_i - b_i)^2` in f32, each difference and
-/// square one correctly rounded f32 operation (no FMA), summed as a tree: inside each group
-/// of 8 consecutive elements `for h = 4, 2, 1: e[i] <- e[i] + e[i + h] for i < h` (group
-/// sums `g0..g3`), then `(g0 + g1) + (g2 + g3)`. (The order a GPU holding 8 elements per lane
-/// in 4 lanes gets with two xor-shuffles, and 4 shuffles per block instead of the 32 a
-/// lane-per-element order would cost there.)
+/// Decodes a block coded in the Hadamard domain: `x_i = (d_i w_i) * (S * 2^-5)` with
+/// `w = wht32(u - H)` on the code integers, `d_i` the sign of [`HADAMARD_SIGNS`] applied as a
+/// negation, and `S * 2^-5` one f32 multiply. The same values as [`hadamard_inverse`] of the
+/// decoded codes (every step is exact in the adaptive range), and this order also fixes the
+/// sign of a zero: `w` has no -0.0 (integers in, and `a - a` rounds to +0.0), so a zero
+/// element is `+0.0 * S` or, where `d_i` negates, `-0.0 * S`. (Transforming the scaled
+/// values instead gives other zero signs; a GPU transforms the integers, before the scale,
+/// so that the plain and the flagged decode share the conversion.)
 #[inline]
-fn squared_error(a: &[f32; BLOCK], b: &[f32; BLOCK]) -> f32 {
-    let mut e = [0.0f32; BLOCK];
-    for ((e, &a), &b) in e.iter_mut().zip(a).zip(b) {
-        let d = a - b;
-        *e = d * d;
+fn decode_hadamard(h: u32, u: &[u8; BLOCK], s: f32, out: &mut [f32; BLOCK]) {
+    let h = h as i32;
+    let mut w: [f32; BLOCK] = std::array::from_fn(|i| (i32::from(u[i]) - h) as f32);
+    wht32(&mut w);
+    let m = s * 0.031_25;
+    for (i, (o, &w)) in out.iter_mut().zip(&w).enumerate() {
+        *o = if (HADAMARD_SIGNS >> i) & 1 != 0 { -w } else { w } * m;
     }
+}
+
+/// The adaptive codecs' selection metric for one candidate, in units of its step: with `s`
+/// the candidate's scale value, `q_i = x_i / s` (correctly rounded) and `R_i` its code's
+/// integer (`clamp(rne(q_i), -H, H-1)`), the residuals `d_i = q_i - R_i` (exact), summed
+/// as `sum d_i^2` in f32 in a fixed order: inside each group of 8 consecutive elements one
+/// product and then seven FMAs in index order (`e = d0 * d0; e = fma(d_j, d_j, e)`), then the
+/// four group sums as `(g0 + g1) + (g2 + g3)`. The block's squared error is then `s^2 * sum`:
+/// the residuals come out of the quotients the encoder computes anyway, so neither candidate
+/// is decoded to measure it. (The order is a GPU lane's: 8 elements per lane in quads, or a
+/// whole block per lane.)
+#[inline]
+fn residual_sum(h: u32, x: &[f32; BLOCK], s: f32) -> f32 {
+    let hf = h as f32;
     let mut g = [0.0f32; 4];
-    for (g, e) in g.iter_mut().zip(e.chunks_exact_mut(8)) {
-        let mut h = 4;
-        while h > 0 {
-            for i in 0..h {
-                e[i] += e[i + h];
-            }
-            h /= 2;
+    for (g, x) in g.iter_mut().zip(x.chunks_exact(8)) {
+        let d = |v: f32| {
+            let q = v / s;
+            q - rne_small(q).clamp(-hf, hf - 1.0)
+        };
+        let d0 = d(x[0]);
+        let mut e = d0 * d0;
+        for &v in &x[1..] {
+            let dj = d(v);
+            e = dj.mul_add(dj, e);
         }
-        *g = e[0];
+        *g = e;
     }
     (g[0] + g[1]) + (g[2] + g[3])
 }
 
 /// The adaptive choice for a finite block with `amax` in the adaptive range, already coded
 /// plain in `u`/`field`: code it again in the Hadamard domain and keep that instead when its
-/// decoded block (inverse-transformed) has a strictly smaller squared error against `x`.
+/// squared error is strictly smaller.
+///
+/// Both errors are measured where the candidate was quantized: the plain one as
+/// `E_p = ((s_p * s_p) * D_p) * 32` against `x`, the Hadamard one as
+/// `E_h = (s_h * s_h) * D_h` against `y = forward(x)` ([`residual_sum`] gives `D`; every
+/// product is one f32 multiply: `s * s` is exact, a scale has 7 significant bits). The
+/// unnormalized transform multiplies squared norms by exactly 32 (Parseval), so `E_h / 32`
+/// is the Hadamard candidate's squared error in the original domain up to the forward
+/// transform's own rounding (`|y - y_exact|` below `2^-18 amax` per element), and comparing
+/// `E_h` with `32 E_p` compares the two errors without decoding or inverse-transforming either.
 fn choose_adaptive(codec: Codec, x: &[f32; BLOCK], u: &mut [u8; BLOCK], field: &mut u16) {
     let h = codec
         .half_range()
         .expect("adaptive codecs are integer codecs");
-    let mut dec = [0.0f32; BLOCK];
-    decode_int(h, u, scale_value(*field), &mut dec);
-    let err_plain = squared_error(&dec, x);
-    if err_plain == 0.0 {
+    let sp = scale_value(*field);
+    let dp = residual_sum(h, x, sp);
+    if dp == 0.0 {
         return; // the Hadamard candidate cannot be strictly better
     }
     let mut y = *x;
@@ -466,9 +498,10 @@ fn choose_adaptive(codec: Codec, x: &[f32; BLOCK], u: &mut [u8; BLOCK], field: &
     // so this is an ordinary block: never poisoned, never a zero block.
     let fh = encode_plain(codec, &y, &scan(&y), &mut uh);
     debug_assert!(fh != 0 && fh != POISON_SCALE && fh & FLAG_BIT == 0);
-    decode_int(h, &uh, scale_value(fh), &mut dec);
-    hadamard_inverse(&mut dec);
-    if squared_error(&dec, x) < err_plain {
+    let sh = scale_value(fh);
+    let err_h = (sh * sh) * residual_sum(h, &y, sh);
+    let err_p = ((sp * sp) * dp) * 32.0;
+    if err_h < err_p {
         *u = uh;
         *field = fh | FLAG_BIT;
     }
@@ -479,8 +512,9 @@ fn choose_adaptive(codec: Codec, x: &[f32; BLOCK], u: &mut [u8; BLOCK], field: &
 /// Adaptive codecs: a block whose largest magnitude lies in
 /// [[`ADAPTIVE_MIN_AMAX`], [`ADAPTIVE_MAX_AMAX`]] (finite, hence neither poisoned nor zero)
 /// is coded plain and in the Hadamard domain; the Hadamard candidate is kept, with
-/// [`FLAG_BIT`] set, only when its squared error (in the original domain, summed in f32 in a
-/// fixed tree order: docs/codecs.md) is strictly smaller. Every other block is coded plain.
+/// [`FLAG_BIT`] set, only when its squared error (measured from the quantization residuals
+/// in f32 in a fixed order, [`residual_sum`]; docs/codecs.md) is strictly smaller. Every other
+/// block is coded plain.
 pub fn encode_block(codec: Codec, x: &[f32; BLOCK], codes: &mut [u8], scale: &mut u16) {
     assert_eq!(
         codes.len(),
@@ -501,8 +535,8 @@ pub fn encode_block(codec: Codec, x: &[f32; BLOCK], codes: &mut [u8], scale: &mu
 }
 
 /// Decodes one block. `codes.len()` must be `codec.code_bytes()`. A NaN scale (a poisoned
-/// block) decodes to 32 NaNs. Adaptive codecs apply [`hadamard_inverse`] to a block whose
-/// scale has [`FLAG_BIT`] set; plain codecs ignore the bit.
+/// block) decodes to 32 NaNs. Adaptive codecs decode a block whose scale has [`FLAG_BIT`]
+/// set with the inverse transform (`decode_hadamard`); plain codecs ignore the bit.
 pub fn decode_block(codec: Codec, codes: &[u8], scale: u16, out: &mut [f32; BLOCK]) {
     assert_eq!(
         codes.len(),
@@ -514,9 +548,10 @@ pub fn decode_block(codec: Codec, codes: &[u8], scale: u16, out: &mut [f32; BLOC
         Some(h) => {
             let mut u = [0u8; BLOCK];
             unpack(codec, codes, &mut u);
-            decode_int(h, &u, s, out);
             if codec.is_adaptive() && scale & FLAG_BIT != 0 {
-                hadamard_inverse(out);
+                decode_hadamard(h, &u, s, out);
+            } else {
+                decode_int(h, &u, s, out);
             }
         }
         None => {

@@ -48,6 +48,20 @@ fn assert_within_bound(codec: Codec, x: &[f32; BLOCK]) -> [f32; BLOCK] {
     y
 }
 
+/// An adaptive codec's result `y` is never worse than the plain codec's `p` on `x`, as far as
+/// the selection can see: in the root of the squared error, up to the selection's f32
+/// rounding (relative 2^-16) and the forward transform's (`2^-16 amax`; `step_bound`).
+fn not_worse_than_plain(y: &[f32; BLOCK], p: &[f32; BLOCK], x: &[f32; BLOCK]) -> bool {
+    let norm = |a: &[f32; BLOCK]| {
+        a.iter()
+            .zip(x)
+            .map(|(&a, &b)| (f64::from(a) - f64::from(b)).powi(2))
+            .sum::<f64>()
+            .sqrt()
+    };
+    norm(y) <= norm(p) * (1.0 + 1.0 / 65536.0) + f64::from(amax(x)) / 65536.0
+}
+
 // ---------------------------------------------------------------------------------------
 // FP8 E4M3
 
@@ -512,10 +526,7 @@ fn all_equal_block() {
             if codec.is_adaptive() {
                 // The Hadamard candidate may win (it did for 1e-3): never worse than plain.
                 let (_, _, p) = roundtrip(codec.plain(), &x);
-                assert!(
-                    squared_error(&y, &x) <= squared_error(&p, &x),
-                    "{codec} {v}"
-                );
+                assert!(not_worse_than_plain(&y, &p, &x), "{codec} {v}");
                 continue;
             }
             assert!(y.iter().all(|&d| d == y[0]), "{codec}");
@@ -923,29 +934,57 @@ fn hadamard_inverse_is_exact_on_decoded_blocks() {
                 std::array::from_fn(|i| ((i as i64 * 37 + k as i64 * 11) % (2 * h)) - h);
             let mut v: [f32; BLOCK] = std::array::from_fn(|i| q[i] as f32 * s);
             hadamard_inverse(&mut v);
-            for (i, &vi) in v.iter().enumerate() {
+            // The decoder's order (the transform on the integers, then the scale).
+            let u: [u8; BLOCK] = std::array::from_fn(|i| (q[i] + h) as u8);
+            let mut d = [0.0f32; BLOCK];
+            decode_hadamard(h as u32, &u, s, &mut d);
+            for (i, (&vi, &di)) in v.iter().zip(&d).enumerate() {
                 let n: i64 = (0..BLOCK).map(|j| h32(i, j) as i64 * q[j]).sum();
                 let want = sign(i) * n as f64 * f64::from(s) / 32.0;
                 assert_eq!(f64::from(vi), want, "{codec} s={s:e} i={i}");
+                assert_eq!(f64::from(di), want, "{codec} s={s:e} i={i}");
+                if n == 0 {
+                    // A zero's sign: +0.0 * S, negated where D negates.
+                    let neg = (sign(i) < 0.0) != (s < 0.0);
+                    assert_eq!(di.is_sign_negative(), neg, "{codec} s={s:e} i={i}");
+                }
             }
         }
     }
 }
 
-/// The adaptive encoding rebuilt from its definition with public pieces: both candidates,
-/// their f32 squared errors, plain on ties.
+/// The adaptive encoding rebuilt from its definition (docs/codecs.md) with public pieces: both
+/// candidates, their squared errors from the quantization residuals (Hadamard's in the
+/// transformed domain, plain's times 32), plain on ties.
 fn adaptive_reference(codec: Codec, x: &[f32; BLOCK]) -> (Vec<u8>, u16) {
     let plain = codec.plain();
-    let (pc, ps, py) = roundtrip(plain, x);
+    let (pc, ps, _) = roundtrip(plain, x);
     let a = amax(x);
     if !(x.iter().all(|v| v.is_finite()) && (ADAPTIVE_MIN_AMAX..=ADAPTIVE_MAX_AMAX).contains(&a)) {
         return (pc, ps);
     }
+    let h = codec.half_range().unwrap() as f32;
+    // s^2 * sum (x/s - clamp(rne(x/s)))^2: per group of 8 a product then FMAs in index
+    // order, the groups as (g0 + g1) + (g2 + g3).
+    let error = |v: &[f32; BLOCK], field: u16| {
+        let s = scale_value(field);
+        let g: Vec<f32> = v
+            .chunks_exact(8)
+            .map(|c| {
+                let d: Vec<f32> = c
+                    .iter()
+                    .map(|&e| e / s - (e / s).round_ties_even().clamp(-h, h - 1.0))
+                    .collect();
+                d[1..].iter().fold(d[0] * d[0], |acc, &dj| dj.mul_add(dj, acc))
+            })
+            .collect();
+        (s * s) * ((g[0] + g[1]) + (g[2] + g[3]))
+    };
+    let err_p = error(x, ps);
     let mut y = *x;
     hadamard_forward(&mut y);
-    let (hc, hs, mut hy) = roundtrip(plain, &y);
-    hadamard_inverse(&mut hy);
-    if squared_error(&hy, x) < squared_error(&py, x) {
+    let (hc, hs, _) = roundtrip(plain, &y);
+    if err_p != 0.0 && error(&y, hs) < err_p * 32.0 {
         (hc, hs | FLAG_BIT)
     } else {
         (pc, ps)
@@ -974,7 +1013,7 @@ fn adaptive_picks_the_better_candidate_and_flags_it() {
             assert_eq!((&codes, scale), (&rc, rs), "{codec} seed {seed}");
             // Never worse than plain (in the f32 metric the encoder uses).
             let (pc, ps, p) = roundtrip(codec.plain(), &x);
-            assert!(squared_error(&y, &x) <= squared_error(&p, &x));
+            assert!(not_worse_than_plain(&y, &p, &x), "{codec} seed {seed}");
             if scale & FLAG_BIT != 0 {
                 flagged += 1;
                 // The flagged block's bytes differ from the plain codec's, its scale value
@@ -1111,10 +1150,11 @@ fn adaptive_names_parse() {
     assert_eq!("Q6A".parse::<Codec>(), Ok(Codec::Int6Adaptive));
     assert_eq!("int4a".parse::<Codec>(), Ok(Codec::Int4Adaptive));
     assert!("fp8a".parse::<Codec>().is_err());
-    // The bound: sqrt(32) times the plain one (normal range).
+    // The bound: sqrt(32) times the plain one, plus 2^-16 amax (normal range).
     for codec in ADAPTIVE {
         let (a, p) = (codec.step_bound(1.0), codec.plain().step_bound(1.0));
-        assert!((f64::from(a / p) - 32f64.sqrt()).abs() < 1e-5, "{codec}");
+        let want = f64::from(p) * 32f64.sqrt() + 1.0 / 65536.0;
+        assert!((f64::from(a) / want - 1.0).abs() < 1e-5, "{codec}");
     }
 }
 
@@ -1141,7 +1181,7 @@ proptest! {
                 prop_assert!(err <= bound, "{}: {:e} -> {:e}, err {:e} > {:e}", codec, a, b, err, bound);
             }
             let (_, _, p) = roundtrip(codec.plain(), &x);
-            prop_assert!(squared_error(&y, &x) <= squared_error(&p, &x));
+            prop_assert!(not_worse_than_plain(&y, &p, &x));
             let (rc, rs) = adaptive_reference(codec, &x);
             prop_assert_eq!((codes, scale), (rc, rs));
         }
