@@ -68,19 +68,6 @@ AR_DEVICE float rcp_rn(float s) { return div_rn(1.0f, s); }
 AR_DEVICE float rcp_rn(float s) { return __frcp_rn(s); }
 #endif
 
-// max(a, b) that returns NaN when either is NaN (the FP8 block scan). AR_MAX_NAN: the target
-// has it as one instruction (PTX max.NaN.f32, sm_80+).
-#if !AR_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-#define AR_MAX_NAN 1
-AR_DEVICE float max_nan(float a, float b) {
-  float d;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-  return d;
-}
-#else
-#define AR_MAX_NAN 0
-#endif
-
 // |x| as the FP operand modifier (a compare or min/max takes it for free), not an integer AND.
 #if AR_HIP
 AR_DEVICE float abs_f(float x) { return __builtin_fabsf(x); }

@@ -196,6 +196,19 @@ AR_DEVICE uint16_t f32_to_bf16_rn(float f) {
 #endif
 }
 
+// max(a, b) that returns NaN when either is NaN (the FP8 block scan). AR_MAX_NAN: the target
+// has it as one instruction (PTX max.NaN.f32, sm_80+).
+#if !AR_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define AR_MAX_NAN 1
+AR_DEVICE float max_nan(float a, float b) {
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+#else
+#define AR_MAX_NAN 0
+#endif
+
 // ---- FP8 E4M3 (OCP "fn") conversions in hardware ---------------------------------------------
 
 // AR_HW_E4M3: the target converts f32 <-> OCP E4M3 in one instruction (CUDA sm_89+:
