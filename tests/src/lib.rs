@@ -7,6 +7,7 @@
 
 pub mod check;
 pub mod data;
+mod fused;
 mod graphs;
 pub mod harness;
 #[cfg(any(feature = "cuda", feature = "rocm"))]

@@ -4,9 +4,7 @@
 //! `runtime.rs` gives it the module and the -0.0-filled memory.
 
 use allreduce_core::gpu::fused as generic;
-use allreduce_core::{DType, FusionPattern, Result};
 
-use crate::driver::Module;
 use crate::runtime::CudaRuntime;
 
 pub(crate) static FUSED_FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/fused.fatbin"));
@@ -17,34 +15,5 @@ pub type CudaFused = generic::GpuFused<CudaRuntime>;
 pub use generic::NormBuffers;
 
 /// The unfused baseline's second kernel (residual add + RMSNorm, + FP8 codes), for tests and
-/// the bench: what a model runs after a plain all-reduce. Loaded on the bound device.
-pub struct RmsNormKernel(generic::RmsNormKernel<CudaRuntime>);
-
-impl RmsNormKernel {
-    pub fn load() -> Result<Self> {
-        generic::RmsNormKernel::from_module(Module::load(FUSED_FATBIN)?).map(RmsNormKernel)
-    }
-
-    /// `norm_out = RMSNorm(residual_out = input + residual_in) * gamma` per row, one block of
-    /// 512 threads per row up to `max_grid` blocks.
-    ///
-    /// # Safety
-    /// Every non-zero address must hold `tokens x hidden` elements of `dtype` (gamma:
-    /// `hidden`; quant_out: bytes; scale_out: `tokens` f32), 16-byte aligned, valid until the
-    /// kernel has run on `stream`.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn launch(
-        &self,
-        dtype: DType,
-        pattern: FusionPattern,
-        bufs: &NormBuffers,
-        tokens: usize,
-        hidden: usize,
-        eps: f32,
-        max_grid: u32,
-        stream: allreduce_core::Stream,
-    ) -> Result<()> {
-        self.0
-            .launch(dtype, pattern, bufs, tokens, hidden, eps, max_grid, stream)
-    }
-}
+/// the bench: what a model runs after a plain all-reduce. `RmsNormKernel::load(&device)`.
+pub type RmsNormKernel = generic::RmsNormKernel<CudaRuntime>;

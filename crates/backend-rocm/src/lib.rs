@@ -31,3 +31,8 @@ pub use runtime::{
 pub type Rocm = GpuBackend<Hip>;
 /// One rank of a ROCm group.
 pub type RocmComm = GpuComm<Hip>;
+
+pub use allreduce_core::gpu::fused::NormBuffers;
+/// The unfused baseline's second kernel (residual add + RMSNorm, + FP8 codes) from fused.hip,
+/// for tests and the bench: `RmsNormKernel::load(&device)`.
+pub type RmsNormKernel = allreduce_core::gpu::fused::RmsNormKernel<Hip>;

@@ -64,10 +64,10 @@ fn rank_loop(
         return Err("not a CUDA rank".into());
     };
     let dev = comm.device();
-    let _d = bind(ordinal).map_err(e)?;
+    let d = bind(ordinal).map_err(e)?;
     let stream = OwnedStream::new().map_err(e)?;
     stream.warm().map_err(e)?;
-    let kernel = RmsNormKernel::load().map_err(e)?;
+    let kernel = RmsNormKernel::load(&d).map_err(e)?;
     let max = tokens.iter().copied().max().unwrap_or(1) * hidden;
     let bytes = max * dtype.size();
     let b = Bufs {

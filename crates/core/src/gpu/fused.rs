@@ -340,6 +340,12 @@ pub struct NormBuffers {
 }
 
 impl<R: GpuRuntime> RmsNormKernel<R> {
+    /// The backend's fused module, loaded on `dev` (bound by the caller): where the launches
+    /// will run.
+    pub fn load(dev: &R::Device) -> Result<Self> {
+        Self::from_module(R::load_fused_module(dev)?)
+    }
+
     /// From a fused module loaded on the device the launches will run on.
     pub fn from_module(module: R::Module) -> Result<Self> {
         Ok(RmsNormKernel {

@@ -1,0 +1,28 @@
+//! The fused all-reduce + residual + RMSNorm (+ FP8) on ROCm virtual ranks: the shared test of
+//! tests/src/fused.rs over the ROCm backend (fused.hip's generic kernels). Never run: no AMD
+//! GPU has been available to this project yet. Skips with the reason when no GPU is usable.
+//! `ALLREDUCE_FUSED_QUICK=1` runs fewer token counts.
+
+#[cfg(not(feature = "rocm"))]
+fn main() {
+    println!("rocm_fused skipped: built without the rocm feature");
+}
+
+#[cfg(feature = "rocm")]
+allreduce_conformance::gpu_fused_test!(
+    allreduce::rocm::testing,
+    allreduce::rocm,
+    Rocm,
+    "rocm",
+    allreduce::rocm::device_count
+);
+
+#[cfg(feature = "rocm")]
+fn main() {
+    // Up to 8 virtual ranks on one GPU, each on its own hardware queue (see the backend's
+    // docs); read when HIP initialises, which the run's first call does.
+    if std::env::var_os("GPU_MAX_HW_QUEUES").is_none() {
+        std::env::set_var("GPU_MAX_HW_QUEUES", "16");
+    }
+    fused::run();
+}
