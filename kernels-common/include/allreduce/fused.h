@@ -618,6 +618,14 @@ AR_DEVICE void refill(const FusedArgs& a, const Call& c) {
   }
 }
 
+// One round of phase 1's input loads: vectors v0 + u * stride, -0.0 pushed as +0.0.
+template <typename T>
+AR_DEVICE void load_round(const FusedArgs& a, u64 v0, u64 nvec, u64 stride, uint4 (&x)[kPushUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kPushUnroll; ++u)
+    if (v0 + u * stride < nvec) x[u] = plus_zero<T>(static_cast<const uint4*>(a.input)[v0 + u * stride]);
+}
+
 // One-shot: push every row to every rank; each rank reduces every row itself, in rank order,
 // and runs the epilogue. One hop.
 template <typename T, int W>
@@ -625,21 +633,24 @@ __device__ void oneshot(const FusedArgs& a) {
   const uint32_t world = world_of<W>(a);
   __shared__ float scratch[kScratch];
   constexpr int E = Packed<T>::kElems;
+  const u64 row_vecs = a.hidden / E, nvec = (u64)a.tokens * row_vecs;
+  const u64 stride = (u64)grid_dim_x() * kThreads, first = (u64)block_x() * kThreads + thread_x();
+  // The first round of input loads goes out before the call state is read: the pushes (what
+  // the peers wait for) need both, and neither needs the other, so a small call pays one
+  // memory latency before its first push instead of two. After send_tag they could not be
+  // hoisted: its store is a compiler barrier.
+  uint4 x[kPushUnroll];
+  load_round<T>(a, first, nvec, stride, x);
   Call c;
   begin(a, c);
   const u64 desc = call_desc<T>(a, false);
   send_tag(a, c.calls, c.buffer, desc);
-  const u64 row_vecs = a.hidden / E, nvec = (u64)a.tokens * row_vecs;
-  const u64 stride = (u64)grid_dim_x() * kThreads, first = (u64)block_x() * kThreads + thread_x();
 
   // ---- Phase 1: push our rows into slot `rank` of every rank's current buffer, kPushUnroll
   // loads in flight per thread (the grid is small, so one load at a time would leave this
   // phase latency-bound).
   for (u64 v0 = first; v0 < nvec; v0 += kPushUnroll * stride) {
-    uint4 x[kPushUnroll];
-#pragma unroll
-    for (int u = 0; u < kPushUnroll; ++u)
-      if (v0 + u * stride < nvec) x[u] = plus_zero<T>(static_cast<const uint4*>(a.input)[v0 + u * stride]);
+    if (v0 != first) load_round<T>(a, v0, nvec, stride, x);
 #pragma unroll
     for (int u = 0; u < kPushUnroll; ++u) {
       if (v0 + u * stride >= nvec) continue;
@@ -681,23 +692,22 @@ __device__ void twoshot(const FusedArgs& a) {
   const uint32_t world = world_of<W>(a);
   __shared__ float scratch[kScratch];
   constexpr int E = Packed<T>::kElems;
+  const u64 row_vecs = a.hidden / E, nvec = (u64)a.tokens * row_vecs;
+  const u64 stride = (u64)grid_dim_x() * kThreads, first = (u64)block_x() * kThreads + thread_x();
+  const u64 per = (a.tokens + world - 1) / world;
+  uint4 x[kPushUnroll];
+  load_round<T>(a, first, nvec, stride, x);  // before the state, as in oneshot
   Call c;
   begin(a, c);
   const u64 desc = call_desc<T>(a, true);
   send_tag(a, c.calls, c.buffer, desc);
-  const u64 row_vecs = a.hidden / E, nvec = (u64)a.tokens * row_vecs;
-  const u64 stride = (u64)grid_dim_x() * kThreads, first = (u64)block_x() * kThreads + thread_x();
-  const u64 per = (a.tokens + world - 1) / world;
 
   // ---- Phase 1: each row to its owner's slot `rank`. The owner is tracked incrementally
   // (no 64-bit division per vector).
   {
     uint32_t owner = 0;
     for (u64 v0 = first; v0 < nvec; v0 += kPushUnroll * stride) {
-      uint4 x[kPushUnroll];
-#pragma unroll
-      for (int u = 0; u < kPushUnroll; ++u)
-        if (v0 + u * stride < nvec) x[u] = plus_zero<T>(static_cast<const uint4*>(a.input)[v0 + u * stride]);
+      if (v0 != first) load_round<T>(a, v0, nvec, stride, x);
 #pragma unroll
       for (int u = 0; u < kPushUnroll; ++u) {
         const u64 v = v0 + u * stride;
