@@ -437,7 +437,11 @@ fn decode_hadamard(h: u32, u: &[u8; BLOCK], s: f32, out: &mut [f32; BLOCK]) {
     wht32(&mut w);
     let m = s * 0.031_25;
     for (i, (o, &w)) in out.iter_mut().zip(&w).enumerate() {
-        *o = if (HADAMARD_SIGNS >> i) & 1 != 0 { -w } else { w } * m;
+        *o = if (HADAMARD_SIGNS >> i) & 1 != 0 {
+            -w
+        } else {
+            w
+        } * m;
     }
 }
 

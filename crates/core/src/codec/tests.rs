@@ -975,7 +975,9 @@ fn adaptive_reference(codec: Codec, x: &[f32; BLOCK]) -> (Vec<u8>, u16) {
                     .iter()
                     .map(|&e| e / s - (e / s).round_ties_even().clamp(-h, h - 1.0))
                     .collect();
-                d[1..].iter().fold(d[0] * d[0], |acc, &dj| dj.mul_add(dj, acc))
+                d[1..]
+                    .iter()
+                    .fold(d[0] * d[0], |acc, &dj| dj.mul_add(dj, acc))
             })
             .collect();
         (s * s) * ((g[0] + g[1]) + (g[2] + g[3]))
