@@ -592,6 +592,14 @@ AR_DEVICE void finish(const FusedArgs& a, const Call& c, bool twoshot) {
   }
 }
 
+// This thread's first index in the grid-stride loops of the pushes, the refill and the
+// two-shot's reduce: blocks counted from the last. Rows go to blocks from the first (Batch:
+// row t to block t % G), so in a call with fewer rows than blocks the blocks that wait for
+// rows and run the epilogue (block reductions, three outputs) are not also the ones that
+// issue the pushes and refill stores: one SM's store path carried all of them before, on the
+// critical path of every small call.
+AR_DEVICE u64 spread_first() { return (u64)(grid_dim_x() - 1u - block_x()) * kThreads + thread_x(); }
+
 // Refill with -0.0 what the previous call's peers wrote into our stale buffer: one-shot, every
 // rank's slot for all its rows; two-shot, every rank's slot for the rows we owned, and the
 // gathered rows.
@@ -602,7 +610,7 @@ AR_DEVICE void refill(const FusedArgs& a, const Call& c) {
   const u64 row_vecs = a.hidden / E;
   const uint4 s = sentinel_vector<T>();
   char* self = a.lamport[a.rank];
-  const u64 stride = (u64)grid_dim_x() * kThreads, first = (u64)block_x() * kThreads + thread_x();
+  const u64 stride = (u64)grid_dim_x() * kThreads, first = spread_first();
   u64 lo = 0, hi = c.prev_tokens;
   if (c.prev_twoshot) {
     const u64 per = (c.prev_tokens + world - 1) / world;
@@ -634,7 +642,7 @@ __device__ void oneshot(const FusedArgs& a) {
   __shared__ float scratch[kScratch];
   constexpr int E = Packed<T>::kElems;
   const u64 row_vecs = a.hidden / E, nvec = (u64)a.tokens * row_vecs;
-  const u64 stride = (u64)grid_dim_x() * kThreads, first = (u64)block_x() * kThreads + thread_x();
+  const u64 stride = (u64)grid_dim_x() * kThreads, first = spread_first();
   // The first round of input loads goes out before the call state is read: the pushes (what
   // the peers wait for) need both, and neither needs the other, so a small call pays one
   // memory latency before its first push instead of two. After send_tag they could not be
@@ -693,7 +701,7 @@ __device__ void twoshot(const FusedArgs& a) {
   __shared__ float scratch[kScratch];
   constexpr int E = Packed<T>::kElems;
   const u64 row_vecs = a.hidden / E, nvec = (u64)a.tokens * row_vecs;
-  const u64 stride = (u64)grid_dim_x() * kThreads, first = (u64)block_x() * kThreads + thread_x();
+  const u64 stride = (u64)grid_dim_x() * kThreads, first = spread_first();
   const u64 per = (a.tokens + world - 1) / world;
   uint4 x[kPushUnroll];
   load_round<T>(a, first, nvec, stride, x);  // before the state, as in oneshot
