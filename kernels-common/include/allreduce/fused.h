@@ -592,25 +592,27 @@ AR_DEVICE void finish(const FusedArgs& a, const Call& c, bool twoshot) {
   }
 }
 
-// This thread's first index in the grid-stride loops of the pushes, the refill and the
-// two-shot's reduce: blocks counted from the last. Rows go to blocks from the first (Batch:
-// row t to block t % G), so in a call with fewer rows than blocks the blocks that wait for
-// rows and run the epilogue (block reductions, three outputs) are not also the ones that
-// issue the pushes and refill stores: one SM's store path carried all of them before, on the
-// critical path of every small call.
+// This thread's first index in the one-shot's grid-stride loops (pushes, refill): blocks
+// counted from the last. Rows go to blocks from the first (Batch: row t to block t % G), so in
+// a call with fewer rows than blocks the blocks that wait for rows and run the epilogue
+// (block reductions, three outputs) are not also the ones that issue the pushes and refill
+// stores, which one SM's store path carried before, on the critical path of every small call
+// (H200, graph mode, 1-8 tokens: 5-10% less time per call). The two-shot keeps block order:
+// the same reversal there cost 2-4% at 64-128 tokens on 4 ranks (docs/benchmarks.md).
 AR_DEVICE u64 spread_first() { return (u64)(grid_dim_x() - 1u - block_x()) * kThreads + thread_x(); }
+AR_DEVICE u64 block_order_first() { return (u64)block_x() * kThreads + thread_x(); }
 
 // Refill with -0.0 what the previous call's peers wrote into our stale buffer: one-shot, every
 // rank's slot for all its rows; two-shot, every rank's slot for the rows we owned, and the
 // gathered rows.
 template <typename T, int W>
-AR_DEVICE void refill(const FusedArgs& a, const Call& c) {
+AR_DEVICE void refill(const FusedArgs& a, const Call& c, u64 first) {
   const uint32_t world = world_of<W>(a);
   constexpr int E = Packed<T>::kElems;
   const u64 row_vecs = a.hidden / E;
   const uint4 s = sentinel_vector<T>();
   char* self = a.lamport[a.rank];
-  const u64 stride = (u64)grid_dim_x() * kThreads, first = spread_first();
+  const u64 stride = (u64)grid_dim_x() * kThreads;
   u64 lo = 0, hi = c.prev_tokens;
   if (c.prev_twoshot) {
     const u64 per = (c.prev_tokens + world - 1) / world;
@@ -667,7 +669,7 @@ __device__ void oneshot(const FusedArgs& a) {
     }
   }
   // ---- Phase 2: refill the stale buffer (overlaps the peers' pushes in flight), then agree.
-  refill<T, W>(a, c);
+  refill<T, W>(a, c, first);
   if (!tags_agree(a, c.calls, c.buffer, desc)) return;
 
   // ---- Phase 3: per batch of rows (rows of one block: t = block, block + G, ...), wait for
@@ -701,7 +703,7 @@ __device__ void twoshot(const FusedArgs& a) {
   __shared__ float scratch[kScratch];
   constexpr int E = Packed<T>::kElems;
   const u64 row_vecs = a.hidden / E, nvec = (u64)a.tokens * row_vecs;
-  const u64 stride = (u64)grid_dim_x() * kThreads, first = spread_first();
+  const u64 stride = (u64)grid_dim_x() * kThreads, first = block_order_first();
   const u64 per = (a.tokens + world - 1) / world;
   uint4 x[kPushUnroll];
   load_round<T>(a, first, nvec, stride, x);  // before the state, as in oneshot
@@ -725,7 +727,7 @@ __device__ void twoshot(const FusedArgs& a) {
       }
     }
   }
-  refill<T, W>(a, c);
+  refill<T, W>(a, c, first);
   if (!tags_agree(a, c.calls, c.buffer, desc)) return;
 
   // ---- Phase 2: reduce our rows, push the rounded vectors to every rank's gather slot.
