@@ -20,3 +20,14 @@ pub use harness_gpu::cuda::CudaHarness;
 #[cfg(feature = "rocm")]
 pub use harness_gpu::rocm::RocmHarness;
 pub use suite::{Test, TESTS};
+
+/// Before HIP initialises (the first HIP call of the process): give each of up to 8 virtual
+/// ranks on one GPU a hardware queue of its own (HIP maps streams round-robin onto
+/// `GPU_MAX_HW_QUEUES` queues, 4 by default; backend-rocm leaves the variable alone and says
+/// when it is too small). A value the caller set is kept.
+#[cfg(feature = "rocm")]
+pub fn hip_queues_for_virtual_ranks() {
+    if std::env::var_os("GPU_MAX_HW_QUEUES").is_none() {
+        std::env::set_var("GPU_MAX_HW_QUEUES", "16");
+    }
+}

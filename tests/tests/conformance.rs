@@ -76,12 +76,8 @@ fn harnesses() -> Vec<Box<dyn Harness>> {
     // No ROCm runtime: the error names the libraries tried. A runtime but a build without
     // kernels: the harness runs and every test fails with the error saying how to get them,
     // which is the point (the build was asked for rocm).
-    // Virtual ranks (up to 8 on one GPU) each need a hardware queue of their own; HIP reads
-    // this when it initialises, which the next line does. The backend itself leaves it alone.
     #[cfg(feature = "rocm")]
-    if std::env::var_os("GPU_MAX_HW_QUEUES").is_none() {
-        std::env::set_var("GPU_MAX_HW_QUEUES", "16");
-    }
+    allreduce_conformance::hip_queues_for_virtual_ranks(); // before the next line initialises HIP
     #[cfg(feature = "rocm")]
     match allreduce::rocm::device_count() {
         Ok(n) if n > 0 => list.push(Box::new(allreduce_conformance::RocmHarness::from_env())),

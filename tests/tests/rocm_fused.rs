@@ -19,10 +19,6 @@ allreduce_conformance::gpu_fused_test!(
 
 #[cfg(feature = "rocm")]
 fn main() {
-    // Up to 8 virtual ranks on one GPU, each on its own hardware queue (see the backend's
-    // docs); read when HIP initialises, which the run's first call does.
-    if std::env::var_os("GPU_MAX_HW_QUEUES").is_none() {
-        std::env::set_var("GPU_MAX_HW_QUEUES", "16");
-    }
+    allreduce_conformance::hip_queues_for_virtual_ranks();
     fused::run();
 }
