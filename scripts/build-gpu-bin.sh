@@ -7,6 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export ALLREDUCE_CUDA_ARCHS=${ALLREDUCE_CUDA_ARCHS:-sm_90}
+# The bench prints the commit it was built from (the GPU machine's checkout is not ours).
+export ALLREDUCE_BUILD_GIT="$(git rev-parse HEAD)$(git diff --quiet HEAD -- . || echo -dirty)"
 scripts/setup-cuda.sh >/dev/null
 mkdir -p gpu-bin
 rm -f gpu-bin/*

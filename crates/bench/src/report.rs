@@ -86,8 +86,30 @@ impl Machine {
 }
 
 impl Git {
-    /// The checkout's commit, if `git rev-parse HEAD` works here.
+    /// The commit the binary was built from, when its build said so (`ALLREDUCE_BUILD_GIT`,
+    /// `<commit>` or `<commit>-dirty`, set by scripts/build-gpu-bin.sh): a binary carried to
+    /// another machine runs in a checkout that need not be its own (the GPU machine's copy
+    /// reported a commit weeks old). Else the checkout's, if `git rev-parse HEAD` works here.
     pub fn detect() -> Option<Self> {
+        option_env!("ALLREDUCE_BUILD_GIT")
+            .and_then(Self::from_build)
+            .or_else(Self::from_checkout)
+    }
+
+    /// `<commit>` or `<commit>-dirty`; None when empty.
+    pub fn from_build(s: &str) -> Option<Self> {
+        let s = s.trim();
+        let (commit, dirty) = match s.strip_suffix("-dirty") {
+            Some(c) => (c, true),
+            None => (s, false),
+        };
+        (!commit.is_empty()).then(|| Git {
+            commit: commit.to_string(),
+            dirty,
+        })
+    }
+
+    fn from_checkout() -> Option<Self> {
         let run = |args: &[&str]| {
             Command::new("git")
                 .args(args)
@@ -518,5 +540,15 @@ mod tests {
         assert_eq!(sci(f64::INFINITY), "inf");
         assert_eq!(snr_text(f64::INFINITY), "inf");
         assert_eq!(snr_text(20.004), "20.00");
+    }
+
+    #[test]
+    fn build_commit_with_and_without_dirty() {
+        let g = Git::from_build("554b235abc-dirty\n").unwrap();
+        assert_eq!((g.commit.as_str(), g.dirty), ("554b235abc", true));
+        let g = Git::from_build("554b235abc").unwrap();
+        assert_eq!((g.commit.as_str(), g.dirty), ("554b235abc", false));
+        assert!(Git::from_build("").is_none());
+        assert!(Git::from_build("-dirty").is_none());
     }
 }
