@@ -30,6 +30,7 @@ constexpr int kPerLane = kBlock / kQuad;  // 8
 constexpr uint16_t kFlagBit = 1;
 constexpr uint16_t kPoisonScale = 0x7FC0;
 constexpr uint32_t kHadamardSigns = 0x6A09E667u;
+constexpr float kAdaptiveRestWeight = 0.75f;  // codec::ADAPTIVE_REST_WEIGHT
 
 // ---- Arithmetic the format pins down (docs/codecs.md, "Arithmetic rules") -------------------
 
@@ -290,20 +291,20 @@ AR_DEVICE Scan scan_amax_quad(const float (&x)[kN], int q) {
 #endif
 }
 
-// codec::residual_sum of this lane group's block from its residuals d = q - R (one per
-// element): per group of 8 one product and seven FMAs in index order, then the four group
-// sums as (g0 + g1) + (g2 + g3): inside the lane where it holds them, across lanes (xor-1,
-// then xor-2) where not. f32 addition is commutative, so the lane holding g1 computing g1 + g0
-// gets the same bits. Every lane ends with the block's value.
+// codec::abs_sum of this lane group's block: per group of 8 the |x| in index order, then the
+// four group sums as (g0 + g1) + (g2 + g3): inside the lane where it holds them, across lanes
+// (xor-1, then xor-2) where not. f32 addition is commutative, so the lane holding g1
+// computing g1 + g0 gets the same bits. Every lane ends with the block's value. (Sums and
+// scans by trees instead of chains were measured: 2% slower on the H200.)
 template <int kN>
-AR_DEVICE float residual_sum(const float (&d)[kN]) {
+AR_DEVICE float abs_sum(const float (&x)[kN]) {
   constexpr int kGroups = kN / 8;
   float g[kGroups];
 #pragma unroll
   for (int gi = 0; gi < kGroups; ++gi) {
-    float e = mul_rn(d[8 * gi], d[8 * gi]);
+    float e = abs_f(x[8 * gi]);
 #pragma unroll
-    for (int j = 1; j < 8; ++j) e = fma_rn(d[8 * gi + j], d[8 * gi + j], e);
+    for (int j = 1; j < 8; ++j) e = add_rn(e, abs_f(x[8 * gi + j]));
     g[gi] = e;
   }
   if constexpr (kN == 8) {
@@ -318,14 +319,10 @@ AR_DEVICE float residual_sum(const float (&d)[kN]) {
   }
 }
 
-// codec::encode_plain for C's codes (the adaptive codecs' plain candidate included): N biased
+// codec::encode_plain for C's codes (the adaptive codecs' chosen candidate included): N biased
 // codes per lane; returns the field (flag clear), the same in every lane of the group.
-// kResidual (integer codecs): also codec::residual_sum of the block into *resid, from the
-// quotients and rounded codes computed here anyway (meaningful where the scale is in the fast
-// range, which every block the adaptive codecs try is).
-template <typename C, bool kResidual = false, int kN>
-AR_DEVICE uint16_t encode_plain(const float (&x)[kN], const Scan& sc, uint32_t (&u)[kN],
-                                float* resid = nullptr) {
+template <typename C, int kN>
+AR_DEVICE uint16_t encode_plain(const float (&x)[kN], const Scan& sc, uint32_t (&u)[kN]) {
   // The scale's f32 bits (field << 16); the value rounded is finite here, so round_scale's
   // NaN case cannot arise.
   uint32_t sbits = 0;
@@ -373,23 +370,6 @@ AR_DEVICE uint16_t encode_plain(const float (&x)[kN], const Scan& sc, uint32_t (
 #pragma unroll
     for (int j = 0; j < kN; ++j) u[j] = f32_to_e4m3(qt[j]);
 #endif
-  } else if constexpr (kResidual) {
-    // As below, with the clamp on the rounded sum t (the same codes: t is in [2^23, 2^24),
-    // where its bits grow with its value one for one), so that R = t - (magic + H) is the
-    // code's integer and d = q - R the residual, both exact (R is within one of q, Sterbenz).
-    const float kMagic = 12582912.0f, kBias = kMagic + float(C::kH);
-    float d[kN];
-#pragma unroll
-    for (int j = 0; j < kN; ++j) {
-      float t = add_rn(qt[j], kBias);
-      if (C::kH >= 128) t = t < kMagic ? kMagic : t;
-      t = t > kMagic + float(2 * C::kH - 1) ? kMagic + float(2 * C::kH - 1) : t;
-      // The code is the low bits of t: as_uint(t) = as_uint(magic) + code, and the magic's
-      // low 22 bits are zero.
-      u[j] = as_uint(t) & uint32_t(2 * C::kH - 1);
-      d[j] = sub_rn(qt[j], sub_rn(t, kBias));
-    }
-    *resid = residual_sum(d);
   } else {
 #pragma unroll
     for (int j = 0; j < kN; ++j) {
@@ -509,18 +489,50 @@ struct Codes {
   uint32_t w[kWords];
 };
 
+// q6 codes, 16 at a time (kN a multiple of 16): bytes first, then both fields from the bytes.
+// B_k holds codes k, k + 4, k + 8, k + 12 of the 16 (one per byte); shifted and masked, the
+// four give every code's top two bits at bit 2e of one word, and byte permutes of them give
+// the even and odd codes of each half, whose low nibbles interleave with one select. About
+// 1.7 instructions per code where one field at a time took 4.5 (each code a shift, a mask
+// and an OR per field).
+template <int kN>
+AR_DEVICE void pack_q6_by_bytes(const uint32_t (&u)[kN], uint32_t* lo, uint32_t* hi) {
+  static_assert(kN % 16 == 0, "16 codes at a time");
+#pragma unroll
+  for (int g = 0; g < kN / 16; ++g) {
+    const uint32_t* v = u + 16 * g;
+    uint32_t b[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      b[k] = byte_perm(byte_perm(v[k], v[k + 4], 0x0040u), byte_perm(v[k + 8], v[k + 12], 0x0040u), 0x5410u);
+    // Codes are below 64: bits 6-7 of every byte are zero.
+    hi[g] = (b[2] & 0x30303030u) | ((b[0] >> 4) & 0x03030303u) | ((b[1] >> 2) & 0x0C0C0C0Cu) |
+            ((b[3] << 2) & 0xC0C0C0C0u);
+    // Codes 0, 2, 4, 6 (of the group's first 8) and 1, 3, 5, 7; then 8.. 14 and 9.. 15.
+    const uint32_t e0 = byte_perm(b[0], b[2], 0x5140u), o0 = byte_perm(b[1], b[3], 0x5140u);
+    const uint32_t e1 = byte_perm(b[0], b[2], 0x7362u), o1 = byte_perm(b[1], b[3], 0x7362u);
+    lo[2 * g] = (e0 & 0x0F0F0F0Fu) | ((o0 << 4) & 0xF0F0F0F0u);
+    lo[2 * g + 1] = (e1 & 0x0F0F0F0Fu) | ((o1 << 4) & 0xF0F0F0F0u);
+  }
+}
+
 template <typename C, int kN>
 AR_DEVICE void pack_codes(const uint32_t (&u)[kN], Codes<C, kN>& c) {
   if constexpr (C::kCodeBytes == 32) {
 #pragma unroll
     for (int i = 0; i < kN / 4; ++i)
       c.w[i] = u[4 * i] | (u[4 * i + 1] << 8) | (u[4 * i + 2] << 16) | (u[4 * i + 3] << 24);
+  } else if constexpr (C::kCodeBytes == 24 && kN % 16 == 0) {
+    pack_q6_by_bytes(u, c.w, c.w + kN / 8);
   } else {
 #pragma unroll
     for (int i = 0; i < kN / 8; ++i) {
       uint32_t w = 0;
+      // Every code is below 2H (encode_plain's clamps), so a 4-bit code needs no mask and the
+      // nibbles do not overlap: a sum, one multiply-add per code.
 #pragma unroll
-      for (int e = 0; e < 8; ++e) w |= (u[8 * i + e] & 0xFu) << (4 * e);
+      for (int e = 0; e < 8; ++e)
+        w += (C::kCodeBytes == 16 ? u[8 * i + e] : (u[8 * i + e] & 0xFu)) << (4 * e);
       c.w[i] = w;
     }
     if constexpr (C::kCodeBytes == 24) {
@@ -575,36 +587,46 @@ AR_DEVICE void store_codes(char* block, int q, const Codes<C, kN>& c) {
 // codec::encode_block: the block's N codes of this lane, packed, and its field.
 template <typename C, int kN>
 AR_DEVICE uint16_t encode_quad(const float (&x)[kN], int q, Codes<C, kN>& out) {
-  const Scan sc = C::kFp8 ? scan_amax_quad(x, q) : scan_quad(x, q);
   uint32_t u[kN];
-  float dp = 0.0f;
-  uint16_t field = encode_plain<C, C::kAdaptiveCodec>(x, sc, u, &dp);
-  pack_codes(u, out);
-  if constexpr (C::kAdaptiveCodec) {
-    // codec::choose_adaptive, computed for every block (the group functions may shuffle) and
-    // kept only where the reference would try it and the Hadamard candidate is strictly
-    // better. Each candidate's error comes from its own quotients (residual_sum): neither is
-    // decoded, nor the Hadamard one transformed back (Parseval: E_h against 32 E_p).
+  if constexpr (!C::kAdaptiveCodec) {
+    const Scan sc = C::kFp8 ? scan_amax_quad(x, q) : scan_quad(x, q);
+    const uint16_t field = encode_plain<C>(x, sc, u);
+    pack_codes(u, out);
+    return field;
+  } else {
+    // codec::choose_adaptive: the candidate whose scale predicts the smaller error, decided
+    // from the two blocks' largest magnitudes and x's absolute sum, and only that one coded
+    // (coding both and measuring their errors took 35-40 instructions per element against
+    // about 20 here; docs/benchmarks.md). The choice needs no
+    // signed maximum, so both scans are one max per element (NaN-propagating: x's also says
+    // whether the block is finite); the chosen block's signed maximum, which its scale's sign
+    // needs, is a third scan. The transform runs for every block (the group functions may
+    // shuffle) and the choice is a select per element: lanes that choose differently do not
+    // diverge.
+    const Scan ax = scan_amax_quad(x, q);
     float y[kN];
 #pragma unroll
     for (int j = 0; j < kN; ++j) y[j] = x[j];
     hadamard_forward(y, q);
-    uint32_t uh[kN];
-    float dh;
-    const uint16_t fh = encode_plain<C, true>(y, scan_quad<kN, false>(y, q), uh, &dh);
-    Codes<C, kN> ch;
-    pack_codes(uh, ch);
-    const float sp = scale_value(field), sh = scale_value(fh);
-    const float err_p = mul_rn(mul_rn(mul_rn(sp, sp), dp), 32.0f);
-    const float err_h = mul_rn(mul_rn(sh, sh), dh);
-    const bool tried = sc.finite && sc.amax >= 0x1p-48f && sc.amax <= 0x1p48f;
-    if (tried && dp != 0.0f && err_h < err_p) {
+    const float ay = scan_amax_quad(y, q).amax;  // y is finite wherever it can be chosen
+    constexpr float kInvH = 1.0f / float(C::kH);
+    const float sp = as_float(round_scale_bits(mul_rn(ax.amax, kInvH)));  // |s_p|
+    const float sh = as_float(round_scale_bits(mul_rn(ay, kInvH)));       // |s_h|
+    const bool tried = ax.finite && ax.amax >= 0x1p-48f && ax.amax <= 0x1p48f;
+    // Both products are exact (7-bit scales): s_h^2 < 32 s_p^2 is s_h < sqrt(32) s_p. And the
+    // transform must beat the rest of the block (a spike far above it is better plain).
+    const float rest = mul_rn(kAdaptiveRestWeight, sub_rn(abs_sum(x), ax.amax));
+    const bool hadamard = tried && mul_rn(sh, sh) < mul_rn(mul_rn(sp, sp), 32.0f) && sh < rest;
+    float v[kN];
 #pragma unroll
-      for (int i = 0; i < Codes<C, kN>::kWords; ++i) out.w[i] = ch.w[i];
-      field = fh | kFlagBit;
-    }
+    for (int j = 0; j < kN; ++j) v[j] = hadamard ? y[j] : x[j];
+    Scan sv = scan_quad<kN, false>(v, q);
+    // A block with an Inf or NaN is poisoned (x's scan says so; the signed scan skips NaNs).
+    if (!ax.finite) sv = Scan{false, 0.0f, 0.0f};
+    const uint16_t field = encode_plain<C>(v, sv, u);
+    pack_codes(u, out);
+    return hadamard ? uint16_t(field | kFlagBit) : field;
   }
-  return field;
 }
 
 // codec::decode_block (without the unpacking). Adaptive codecs: the inverse transform of a

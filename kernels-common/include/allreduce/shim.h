@@ -209,6 +209,20 @@ AR_DEVICE float max_nan(float a, float b) {
 #define AR_MAX_NAN 0
 #endif
 
+// Byte i of the result is byte (sel >> 4i) & 7 of the pair (a = bytes 0-3, b = bytes 4-7): CUDA's
+// __byte_perm (one PRMT). HIP: the same bytes by shifts (v_perm_b32 numbers its bytes the
+// other way round; the codec packers that use this are measured on CUDA only).
+AR_DEVICE uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
+#if AR_HIP
+  const unsigned long long pair = (unsigned long long)b << 32 | a;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= uint32_t((pair >> (8 * ((sel >> (4 * i)) & 7u))) & 0xFFu) << (8 * i);
+  return r;
+#else
+  return __byte_perm(a, b, sel);
+#endif
+}
+
 // ---- FP8 E4M3 (OCP "fn") conversions in hardware ---------------------------------------------
 
 // AR_HW_E4M3: the target converts f32 <-> OCP E4M3 in one instruction (CUDA sm_89+:

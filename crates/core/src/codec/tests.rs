@@ -48,20 +48,6 @@ fn assert_within_bound(codec: Codec, x: &[f32; BLOCK]) -> [f32; BLOCK] {
     y
 }
 
-/// An adaptive codec's result `y` is never worse than the plain codec's `p` on `x`, as far as
-/// the selection can see: in the root of the squared error, up to the selection's f32
-/// rounding (relative 2^-16) and the forward transform's (`2^-16 amax`; `step_bound`).
-fn not_worse_than_plain(y: &[f32; BLOCK], p: &[f32; BLOCK], x: &[f32; BLOCK]) -> bool {
-    let norm = |a: &[f32; BLOCK]| {
-        a.iter()
-            .zip(x)
-            .map(|(&a, &b)| (f64::from(a) - f64::from(b)).powi(2))
-            .sum::<f64>()
-            .sqrt()
-    };
-    norm(y) <= norm(p) * (1.0 + 1.0 / 65536.0) + f64::from(amax(x)) / 65536.0
-}
-
 // ---------------------------------------------------------------------------------------
 // FP8 E4M3
 
@@ -524,9 +510,11 @@ fn all_equal_block() {
             let x = [v; BLOCK];
             let y = assert_within_bound(codec, &x);
             if codec.is_adaptive() {
-                // The Hadamard candidate may win (it did for 1e-3): never worse than plain.
-                let (_, _, p) = roundtrip(codec.plain(), &x);
-                assert!(not_worse_than_plain(&y, &p, &x), "{codec} {v}");
+                // The Hadamard candidate may win: the transform of a constant block is one
+                // spike of 32 |v| (a row of H32 D is constant only by chance), whose scale is
+                // 32x the plain one's: so here plain always wins.
+                let (c, s, _) = roundtrip(codec.plain(), &x);
+                assert_eq!(adaptive_reference(codec, &x), (c, s), "{codec} {v}");
                 continue;
             }
             assert!(y.iter().all(|&d| d == y[0]), "{codec}");
@@ -954,8 +942,9 @@ fn hadamard_inverse_is_exact_on_decoded_blocks() {
 }
 
 /// The adaptive encoding rebuilt from its definition (docs/codecs.md) with public pieces: both
-/// candidates, their squared errors from the quantization residuals (Hadamard's in the
-/// transformed domain, plain's times 32), plain on ties.
+/// candidates coded plain, the transformed one kept when its scale value `s_y` has
+/// `s_y^2 < 32 s_x^2` (in f64 here: both sides are exact either way) and `|s_y| <
+/// ADAPTIVE_REST_WEIGHT * (sum |x| - amax)` (in f32, the sum in its fixed order), plain on ties.
 fn adaptive_reference(codec: Codec, x: &[f32; BLOCK]) -> (Vec<u8>, u16) {
     let plain = codec.plain();
     let (pc, ps, _) = roundtrip(plain, x);
@@ -963,30 +952,15 @@ fn adaptive_reference(codec: Codec, x: &[f32; BLOCK]) -> (Vec<u8>, u16) {
     if !(x.iter().all(|v| v.is_finite()) && (ADAPTIVE_MIN_AMAX..=ADAPTIVE_MAX_AMAX).contains(&a)) {
         return (pc, ps);
     }
-    let h = codec.half_range().unwrap() as f32;
-    // s^2 * sum (x/s - clamp(rne(x/s)))^2: per group of 8 a product then FMAs in index
-    // order, the groups as (g0 + g1) + (g2 + g3).
-    let error = |v: &[f32; BLOCK], field: u16| {
-        let s = scale_value(field);
-        let g: Vec<f32> = v
-            .chunks_exact(8)
-            .map(|c| {
-                let d: Vec<f32> = c
-                    .iter()
-                    .map(|&e| e / s - (e / s).round_ties_even().clamp(-h, h - 1.0))
-                    .collect();
-                d[1..]
-                    .iter()
-                    .fold(d[0] * d[0], |acc, &dj| dj.mul_add(dj, acc))
-            })
-            .collect();
-        (s * s) * ((g[0] + g[1]) + (g[2] + g[3]))
-    };
-    let err_p = error(x, ps);
     let mut y = *x;
     hadamard_forward(&mut y);
     let (hc, hs, _) = roundtrip(plain, &y);
-    if err_p != 0.0 && error(&y, hs) < err_p * 32.0 {
+    let (sx, sy) = (f64::from(scale_value(ps)), f64::from(scale_value(hs)));
+    // sum |x|: in index order inside each group of 8, then (g0 + g1) + (g2 + g3).
+    let group = |c: &[f32]| c[1..].iter().fold(c[0].abs(), |s, v| s + v.abs());
+    let g: Vec<f32> = x.chunks_exact(8).map(group).collect();
+    let rest = ADAPTIVE_REST_WEIGHT * (((g[0] + g[1]) + (g[2] + g[3])) - a);
+    if sy * sy < 32.0 * sx * sx && sy.abs() < f64::from(rest) {
         (hc, hs | FLAG_BIT)
     } else {
         (pc, ps)
@@ -1010,12 +984,11 @@ fn adaptive_picks_the_better_candidate_and_flags_it() {
         for seed in 0..200u32 {
             let big = if seed % 2 == 0 { 30.0 } else { 1.0 };
             let x = block_with_outlier(seed, (seed as usize * 13) % BLOCK, big);
-            let (codes, scale, y) = roundtrip(codec, &x);
+            let (codes, scale, _) = roundtrip(codec, &x);
             let (rc, rs) = adaptive_reference(codec, &x);
             assert_eq!((&codes, scale), (&rc, rs), "{codec} seed {seed}");
-            // Never worse than plain (in the f32 metric the encoder uses).
-            let (pc, ps, p) = roundtrip(codec.plain(), &x);
-            assert!(not_worse_than_plain(&y, &p, &x), "{codec} seed {seed}");
+            assert_within_bound(codec, &x);
+            let (pc, ps, _) = roundtrip(codec.plain(), &x);
             if scale & FLAG_BIT != 0 {
                 flagged += 1;
                 // The flagged block's bytes differ from the plain codec's, its scale value
@@ -1027,6 +1000,49 @@ fn adaptive_picks_the_better_candidate_and_flags_it() {
         }
         // An outlier makes the transform win almost always.
         assert!(flagged > 100, "{codec}: {flagged}");
+    }
+}
+
+/// A massive activation: one element 10^k times the rest of its block. The transform spreads
+/// the spike's step over the block; coded plain, the rest only rounds to zero. The choice must
+/// see that (the rest term of `choose_adaptive`): from 10^4 on, plain is far better and must
+/// be kept; below, the kept candidate's squared error stays within 2x of the better one's
+/// (the choice is a prediction: 1.37x at worst here; the measured-error rule it replaced
+/// always kept the better one).
+#[test]
+fn adaptive_keeps_massive_spikes_plain() {
+    let sq = |a: &[f32; BLOCK], b: &[f32; BLOCK]| -> f64 {
+        a.iter()
+            .zip(b)
+            .map(|(&a, &b)| (f64::from(a) - f64::from(b)).powi(2))
+            .sum()
+    };
+    for codec in ADAPTIVE {
+        let mut worst = 1.0f64;
+        for (seed, big) in
+            (0..120u32).zip([1e1f32, 3e1, 1e2, 3e2, 1e3, 1e4, 1e6, 1e9].iter().cycle())
+        {
+            let k = (seed as usize * 7) % BLOCK;
+            let mut x = block_with_outlier(seed, k, 1.0);
+            x[k] = big * if seed % 2 == 0 { 1.0 } else { -1.0 };
+            let (_, scale, y) = roundtrip(codec, &x);
+            let (_, _, p) = roundtrip(codec.plain(), &x);
+            let mut t = x;
+            hadamard_forward(&mut t);
+            let (_, _, mut h) = roundtrip(codec.plain(), &t);
+            hadamard_inverse(&mut h);
+            let (ep, eh) = (sq(&p, &x), sq(&h, &x));
+            worst = worst.max(sq(&y, &x) / ep.min(eh));
+            if *big >= 1e4 {
+                assert_eq!(
+                    scale & FLAG_BIT,
+                    0,
+                    "{codec} spike {big:e}: plain {ep:e}, Hadamard {eh:e}"
+                );
+            }
+        }
+        println!("{codec}: kept / better squared error, worst {worst:.2}");
+        assert!(worst <= 2.0, "{codec}: {worst}");
     }
 }
 
@@ -1152,10 +1168,10 @@ fn adaptive_names_parse() {
     assert_eq!("Q6A".parse::<Codec>(), Ok(Codec::Int6Adaptive));
     assert_eq!("int4a".parse::<Codec>(), Ok(Codec::Int4Adaptive));
     assert!("fp8a".parse::<Codec>().is_err());
-    // The bound: sqrt(32) times the plain one, plus 2^-16 amax (normal range).
+    // The bound: sqrt(32) * 129 / 127 times the plain one, plus 2^-16 amax (normal range).
     for codec in ADAPTIVE {
         let (a, p) = (codec.step_bound(1.0), codec.plain().step_bound(1.0));
-        let want = f64::from(p) * 32f64.sqrt() + 1.0 / 65536.0;
+        let want = f64::from(p) * 32f64.sqrt() * (129.0 / 127.0) + 1.0 / 65536.0;
         assert!((f64::from(a) / want - 1.0).abs() < 1e-5, "{codec}");
     }
 }
@@ -1182,35 +1198,21 @@ proptest! {
                 let err = (f64::from(a) - f64::from(b)).abs();
                 prop_assert!(err <= bound, "{}: {:e} -> {:e}, err {:e} > {:e}", codec, a, b, err, bound);
             }
-            let (_, _, p) = roundtrip(codec.plain(), &x);
-            prop_assert!(not_worse_than_plain(&y, &p, &x));
             let (rc, rs) = adaptive_reference(codec, &x);
             prop_assert_eq!((codes, scale), (rc, rs));
         }
     }
 
-    /// Re-encoding decoded values: Q6a and Q4a reproduce the values (the Hadamard candidate
-    /// of a decoded Hadamard block is exact: the forward transform of `D H (q S) / 32` is
-    /// `q S` without rounding, and plain Q6/Q4 re-encode idempotently); Q8a stays within
-    /// the bound, like Q8.
+    /// Re-encoding decoded values stays within the bound. (Not idempotent: the choice is a
+    /// prediction from the scales, so a decoded block may be re-coded in the other domain.)
     #[test]
     fn prop_adaptive_reencode(x in block_strategy(-30, 30)) {
-        let in_range = |v: &[f32]| (ADAPTIVE_MIN_AMAX..=ADAPTIVE_MAX_AMAX).contains(&amax(v));
         for codec in ADAPTIVE {
-            let (c1, s1, y1) = roundtrip(codec, &x);
-            let (c2, s2, y2) = roundtrip(codec, &y1);
-            if codec == Codec::Int8Adaptive || in_range(&x) != in_range(&y1) {
-                let bound = f64::from(codec.step_bound(amax(&y1)));
-                for (&a, &b) in y1.iter().zip(&y2) {
-                    prop_assert!((f64::from(a) - f64::from(b)).abs() <= bound);
-                }
-            } else {
-                // Equal values; the sign of a zero may differ (a Hadamard-decoded zero can be
-                // -0.0 where the plain decode of the same value gives +0.0).
-                prop_assert!(y1.iter().zip(&y2).all(|(a, b)| a == b), "{}: {:?} vs {:?}", codec, y1, y2);
-                if s1 & FLAG_BIT == 0 {
-                    prop_assert_eq!((c1, s1), (c2, s2), "{}", codec);
-                }
+            let (_, _, y1) = roundtrip(codec, &x);
+            let (_, _, y2) = roundtrip(codec, &y1);
+            let bound = f64::from(codec.step_bound(amax(&y1)));
+            for (&a, &b) in y1.iter().zip(&y2) {
+                prop_assert!((f64::from(a) - f64::from(b)).abs() <= bound);
             }
         }
     }
