@@ -322,8 +322,39 @@ __device__ void encode_segment(const CodecArgs& a) {
   // the end, all later ones do), then the rest with bounds tests: two loops, so the fast one
   // keeps only its own values in registers.
   u64 k0 = L.warp_quad;
-  for (; (k0 + (kUnroll - 1) * L.stride + kWarpGroups) * kBlock <= a.n; k0 += kUnroll * L.stride)
-    encode_pass<T, C, kN, kUnroll, true>(a, L, seg, k0);
+  auto whole = [&](u64 k) { return (k + (kUnroll - 1) * L.stride + kWarpGroups) * kBlock <= a.n; };
+  if constexpr (C::kAdaptiveCodec && kUnroll == 1) {
+    // Software-pipelined: the next pass's loads go out before this pass's arithmetic. The
+    // adaptive encoders run one block per SM (registers), too few warps to hide a load's
+    // latency behind other warps' work.
+    constexpr int kVecs = kN * int(sizeof(T)) / 16;
+    const u64 lane_k = L.quad - L.warp_quad;
+    auto load_raw = [&](u64 k, uint4 (&r)[kVecs]) {
+      const uint4* p = reinterpret_cast<const uint4*>(static_cast<const char*>(a.src) +
+                                                      ((k + lane_k) * kBlock + L.q * kN) * sizeof(T));
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) r[v] = p[v];
+    };
+    uint4 raw[kVecs];
+    if (whole(k0)) load_raw(k0, raw);
+    for (; whole(k0); k0 += L.stride) {
+      constexpr int E = Packed<T>::kElems;
+      float x[kN];
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        float f[E];
+        Packed<T>::to_f32(raw[v], f);
+#pragma unroll
+        for (int i = 0; i < E; ++i) x[v * E + i] = f[i];
+      }
+      if (whole(k0 + L.stride)) load_raw(k0 + L.stride, raw);
+      Codes<C, kN> codes;
+      const uint16_t field = encode_quad<C>(x, L.q, codes);
+      seg.store(static_cast<char*>(a.dst), k0 + lane_k, L.q, codes, field);
+    }
+  } else {
+    for (; whole(k0); k0 += kUnroll * L.stride) encode_pass<T, C, kN, kUnroll, true>(a, L, seg, k0);
+  }
   for (; k0 < seg.nb; k0 += kUnroll * L.stride) encode_pass<T, C, kN, kUnroll, false>(a, L, seg, k0);
 }
 
