@@ -407,8 +407,44 @@ __device__ void decode_segment(const CodecArgs& a) {
   // the end, all later ones do), then the rest with bounds tests: two loops, so the fast one
   // keeps only its own values in registers.
   u64 k0 = L.warp_quad;
-  for (; (k0 + (kUnroll - 1) * L.stride + kWarpGroups) * kBlock <= a.n; k0 += kUnroll * L.stride)
-    decode_pass<T, C, kN, kUnroll, true>(a, L, seg, k0);
+  auto whole = [&](u64 k) { return (k + (kUnroll - 1) * L.stride + kWarpGroups) * kBlock <= a.n; };
+  if constexpr (C::kAdaptiveCodec) {
+    // Software-pipelined like the adaptive encoders: the next pass's codes and scales are
+    // loaded before this pass's inverse transforms (the adaptive decoders run at 2 blocks
+    // per SM, where the plain ones run at 4).
+    const u64 lane_k = L.quad - L.warp_quad;
+    const char* src = static_cast<const char*>(a.src);
+    Codes<C, kN> raw[kUnroll];
+    uint16_t raw_field[kUnroll];
+    auto load_raw = [&](u64 kk) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const u64 k = kk + u * L.stride + lane_k;
+        load_codes<C>(src + k * C::kCodeBytes, L.q, raw[u]);
+        raw_field[u] = load_peer(reinterpret_cast<const uint16_t*>(src + seg.scales + 2 * k));
+      }
+    };
+    if (whole(k0)) load_raw(k0);
+    for (; whole(k0); k0 += kUnroll * L.stride) {
+      uint32_t codes[kUnroll][kN];
+      uint16_t field[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        unpack_codes(raw[u], codes[u]);
+        field[u] = raw_field[u];
+      }
+      if (whole(k0 + kUnroll * L.stride)) load_raw(k0 + kUnroll * L.stride);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const u64 k = k0 + u * L.stride + lane_k;
+        float x[kN];
+        decode_quad<C>(codes[u], field[u], L.q, x);
+        store8_whole<T>(a.dst, k * kBlock + L.q * kN, x);
+      }
+    }
+  } else {
+    for (; whole(k0); k0 += kUnroll * L.stride) decode_pass<T, C, kN, kUnroll, true>(a, L, seg, k0);
+  }
   for (; k0 < seg.nb; k0 += kUnroll * L.stride) decode_pass<T, C, kN, kUnroll, false>(a, L, seg, k0);
 }
 
