@@ -8,7 +8,7 @@
 // (deduced from their arrays):
 //   N = 8, a "quad" of 4 lanes, one 16-byte vector of f16/bf16 per lane: the all-reduce
 //     kernels' shape (many blocks in flight, few registers). Block-wide steps (the max, the
-//     Hadamard stages h = 8 and 16, the residual sums) cross lanes with xor-1 / xor-2
+//     Hadamard stages h = 8 and 16, the absolute sums) cross lanes with xor-1 / xor-2
 //     shuffles, which stay inside the quad on 32- and 64-lane warps alike.
 //   N = 32, one lane per block: no shuffles at all, and the per-block scalar work (scale,
 //     reciprocal) is done once instead of by four lanes. More registers; the segment kernels
@@ -35,7 +35,7 @@ constexpr float kAdaptiveRestWeight = 0.75f;  // codec::ADAPTIVE_REST_WEIGHT
 // ---- Arithmetic the format pins down (docs/codecs.md, "Arithmetic rules") -------------------
 
 // One correctly rounded f32 operation each, never fused with a neighbour into an FMA: the
-// adaptive encoder's squared error and forward transform round in a specified order.
+// adaptive encoder's absolute sum and forward transform round in a specified order.
 #if AR_HIP
 AR_DEVICE float add_rn(float a, float b) {
 #pragma clang fp contract(off)

@@ -52,8 +52,8 @@ pub const ADAPTIVE_MIN_AMAX: f32 = f32::from_bits((127 - 48) << 23);
 ///
 /// Why a range: inside it, every step of the Hadamard candidate stays in the f32 normal range
 /// with room to spare (the transformed block is at most 32 x larger, its decode at most
-/// 32 x 129/128 x larger again, the squared errors at most 2^25 amax^2 < 2^121), so the
-/// inverse transform is exact, no scale is subnormal and the f32 error sums cannot overflow.
+/// 32 x 129/128 x larger again), so the inverse transform is exact and no scale is
+/// subnormal.
 /// Outside it (f32 extremes no f16/bf16 activation reaches in practice) plain coding keeps
 /// the plain codec's documented behaviour.
 pub const ADAPTIVE_MAX_AMAX: f32 = f32::from_bits((127 + 48) << 23);
