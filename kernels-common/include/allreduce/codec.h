@@ -223,6 +223,15 @@ using CodecQ4a = IntCodec<4, true>;
 
 // Segment layout (codec::encode): codes of every block from 0, then the u16 scales from
 // align16(nb * kCodeBytes); each region padded to 16 bytes.
+// Integer codecs whose encoder leaves codes unclamped for pack_codes' saturating packs
+// (AR_PACK_SAT targets). Not plain q8: measured 3% slower encoding on the H200 with them
+// (q8a, q6, q6a, q4, q4a: equal or faster; q4a 118.4 -> 109.7 us per 256 MiB).
+template <typename C>
+constexpr bool kPackSat = AR_PACK_SAT && !C::kFp8 && (C::kCodeBytes != 32 || C::kAdaptiveCodec);
+// q6 packs by saturation only 16 codes at a time (pack_q6_by_bytes).
+template <typename C, int kN>
+constexpr bool kPackSatN = kPackSat<C> && (C::kCodeBytes != 24 || kN % 16 == 0);
+
 AR_DEVICE u64 align16(u64 x) { return (x + 15) & ~u64(15); }
 AR_DEVICE u64 blocks_of(u64 n) { return (n + kBlock - 1) / kBlock; }
 template <typename C>
@@ -370,6 +379,16 @@ AR_DEVICE uint16_t encode_plain(const float (&x)[kN], const Scan& sc, uint32_t (
 #pragma unroll
     for (int j = 0; j < kN; ++j) u[j] = f32_to_e4m3(qt[j]);
 #endif
+  } else if constexpr (kPackSatN<C, kN>) {
+    // The biased code RNE(q) + H as the bits of a subnormal: (q + H) * 2^-149 rounded once
+    // onto the subnormal grid (spacing 2^-149) is RNE(q + H) * 2^-149, and RNE(q + H) =
+    // RNE(q) + H for even H. One FMA, no subtraction; pack_codes clamps as it packs (a code
+    // of -1 or -0.0 reads as a negative s32, 2H as 2H: both saturate onto the range; q6's
+    // 2H = 64 is lowered to 63 after its byte pack). Needs f32 subnormals (the kernels are
+    // built without -ftz).
+    constexpr float kUnit = 0x1p-149f;
+#pragma unroll
+    for (int j = 0; j < kN; ++j) u[j] = as_uint(fma_rn(qt[j], kUnit, float(C::kH) * kUnit));
   } else {
 #pragma unroll
     for (int j = 0; j < kN; ++j) {
@@ -417,7 +436,7 @@ AR_DEVICE void decode_plain(const uint32_t (&u)[kN], float s, float (&out)[kN]) 
       // 2^23 + u exactly, and subtracting 2^23 + H is exact (both integers below 2^24; a zero
       // difference is +0.0, as the conversion gives). One byte permute or LOP3 and one FADD.
       const float kBase = 8388608.0f + float(C::kH);
-      out[j] = sub_rn(as_float(0x4B000000u | u[j]), kBase) * s;
+      out[j] = sub_rn(as_float(u[j]), kBase) * s;
     }
   }
 }
@@ -495,7 +514,9 @@ struct Codes {
 // the even and odd codes of each half, whose low nibbles interleave with one select. About
 // 1.7 instructions per code where one field at a time took 4.5 (each code a shift, a mask
 // and an OR per field).
-template <int kN>
+// kUnclamped (kPackSat): codes in [0, 64] or negative; saturating packs give the bytes (0 for
+// a negative code) and a code of 64, the only one above 63, loses its bit 6 into bit 0.
+template <bool kUnclamped, int kN>
 AR_DEVICE void pack_q6_by_bytes(const uint32_t (&u)[kN], uint32_t* lo, uint32_t* hi) {
   static_assert(kN % 16 == 0, "16 codes at a time");
 #pragma unroll
@@ -503,8 +524,16 @@ AR_DEVICE void pack_q6_by_bytes(const uint32_t (&u)[kN], uint32_t* lo, uint32_t*
     const uint32_t* v = u + 16 * g;
     uint32_t b[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k)
-      b[k] = byte_perm(byte_perm(v[k], v[k + 4], 0x0040u), byte_perm(v[k + 8], v[k + 12], 0x0040u), 0x5410u);
+    for (int k = 0; k < 4; ++k) {
+      if constexpr (kUnclamped) {
+        const int i = 16 * g + k;
+        const uint32_t w =
+            pack_sat_u8(int32_t(u[i + 4]), int32_t(u[i]), pack_sat_u8(int32_t(u[i + 12]), int32_t(u[i + 8]), 0u));
+        b[k] = w - ((w >> 6) & 0x01010101u);
+      } else {
+        b[k] = byte_perm(byte_perm(v[k], v[k + 4], 0x0040u), byte_perm(v[k + 8], v[k + 12], 0x0040u), 0x5410u);
+      }
+    }
     // Codes are below 64: bits 6-7 of every byte are zero.
     hi[g] = (b[2] & 0x30303030u) | ((b[0] >> 4) & 0x03030303u) | ((b[1] >> 2) & 0x0C0C0C0Cu) |
             ((b[3] << 2) & 0xC0C0C0C0u);
@@ -518,12 +547,26 @@ AR_DEVICE void pack_q6_by_bytes(const uint32_t (&u)[kN], uint32_t* lo, uint32_t*
 
 template <typename C, int kN>
 AR_DEVICE void pack_codes(const uint32_t (&u)[kN], Codes<C, kN>& c) {
-  if constexpr (C::kCodeBytes == 32) {
+  if constexpr (kPackSatN<C, kN> && C::kCodeBytes == 32) {
+    // Unclamped codes (encode_plain); each instruction clamps two and shifts the word up.
+#pragma unroll
+    for (int i = 0; i < kN / 4; ++i)
+      c.w[i] = pack_sat_u8(int32_t(u[4 * i + 1]), int32_t(u[4 * i]),
+                           pack_sat_u8(int32_t(u[4 * i + 3]), int32_t(u[4 * i + 2]), 0u));
+  } else if constexpr (kPackSatN<C, kN> && C::kCodeBytes == 16) {
+#pragma unroll
+    for (int i = 0; i < kN / 8; ++i) {
+      uint32_t w = 0;
+#pragma unroll
+      for (int e = 6; e >= 0; e -= 2) w = pack_sat_u4(int32_t(u[8 * i + e + 1]), int32_t(u[8 * i + e]), w);
+      c.w[i] = w;
+    }
+  } else if constexpr (C::kCodeBytes == 32) {
 #pragma unroll
     for (int i = 0; i < kN / 4; ++i)
       c.w[i] = u[4 * i] | (u[4 * i + 1] << 8) | (u[4 * i + 2] << 16) | (u[4 * i + 3] << 24);
   } else if constexpr (C::kCodeBytes == 24 && kN % 16 == 0) {
-    pack_q6_by_bytes(u, c.w, c.w + kN / 8);
+    pack_q6_by_bytes<kPackSatN<C, kN>>(u, c.w, c.w + kN / 8);
   } else {
 #pragma unroll
     for (int i = 0; i < kN / 8; ++i) {
@@ -644,7 +687,7 @@ AR_DEVICE void decode_quad(const uint32_t (&u)[kN], uint16_t field, int q, float
     float c[kN], t[kN];
 #pragma unroll
     for (int j = 0; j < kN; ++j) {
-      c[j] = sub_rn(as_float(0x4B000000u | u[j]), kBase);  // u - H, exact (decode_plain)
+      c[j] = sub_rn(as_float(u[j]), kBase);  // code - H, exact (decode_plain)
       t[j] = c[j];
     }
     wht_quad(t, q);  // every lane shuffles; only flagged blocks keep the result
@@ -661,31 +704,73 @@ AR_DEVICE void decode_quad(const uint32_t (&u)[kN], uint16_t field, int q, float
   }
 }
 
-// codec::unpack. Loads through L2 only (.cg on CUDA): the bytes may come from a peer. Only
-// quads decode (quantized.h, DecodeShape), so only N = 8.
+// codec::unpack. Loads through L2 only (.cg on CUDA): the bytes may come from a peer. Decoders
+// work in quads (N = 8) or, the adaptive segment decoders, pairs (N = 16; quantized.h,
+// DecodeShape).
 template <typename C, int kN>
 AR_DEVICE void load_codes(const char* block, int q, Codes<C, kN>& c) {
-  static_assert(kN == 8, "decoders work in quads");
-  if constexpr (C::kCodeBytes == 32) {
+  static_assert(kN == 8 || kN == 16, "decoders work in quads or pairs");
+  if constexpr (C::kCodeBytes == 32 && kN == 16) {
+    const uint4 w = load_peer(reinterpret_cast<const uint4*>(block + 16 * q));
+    c.w[0] = w.x;
+    c.w[1] = w.y;
+    c.w[2] = w.z;
+    c.w[3] = w.w;
+  } else if constexpr (C::kCodeBytes == 32 || kN == 16) {
+    // q8 quads; q4 / q6 pairs (a q6 block is 8-byte aligned, its high bits 4-byte aligned).
     const uint2 w = load_peer(reinterpret_cast<const uint2*>(block + 8 * q));
     c.w[0] = w.x;
     c.w[1] = w.y;
+    if constexpr (C::kCodeBytes == 24) c.w[2] = load_peer(reinterpret_cast<const uint32_t*>(block + 16 + 4 * q));
   } else {
     c.w[0] = load_peer(reinterpret_cast<const uint32_t*>(block + 4 * q));
     if constexpr (C::kCodeBytes == 24) c.w[1] = load_peer(reinterpret_cast<const uint16_t*>(block + 16 + 2 * q));
   }
 }
 
+// u[j]: FP8 codes as bytes; integer codes as the f32 bits of 2^23 + code (decode_plain), so the
+// conversion's OR comes with the extraction. On CUDA a byte permute moves a code byte under
+// 0x4B (one PRMT per code); q4 / q6 first gather the even and the odd codes of 8 into the bytes
+// of two words (q6: its 2-bit fields spread under the nibbles): about 2.3 instructions per q6
+// code where field-by-field extraction took 4-5.
 template <typename C, int kN>
 AR_DEVICE void unpack_codes(const Codes<C, kN>& c, uint32_t (&u)[kN]) {
-  if constexpr (C::kCodeBytes == 32) {
+  constexpr uint32_t kHi = 0x4B000000u;
+  if constexpr (C::kFp8) {
 #pragma unroll
     for (int j = 0; j < kN; ++j) u[j] = (c.w[j / 4] >> (8 * (j % 4))) & 0xFFu;
-  } else {
+  } else if constexpr (AR_HIP) {
 #pragma unroll
     for (int j = 0; j < kN; ++j) {
-      u[j] = (c.w[j / 8] >> (4 * (j % 8))) & 0xFu;
-      if constexpr (C::kCodeBytes == 24) u[j] |= ((c.w[kN / 8 + j / 16] >> (2 * (j % 16))) & 3u) << 4;
+      uint32_t v = C::kCodeBytes == 32 ? (c.w[j / 4] >> (8 * (j % 4))) & 0xFFu : (c.w[j / 8] >> (4 * (j % 8))) & 0xFu;
+      if constexpr (C::kCodeBytes == 24) v |= ((c.w[kN / 8 + j / 16] >> (2 * (j % 16))) & 3u) << 4;
+      u[j] = kHi | v;
+    }
+  } else if constexpr (C::kCodeBytes == 32) {
+    // Selector: code byte k, two zero bytes and 0x4B from kHi.
+#pragma unroll
+    for (int j = 0; j < kN; ++j) u[j] = byte_perm(c.w[j / 4], kHi, 0x7440u | (j % 4));
+  } else {
+#pragma unroll
+    for (int g = 0; g < kN / 8; ++g) {
+      const uint32_t w = c.w[g];
+      uint32_t even = w & 0x0F0F0F0Fu, odd = (w >> 4) & 0x0F0F0F0Fu;  // codes 2k, 2k + 1 at byte k
+      if constexpr (C::kCodeBytes == 24) {
+        // The group's 16 bits of 2-bit fields, nibble k (codes 2k, 2k + 1) to bits 8k + 4..7:
+        // t holds nibbles 0-1 at bits 0-7 and 2-3 at 16-23; nibbles 0 and 2 move up by 4,
+        // 1 and 3 by 8. The second shift also leaves copies of nibbles 0 and 2 in the low
+        // nibbles of bytes 1 and 3, which both masks below drop.
+        const uint32_t hw = c.w[kN / 8 + g / 2];
+        const uint32_t t = byte_perm(hw, 0u, (g % 2) ? 0x4342u : 0x4140u);
+        const uint32_t hs = ((t << 4) & 0x00F000F0u) | ((t << 8) & 0xFF0FFF0Fu);
+        even |= hs & 0x30303030u;
+        odd |= (hs >> 2) & 0x30303030u;
+      }
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        u[8 * g + 2 * k] = byte_perm(even, kHi, 0x7440u | k);
+        u[8 * g + 2 * k + 1] = byte_perm(odd, kHi, 0x7440u | k);
+      }
     }
   }
 }

@@ -358,14 +358,19 @@ __device__ void encode_segment(const CodecArgs& a) {
   for (; k0 < seg.nb; k0 += kUnroll * L.stride) encode_pass<T, C, kN, kUnroll, false>(a, L, seg, k0);
 }
 
-// Shape of the segment decoder, as EncodeShape: quads, 2 blocks per lane in flight. A lane
-// per block was measured for the adaptive decoders (no inverse-transform shuffles; bit-exact)
-// and was slower on the H200: q8a 192 us against 141 (64-byte stores per lane, fewer blocks in
-// flight), so every decoder keeps quads.
+// Shape of the segment decoder, as EncodeShape: quads, 2 blocks per lane in flight; on CUDA the
+// adaptive decoders take pairs instead (16 elements a lane, 1 block in flight), which halves the
+// inverse transform's shuffles (one cross-lane stage, not two): H200, 256 MiB of bf16, q6a
+// 118.9 -> 112.8 us, q4a 103.0 -> 98.2, q8a unchanged. A lane per block (no shuffles) was
+// slower: q8a 192 us against 141 (64-byte stores per lane, fewer blocks in flight). HIP keeps
+// quads (not measured there).
+#ifndef AR_DECODE_PAIRS
+#define AR_DECODE_PAIRS !AR_HIP
+#endif
 template <typename C>
 struct DecodeShape {
-  static constexpr int kN = kPerLane;
-  static constexpr int kUnroll = 2;
+  static constexpr int kN = AR_DECODE_PAIRS && C::kAdaptiveCodec ? 2 * kPerLane : kPerLane;
+  static constexpr int kUnroll = kN == kPerLane ? 2 : 1;
 };
 
 // One pass of decode_segment, as encode_pass.

@@ -209,6 +209,34 @@ AR_DEVICE float max_nan(float a, float b) {
 #define AR_MAX_NAN 0
 #endif
 
+// AR_PACK_SAT: the target clamps two s32 to 4 or 8 unsigned bits and packs them above the low
+// bits of a third word in one instruction (PTX cvt.pack.sat, sm_72+): d = rest << 2k | sat(hi)
+// << k | sat(lo). The q4 / q8 encoders clamp and pack their codes with it (codec.h).
+#if !AR_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 720
+#define AR_PACK_SAT 1
+AR_DEVICE uint32_t pack_sat_u4(int32_t hi, int32_t lo, uint32_t rest) {
+  uint32_t d;
+  asm("cvt.pack.sat.u4.s32.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(hi), "r"(lo), "r"(rest));
+  return d;
+}
+AR_DEVICE uint32_t pack_sat_u8(int32_t hi, int32_t lo, uint32_t rest) {
+  uint32_t d;
+  asm("cvt.pack.sat.u8.s32.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(hi), "r"(lo), "r"(rest));
+  return d;
+}
+#else
+// The same results by clamps and shifts, so the codec source compiles everywhere; the codecs
+// keep their clamp-per-code path where AR_PACK_SAT is 0 (kPackSat) and do not call these.
+#define AR_PACK_SAT 0
+AR_DEVICE uint32_t pack_sat_bits(int32_t v, int32_t top) { return uint32_t(v < 0 ? 0 : (v > top ? top : v)); }
+AR_DEVICE uint32_t pack_sat_u4(int32_t hi, int32_t lo, uint32_t rest) {
+  return (rest << 8) | (pack_sat_bits(hi, 15) << 4) | pack_sat_bits(lo, 15);
+}
+AR_DEVICE uint32_t pack_sat_u8(int32_t hi, int32_t lo, uint32_t rest) {
+  return (rest << 16) | (pack_sat_bits(hi, 255) << 8) | pack_sat_bits(lo, 255);
+}
+#endif
+
 // Byte i of the result is byte (sel >> 4i) & 7 of the pair (a = bytes 0-3, b = bytes 4-7): CUDA's
 // __byte_perm (one PRMT). HIP: the same bytes by shifts (v_perm_b32 numbers its bytes the
 // other way round; the codec packers that use this are measured on CUDA only).
