@@ -35,17 +35,7 @@ mod fused {
     const EPS: f32 = 1e-5;
 
     fn gpu_available() -> bool {
-        match $($count)::+() {
-            Ok(n) if n > 0 => true,
-            Ok(_) => {
-                println!(concat!($label, "_fused skipped: the runtime reports no GPU"));
-                false
-            }
-            Err(e) => {
-                println!(concat!($label, "_fused skipped: {}"), e);
-                false
-            }
-        }
+        $crate::gpu_present($($count)::+(), concat!($label, "_fused"))
     }
 
     /// Rank `rank`'s input (rank = usize::MAX: the residual; MAX - 1: gamma) for data set
@@ -693,20 +683,31 @@ mod fused {
         results.into_iter().collect()
     }
 
-    /// Rank 1 never calls: rank 0's polls must give up at the deadline and report it, and the
-    /// group must refuse further calls.
-    fn run_timeout() -> Result<(), String> {
-        let (dtype, hidden) = (DType::BF16, 2048);
+    /// Two virtual ranks on GPU 0 with the given deadline, and their workspaces for up to 4
+    /// rows of `hidden` (the failure tests below).
+    fn two_ranks(
+        hidden: usize,
+        dtype: DType,
+        timeout: Duration,
+    ) -> Result<(Vec<Communicator>, Vec<FusedWorkspace>), String> {
         let comms = Communicator::new_group(
             BackendKind::$kind,
             GroupConfig::new(2)
                 .devices(vec![0; 2])
                 .max_bytes(1 << 16)
-                .timeout(Duration::from_millis(500)),
+                .timeout(timeout),
         )
         .map_err(|e| e.to_string())?;
         let ws = FusedWorkspace::create_group(&comms, FusedConfig::new(4, hidden, dtype))
             .map_err(|e| e.to_string())?;
+        Ok((comms, ws))
+    }
+
+    /// Rank 1 never calls: rank 0's polls must give up at the deadline and report it, and the
+    /// group must refuse further calls.
+    fn run_timeout() -> Result<(), String> {
+        let (dtype, hidden) = (DType::BF16, 2048);
+        let (comms, ws) = two_ranks(hidden, dtype, Duration::from_millis(500))?;
         let comm = &comms[0];
         let Device::$kind(ordinal) = comm.device() else {
             unreachable!()
@@ -753,16 +754,7 @@ mod fused {
     /// further calls.
     fn run_mismatch() -> Result<(), String> {
         let (dtype, hidden) = (DType::BF16, 2048);
-        let comms = Communicator::new_group(
-            BackendKind::$kind,
-            GroupConfig::new(2)
-                .devices(vec![0; 2])
-                .max_bytes(1 << 16)
-                .timeout(Duration::from_secs(3)),
-        )
-        .map_err(|e| e.to_string())?;
-        let ws = FusedWorkspace::create_group(&comms, FusedConfig::new(4, hidden, dtype))
-            .map_err(|e| e.to_string())?;
+        let (comms, ws) = two_ranks(hidden, dtype, Duration::from_secs(3))?;
         let barrier = Barrier::new(2);
         let results: Vec<Result<(), String>> = std::thread::scope(|s| {
             let hs: Vec<_> = comms

@@ -24,17 +24,7 @@ mod graphs {
         const REPLAYS: usize = 1000;
 
         fn gpu_available() -> bool {
-            match $($count)::+() {
-                Ok(n) if n > 0 => true,
-                Ok(_) => {
-                    println!(concat!($label, "_graphs skipped: the runtime reports no GPU"));
-                    false
-                }
-                Err(e) => {
-                    println!(concat!($label, "_graphs skipped: {}"), e);
-                    false
-                }
-            }
+            $crate::gpu_present($($count)::+(), concat!($label, "_graphs"))
         }
 
         /// Integer data: every sum is exact, so a stale or mixed-up replay cannot hide.

@@ -21,6 +21,24 @@ pub use harness_gpu::cuda::CudaHarness;
 pub use harness_gpu::rocm::RocmHarness;
 pub use suite::{Test, TESTS};
 
+/// Whether a GPU test can run: `count` is the backend's device count. When not, prints why
+/// `what` is skipped (CI has no GPU; the skip must say so, not pass silently). Used by the
+/// test macros (`gpu_fused_test!`, `gpu_graph_test!`).
+#[doc(hidden)]
+pub fn gpu_present<E: std::fmt::Display>(count: Result<usize, E>, what: &str) -> bool {
+    match count {
+        Ok(n) if n > 0 => true,
+        Ok(_) => {
+            println!("{what} skipped: the runtime reports no GPU");
+            false
+        }
+        Err(e) => {
+            println!("{what} skipped: {e}");
+            false
+        }
+    }
+}
+
 /// Before HIP initialises (the first HIP call of the process): give each of up to 8 virtual
 /// ranks on one GPU a hardware queue of its own (HIP maps streams round-robin onto
 /// `GPU_MAX_HW_QUEUES` queues, 4 by default; backend-rocm leaves the variable alone and says
