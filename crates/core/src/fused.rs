@@ -256,7 +256,9 @@ impl FusedMetadata {
 /// rank in one hop, two-shot twice the message in two hops, so one-shot wins while latency
 /// dominates. Thresholds measured on one H200 with virtual ranks (docs/benchmarks.md, fused
 /// section: the forced one-shot and two-shot columns of the kernels specialised per world
-/// size): one-shot up to 1 MiB at 2 ranks, 256 KiB at 3-4, 64 KiB above. Virtual ranks share one GPU's memory, which charges one-shot `world` times its
+/// size): one-shot up to 512 KiB at 2 ranks, 256 KiB at 3-4, 64 KiB above (2 ranks: 1 MiB
+/// until the two-shot pulled its reduced rows instead of pushing them; at 1 MiB it is now
+/// 1-3% faster, at 512 KiB still 4% slower). Virtual ranks share one GPU's memory, which charges one-shot `world` times its
 /// real per-GPU traffic, so on distinct GPUs the crossover is expected higher (TensorRT-LLM
 /// keeps one-shot up to 128 tokens); the multi-GPU table is issue 9's to measure.
 pub fn default_table() -> SelectionTable {
@@ -274,7 +276,7 @@ pub fn default_table() -> SelectionTable {
     SelectionTable {
         rules: vec![
             rule((1, 1), usize::MAX, Strategy::OneShot),
-            rule((2, 2), 1024 * KIB, Strategy::OneShot),
+            rule((2, 2), 512 * KIB, Strategy::OneShot),
             rule((3, 4), 256 * KIB, Strategy::OneShot),
             rule((5, usize::MAX), 64 * KIB, Strategy::OneShot),
         ],

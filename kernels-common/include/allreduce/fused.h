@@ -10,7 +10,9 @@
 // into the receivers' buffers; a receiver polls its own buffer until no element of the vector
 // it needs is -0.0 any more. The data is its own flag: no barrier, no flag word, one hop.
 // Buffers come in threes: call k writes buffer k % 3 and, before reading, refills buffer
-// (k - 1) % 3 (its own, which peers wrote in call k - 1) with -0.0. Peers write that buffer
+// (k - 1) % 3 (its own, which peers wrote in call k - 1) with -0.0. (The two-shot's reduced
+// rows are the one part peers read rather than write: their owner refills them only after
+// every peer's tag of call k shows it left call k - 1; refill_reduced.) Peers write that buffer
 // again only in call k + 2, which they cannot start before finishing call k + 1, which needs
 // our call k + 1 pushes, which our stream orders after this kernel: so no peer write can meet
 // our refill. (Two buffers would not do: a peer may start call k + 1, writing buffer
@@ -62,7 +64,8 @@ static_assert(sizeof(BlockState) == 16 && kMaxBlocks * sizeof(BlockState) == 102
 
 // Passed by value (__grid_constant__ on CUDA). Null output pointers are outputs not asked for.
 // One Lamport buffer (of three, `comm_bytes` apart) holds world + 1 slots of `max_elems`
-// elements: slot s receives rank s's rows; slot `world` receives the two-shot's reduced rows.
+// elements: slot s receives rank s's rows; slot `world` holds the rows this rank reduced in a
+// two-shot call, which every rank reads from there.
 struct FusedArgs {
   const void* input;       // tokens x hidden T; for the unfused norm kernel: the all-reduce output
   void* allreduce_out;
@@ -602,9 +605,17 @@ AR_DEVICE void finish(const FusedArgs& a, const Call& c, bool twoshot) {
 AR_DEVICE u64 spread_first() { return (u64)(grid_dim_x() - 1u - block_x()) * kThreads + thread_x(); }
 AR_DEVICE u64 block_order_first() { return (u64)block_x() * kThreads + thread_x(); }
 
+// The rows [lo, hi) this rank owned in the previous call, if it was a two-shot.
+AR_DEVICE void prev_owned(const FusedArgs& a, const Call& c, uint32_t world, u64& lo, u64& hi) {
+  const u64 per = (c.prev_tokens + world - 1) / world;
+  lo = min_u64(a.rank * per, c.prev_tokens);
+  hi = min_u64(lo + per, c.prev_tokens);
+}
+
 // Refill with -0.0 what the previous call's peers wrote into our stale buffer: one-shot, every
-// rank's slot for all its rows; two-shot, every rank's slot for the rows we owned, and the
-// gathered rows.
+// rank's slot for all its rows; two-shot, every rank's slot for the rows we owned. We read
+// those slots ourselves in that call, and peers write them again only in call k + 2, so this
+// may run before the tags agree, overlapping the pushes in flight.
 template <typename T, int W>
 AR_DEVICE void refill(const FusedArgs& a, const Call& c, u64 first) {
   const uint32_t world = world_of<W>(a);
@@ -614,18 +625,30 @@ AR_DEVICE void refill(const FusedArgs& a, const Call& c, u64 first) {
   char* self = a.lamport[a.rank];
   const u64 stride = (u64)grid_dim_x() * kThreads;
   u64 lo = 0, hi = c.prev_tokens;
-  if (c.prev_twoshot) {
-    const u64 per = (c.prev_tokens + world - 1) / world;
-    lo = min_u64(a.rank * per, c.prev_tokens);
-    hi = min_u64(lo + per, c.prev_tokens);
-    uint4* gathered = slot<T>(a, self, c.stale, world);
-    for (u64 v = first; v < c.prev_tokens * row_vecs; v += stride) gathered[v] = s;
-  }
+  if (c.prev_twoshot) prev_owned(a, c, world, lo, hi);
   const u64 n = (hi - lo) * row_vecs;
   for (uint32_t src = 0; src < world; ++src) {
     uint4* rows = slot<T>(a, self, c.stale, src) + lo * row_vecs;
     for (u64 v = first; v < n; v += stride) rows[v] = s;
   }
+}
+
+// After a two-shot call: its reduced rows, which we kept in our slot `world` and every peer
+// read from there, back to -0.0. Only once the tags agree: a peer's tag of this call proves it
+// left the previous one, so none still reads them (before, a peer in its last phase could
+// read a refilled vector and wait for a value that never comes).
+template <typename T, int W>
+AR_DEVICE void refill_reduced(const FusedArgs& a, const Call& c, u64 first) {
+  if (!c.prev_twoshot) return;
+  const uint32_t world = world_of<W>(a);
+  const u64 row_vecs = a.hidden / Packed<T>::kElems;
+  const uint4 s = sentinel_vector<T>();
+  const u64 stride = (u64)grid_dim_x() * kThreads;
+  u64 lo, hi;
+  prev_owned(a, c, world, lo, hi);
+  uint4* rows = slot<T>(a, a.lamport[a.rank], c.stale, world) + lo * row_vecs;
+  const u64 n = (hi - lo) * row_vecs;
+  for (u64 v = first; v < n; v += stride) rows[v] = s;
 }
 
 // One round of phase 1's input loads: vectors v0 + u * stride, -0.0 pushed as +0.0.
@@ -672,6 +695,7 @@ __device__ void oneshot(const FusedArgs& a) {
   // ---- Phase 2: refill the stale buffer (overlaps the peers' pushes in flight), then agree.
   refill<T, W>(a, c, first);
   if (!tags_agree(a, c.calls, c.buffer, desc)) return;
+  refill_reduced<T, W>(a, c, first);
 
   // ---- Phase 3: per batch of rows (rows of one block: t = block, block + G, ...), wait for
   // every rank's vectors, reduce, epilogue.
@@ -695,9 +719,9 @@ __device__ void oneshot(const FusedArgs& a) {
 }
 
 // Two-shot: rows are split among ranks (rank o owns rows [o * per, (o + 1) * per)); every
-// rank pushes each row to its owner, the owner reduces it and pushes the rounded row to every
-// rank's gather slot, and every rank runs the epilogue on every row. Two hops, but each rank
-// receives 2 x the message instead of world x.
+// rank pushes each row to its owner, the owner reduces it into its own slot `world`, every
+// rank reads (polls) each row there and runs the epilogue on every row. Two hops, but each
+// rank receives 2 x the message instead of world x.
 template <typename T, int W>
 __device__ void twoshot(const FusedArgs& a) {
   const uint32_t world = world_of<W>(a);
@@ -730,8 +754,9 @@ __device__ void twoshot(const FusedArgs& a) {
   }
   refill<T, W>(a, c, first);
   if (!tags_agree(a, c.calls, c.buffer, desc)) return;
+  refill_reduced<T, W>(a, c, first);
 
-  // ---- Phase 2: reduce our rows, push the rounded vectors to every rank's gather slot.
+  // ---- Phase 2: reduce our rows into our own slot `world`, where every rank reads them.
   char* self = a.lamport[a.rank];
   const u64 lo = min_u64(a.rank * per, a.tokens) * row_vecs, hi = min_u64(a.rank * per + per, a.tokens) * row_vecs;
   bool ok = true;
@@ -739,24 +764,28 @@ __device__ void twoshot(const FusedArgs& a) {
     uint4 raw[Ranks<W>::kN];
     ok = poll_all<T, W>(a, c.buffer, v, raw, c.calls);
     if (!ok) break;
-    const uint4 sum = reduce<T, W>(raw, world);
-    for (uint32_t p = 0; p < world; ++p) st_volatile(slot<T>(a, a.lamport[p], c.buffer, world) + v, sum);
+    st_volatile(slot<T>(a, self, c.buffer, world) + v, reduce<T, W>(raw, world));
   }
   if (sync_block_or(!ok)) return;
 
-  // ---- Phase 3: every row from the gather slot (a batch's loads in flight together), then
-  // the epilogue.
+  // ---- Phase 3: every row from its owner's slot `world` (a batch's loads in flight
+  // together), then the epilogue. Pulled, not pushed: each reduced row is written once and
+  // refilled once, by its owner, where pushing it to every rank wrote it and refilled it
+  // world times (2 of the call's ~10 message sizes of memory traffic per rank).
+  const uint32_t per32 = uint32_t(per);  // <= tokens
+  auto reduced_vec = [&](const Batch& bt, int i) {
+    const uint32_t t = bt.token(i);
+    return slot<T>(a, a.lamport[t / per32], c.buffer, world) + (u64)t * row_vecs + bt.vec(i);
+  };
   for (Batch bt(block_x(), row_vecs); bt.t0 < a.tokens; bt.t0 += bt.stride()) {
     uint4 row[kMaxVecs];
-    const uint4* gathered = slot<T>(a, self, c.buffer, world);
     prefetch_epilogue<T>(a, bt);
 #pragma unroll
     for (int i = 0; i < kMaxVecs; ++i)
-      if (bt.valid(i, a.tokens)) row[i] = ld_volatile(gathered + (u64)bt.token(i) * row_vecs + bt.vec(i));
+      if (bt.valid(i, a.tokens)) row[i] = ld_volatile(reduced_vec(bt, i));
 #pragma unroll
     for (int i = 0; i < kMaxVecs; ++i)
-      if (bt.valid(i, a.tokens) && ok && has_sentinel<T>(row[i]))
-        ok = poll<T>(gathered + (u64)bt.token(i) * row_vecs + bt.vec(i), row[i], a, c.calls);
+      if (bt.valid(i, a.tokens) && ok && has_sentinel<T>(row[i])) ok = poll<T>(reduced_vec(bt, i), row[i], a, c.calls);
     if (sync_block_or(!ok)) return;
     epilogue<T>(a, bt, row, scratch);
   }
