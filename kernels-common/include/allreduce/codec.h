@@ -221,8 +221,6 @@ using CodecQ8a = IntCodec<8, true>;
 using CodecQ6a = IntCodec<6, true>;
 using CodecQ4a = IntCodec<4, true>;
 
-// Segment layout (codec::encode): codes of every block from 0, then the u16 scales from
-// align16(nb * kCodeBytes); each region padded to 16 bytes.
 // Integer codecs whose encoder leaves codes unclamped for pack_codes' saturating packs
 // (AR_PACK_SAT targets). Not plain q8: measured 3% slower encoding on the H200 with them
 // (q8a, q6, q6a, q4, q4a: equal or faster; q4a 118.4 -> 109.7 us per 256 MiB).
@@ -232,6 +230,8 @@ constexpr bool kPackSat = AR_PACK_SAT && !C::kFp8 && (C::kCodeBytes != 32 || C::
 template <typename C, int kN>
 constexpr bool kPackSatN = kPackSat<C> && (C::kCodeBytes != 24 || kN % 16 == 0);
 
+// Segment layout (codec::encode): codes of every block from 0, then the u16 scales from
+// align16(nb * kCodeBytes); each region padded to 16 bytes.
 AR_DEVICE u64 align16(u64 x) { return (x + 15) & ~u64(15); }
 AR_DEVICE u64 blocks_of(u64 n) { return (n + kBlock - 1) / kBlock; }
 template <typename C>
@@ -432,9 +432,9 @@ AR_DEVICE void decode_plain(const uint32_t (&u)[kN], float s, float (&out)[kN]) 
       out[j] = e4m3_to_f32(u[j]) * s;
 #endif
     } else {
-      // float(u - H) without a conversion: the code in the low mantissa bits of 2^23 is
-      // 2^23 + u exactly, and subtracting 2^23 + H is exact (both integers below 2^24; a zero
-      // difference is +0.0, as the conversion gives). One byte permute or LOP3 and one FADD.
+      // float(code - H) without a conversion: u[j] holds the bits of 2^23 + code (unpack_codes
+      // put the code in the low mantissa bits), and subtracting 2^23 + H is exact (both
+      // integers below 2^24; a zero difference is +0.0, as the conversion gives). One FADD.
       const float kBase = 8388608.0f + float(C::kH);
       out[j] = sub_rn(as_float(u[j]), kBase) * s;
     }
@@ -526,9 +526,8 @@ AR_DEVICE void pack_q6_by_bytes(const uint32_t (&u)[kN], uint32_t* lo, uint32_t*
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       if constexpr (kUnclamped) {
-        const int i = 16 * g + k;
         const uint32_t w =
-            pack_sat_u8(int32_t(u[i + 4]), int32_t(u[i]), pack_sat_u8(int32_t(u[i + 12]), int32_t(u[i + 8]), 0u));
+            pack_sat_u8(int32_t(v[k + 4]), int32_t(v[k]), pack_sat_u8(int32_t(v[k + 12]), int32_t(v[k + 8]), 0u));
         b[k] = w - ((w >> 6) & 0x01010101u);
       } else {
         b[k] = byte_perm(byte_perm(v[k], v[k + 4], 0x0040u), byte_perm(v[k + 8], v[k + 12], 0x0040u), 0x5410u);

@@ -605,6 +605,14 @@ AR_DEVICE void finish(const FusedArgs& a, const Call& c, bool twoshot) {
 AR_DEVICE u64 spread_first() { return (u64)(grid_dim_x() - 1u - block_x()) * kThreads + thread_x(); }
 AR_DEVICE u64 block_order_first() { return (u64)block_x() * kThreads + thread_x(); }
 
+// Vectors first, first + stride, ... below n of `rows`, back to the -0.0 sentinel.
+template <typename T>
+AR_DEVICE void fill_sentinel(uint4* rows, u64 n, u64 first) {
+  const uint4 s = sentinel_vector<T>();
+  const u64 stride = (u64)grid_dim_x() * kThreads;
+  for (u64 v = first; v < n; v += stride) rows[v] = s;
+}
+
 // The rows [lo, hi) this rank owned in the previous call, if it was a two-shot.
 AR_DEVICE void prev_owned(const FusedArgs& a, const Call& c, uint32_t world, u64& lo, u64& hi) {
   const u64 per = (c.prev_tokens + world - 1) / world;
@@ -621,16 +629,11 @@ AR_DEVICE void refill(const FusedArgs& a, const Call& c, u64 first) {
   const uint32_t world = world_of<W>(a);
   constexpr int E = Packed<T>::kElems;
   const u64 row_vecs = a.hidden / E;
-  const uint4 s = sentinel_vector<T>();
   char* self = a.lamport[a.rank];
-  const u64 stride = (u64)grid_dim_x() * kThreads;
   u64 lo = 0, hi = c.prev_tokens;
   if (c.prev_twoshot) prev_owned(a, c, world, lo, hi);
-  const u64 n = (hi - lo) * row_vecs;
-  for (uint32_t src = 0; src < world; ++src) {
-    uint4* rows = slot<T>(a, self, c.stale, src) + lo * row_vecs;
-    for (u64 v = first; v < n; v += stride) rows[v] = s;
-  }
+  for (uint32_t src = 0; src < world; ++src)
+    fill_sentinel<T>(slot<T>(a, self, c.stale, src) + lo * row_vecs, (hi - lo) * row_vecs, first);
 }
 
 // After a two-shot call: its reduced rows, which we kept in our slot `world` and every peer
@@ -642,13 +645,9 @@ AR_DEVICE void refill_reduced(const FusedArgs& a, const Call& c, u64 first) {
   if (!c.prev_twoshot) return;
   const uint32_t world = world_of<W>(a);
   const u64 row_vecs = a.hidden / Packed<T>::kElems;
-  const uint4 s = sentinel_vector<T>();
-  const u64 stride = (u64)grid_dim_x() * kThreads;
   u64 lo, hi;
   prev_owned(a, c, world, lo, hi);
-  uint4* rows = slot<T>(a, a.lamport[a.rank], c.stale, world) + lo * row_vecs;
-  const u64 n = (hi - lo) * row_vecs;
-  for (u64 v = first; v < n; v += stride) rows[v] = s;
+  fill_sentinel<T>(slot<T>(a, a.lamport[a.rank], c.stale, world) + lo * row_vecs, (hi - lo) * row_vecs, first);
 }
 
 // One round of phase 1's input loads: vectors v0 + u * stride, -0.0 pushed as +0.0.

@@ -211,7 +211,8 @@ AR_DEVICE float max_nan(float a, float b) {
 
 // AR_PACK_SAT: the target clamps two s32 to 4 or 8 unsigned bits and packs them above the low
 // bits of a third word in one instruction (PTX cvt.pack.sat, sm_72+): d = rest << 2k | sat(hi)
-// << k | sat(lo). The q4 / q8 encoders clamp and pack their codes with it (codec.h).
+// << k | sat(lo). The q4, q6 and adaptive encoders clamp and pack their codes with it
+// (codec.h, kPackSat).
 #if !AR_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 720
 #define AR_PACK_SAT 1
 AR_DEVICE uint32_t pack_sat_u4(int32_t hi, int32_t lo, uint32_t rest) {
