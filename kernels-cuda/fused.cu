@@ -12,10 +12,13 @@ using namespace ar::fused;
 // of them must be resident at once.
 #define AR_KERNEL extern "C" __global__ void __launch_bounds__(kThreads, 2)
 // One instance per world size the kernels are specialised for (2, 4, 8: rank arrays sized to
-// the world, fewer registers) and one for any world (w0: the world from the arguments).
+// the world, fewer registers) and one for any world (w0: the world from the arguments). The
+// split one-shot is launched with a cluster size (cuLaunchKernelEx); it traps below sm_90,
+// where the host never launches it.
 #define AR_FUSED_WORLD(SUFFIX, T, W)                                                            \
   AR_KERNEL ar_fused_oneshot_##SUFFIX##_w##W(AR_GRID_CONSTANT const FusedArgs a) { oneshot<T, W>(a); } \
-  AR_KERNEL ar_fused_twoshot_##SUFFIX##_w##W(AR_GRID_CONSTANT const FusedArgs a) { twoshot<T, W>(a); }
+  AR_KERNEL ar_fused_twoshot_##SUFFIX##_w##W(AR_GRID_CONSTANT const FusedArgs a) { twoshot<T, W>(a); } \
+  AR_KERNEL ar_fused_oneshot_split_##SUFFIX##_w##W(AR_GRID_CONSTANT const FusedArgs a) { oneshot_split<T, W>(a); }
 #define AR_FUSED_KERNELS(SUFFIX, T) \
   AR_FUSED_WORLD(SUFFIX, T, 0)      \
   AR_FUSED_WORLD(SUFFIX, T, 2)      \

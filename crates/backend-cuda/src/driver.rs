@@ -90,6 +90,8 @@ pub struct Device {
     pub dev: CUdevice,
     pub ctx: CUcontext,
     pub sm_count: u32,
+    /// Compute capability major (9: Hopper, clusters).
+    pub cc_major: u32,
 }
 
 // SAFETY: contexts and device handles may be used from any thread.
@@ -108,6 +110,7 @@ impl Device {
         let mut dev = 0;
         let mut ctx = std::ptr::null_mut();
         let mut sms = 0;
+        let mut major = 0;
         // SAFETY: driver initialised, ordinal checked.
         unsafe {
             check(sys::cuDeviceGet(&mut dev, ordinal as i32), "cuDeviceGet")?;
@@ -124,12 +127,21 @@ impl Device {
                 ),
                 "cuDeviceGetAttribute",
             )?;
+            check(
+                sys::cuDeviceGetAttribute(
+                    &mut major,
+                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                    dev,
+                ),
+                "cuDeviceGetAttribute",
+            )?;
         }
         Ok(Device {
             ordinal,
             dev,
             ctx,
             sm_count: sms as u32,
+            cc_major: major as u32,
         })
     }
 
@@ -323,6 +335,42 @@ pub unsafe fn launch<A>(
             std::ptr::null_mut(),
         ),
         "cuLaunchKernel",
+    )
+}
+
+/// [`launch`] in clusters of `cluster` blocks along x (`grid` a multiple of it).
+///
+/// # Safety
+/// As [`launch`].
+pub unsafe fn launch_cluster<A>(
+    f: CUfunction,
+    grid: u32,
+    cluster: u32,
+    block: u32,
+    stream: CUstream,
+    args: &A,
+) -> Result<()> {
+    let mut params = [args as *const A as *mut c_void];
+    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim.x = cluster;
+    attr.value.clusterDim.y = 1;
+    attr.value.clusterDim.z = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: 0,
+        hStream: stream,
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    check(
+        sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()),
+        "cuLaunchKernelEx",
     )
 }
 

@@ -105,6 +105,21 @@ impl GpuRuntime for CudaRuntime {
         driver::launch(f.0, grid, block, stream.as_raw() as _, args)
     }
 
+    fn has_clusters(dev: &driver::Device) -> bool {
+        dev.cc_major >= 9
+    }
+
+    unsafe fn launch_cluster<A>(
+        f: Function,
+        grid: u32,
+        cluster: u32,
+        block: u32,
+        stream: Stream,
+        args: &A,
+    ) -> Result<()> {
+        driver::launch_cluster(f.0, grid, cluster, block, stream.as_raw() as _, args)
+    }
+
     fn synchronize_device(dev: &driver::Device) -> Result<()> {
         dev.bind()?;
         driver::context_synchronize()

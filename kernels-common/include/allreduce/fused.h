@@ -225,17 +225,23 @@ AR_DEVICE float shfl_xor(float v, int mask) {
 // Sum (or max) over the block of each of kMaxVecs values, the same totals in every thread.
 // Deterministic: a butterfly in each warp, then every thread combines the warps' totals in warp
 // order. `scratch` holds kMaxVecs floats per warp and is free again on return.
+constexpr int kWarps = kThreads / kWarpSize;
+
+// The butterfly of a warp: every lane ends with the warp's total (or max).
+template <bool kMax>
+AR_DEVICE float warp_reduce(float v) {
+#pragma unroll
+  for (int m = kWarpSize / 2; m > 0; m >>= 1) {
+    const float o = shfl_xor(v, m);
+    v = kMax ? max_f(v, o) : v + o;
+  }
+  return v;
+}
+
 template <bool kMax>
 AR_DEVICE void block_reduce(float (&v)[kMaxVecs], float* scratch) {
-  constexpr int kWarps = kThreads / kWarpSize;
 #pragma unroll
-  for (int i = 0; i < kMaxVecs; ++i) {
-#pragma unroll
-    for (int m = kWarpSize / 2; m > 0; m >>= 1) {
-      const float o = shfl_xor(v[i], m);
-      v[i] = kMax ? max_f(v[i], o) : v[i] + o;
-    }
-  }
+  for (int i = 0; i < kMaxVecs; ++i) v[i] = warp_reduce<kMax>(v[i]);
   const unsigned warp = thread_x() / kWarpSize;
   if (thread_x() % kWarpSize == 0) {
 #pragma unroll
@@ -416,6 +422,32 @@ AR_DEVICE bool tags_agree(const FusedArgs& a, uint32_t calls, uint32_t buffer, u
 
 // ---- The row epilogue: residual add, RMSNorm, FP8 ----------------------------------------------
 
+// A row's FP8 scale (what scale_out holds) and the factor its codes are taken at, from the
+// row's largest magnitude m.
+AR_DEVICE void fp8_scale(float m, float& scale, float& mul) {
+  const bool usable = m > 0.0f && m <= 3.4028234e38f;
+  scale = usable ? div_rn(m, 448.0f) : 1.0f;
+  mul = usable ? div_rn(448.0f, m) : 1.0f;
+}
+
+// The E4M3 codes of vector v (T elements already normalized), at quant_out's vector v.
+template <typename T>
+AR_DEVICE void store_e4m3(uint8_t* quant_out, u64 v, const uint4& x4, float mul) {
+  constexpr int E = Packed<T>::kElems;
+  float x[E];
+  Packed<T>::to_f32(x4, x);
+  uint32_t w[E / 4];
+#pragma unroll
+  for (int q = 0; q < E / 4; ++q) {
+    w[q] = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[q] |= f32_to_e4m3(x[4 * q + k] * mul) << (8 * k);
+  }
+  uint32_t* dst = reinterpret_cast<uint32_t*>(quant_out + v * E);
+#pragma unroll
+  for (int q = 0; q < E / 4; ++q) dst[q] = w[q];
+}
+
 // A block handles its rows (t = block, block + G, ...) in batches: a row takes vpr =
 // ceil(row_vecs / kThreads) vectors per thread, so kMaxVecs / vpr rows fit in a thread's
 // registers at once, and their loads and polls overlap. Slot i of a thread is row
@@ -525,22 +557,9 @@ AR_DEVICE void epilogue(const FusedArgs& a, const Batch& bt, uint4 (&row)[kMaxVe
 #pragma unroll
     for (int k = 0; k < kMaxVecs; ++k)
       if (bt.same_row(i, k)) m = max_f(m, amax[k]);
-    const bool usable = m > 0.0f && m <= 3.4028234e38f;
-    const float scale = usable ? div_rn(m, 448.0f) : 1.0f;
-    const float mul = usable ? div_rn(448.0f, m) : 1.0f;
-    const u64 v = (u64)bt.token(i) * bt.row_vecs + bt.vec(i);
-    float x[E];
-    Packed<T>::to_f32(row[i], x);
-    uint32_t w[E / 4];
-#pragma unroll
-    for (int q = 0; q < E / 4; ++q) {
-      w[q] = 0;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) w[q] |= f32_to_e4m3(x[4 * q + k] * mul) << (8 * k);
-    }
-    uint32_t* dst = reinterpret_cast<uint32_t*>(a.quant_out + v * E);
-#pragma unroll
-    for (int q = 0; q < E / 4; ++q) dst[q] = w[q];
+    float scale, mul;
+    fp8_scale(m, scale, mul);
+    store_e4m3<T>(a.quant_out, (u64)bt.token(i) * bt.row_vecs + bt.vec(i), row[i], mul);
     if (bt.vec(i) == 0) a.scale_out[bt.token(i)] = scale;
   }
 }
@@ -595,22 +614,37 @@ AR_DEVICE void finish(const FusedArgs& a, const Call& c, bool twoshot) {
   }
 }
 
-// This thread's first index in the one-shot's grid-stride loops (pushes, refill): blocks
-// counted from the last. Rows go to blocks from the first (Batch: row t to block t % G), so in
-// a call with fewer rows than blocks the blocks that wait for rows and run the epilogue
-// (block reductions, three outputs) are not also the ones that issue the pushes and refill
-// stores, which one SM's store path carried before, on the critical path of every small call
-// (H200, graph mode, 1-8 tokens: 5-10% less time per call). The two-shot keeps block order:
-// the same reversal there cost 2-4% at 64-128 tokens on 4 ranks (docs/benchmarks.md).
-AR_DEVICE u64 spread_first() { return (u64)(grid_dim_x() - 1u - block_x()) * kThreads + thread_x(); }
-AR_DEVICE u64 block_order_first() { return (u64)block_x() * kThreads + thread_x(); }
+// A thread's place in a grid-stride loop over vectors (pushes, refills): first, first +
+// stride, ...
+struct Spread {
+  u64 first, stride;
+};
 
-// Vectors first, first + stride, ... below n of `rows`, back to the -0.0 sentinel.
-template <typename T>
-AR_DEVICE void fill_sentinel(uint4* rows, u64 n, u64 first) {
+// The one-shot's order: blocks counted from the last. Rows go to blocks from the first
+// (Batch: row t to block t % G), so in a call with fewer rows than blocks the blocks that wait
+// for rows and run the epilogue (block reductions, three outputs) are not also the ones that
+// issue the pushes and refill stores, which one SM's store path carried before, on the
+// critical path of every small call (H200, graph mode, 1-8 tokens: 5-10% less time per call).
+// Whole blocks: spreading a small call's stores thinner, ceil(n / G) vectors (whole warps)
+// per block, cost 0.1-0.5 us per call on the H200 at 2 and 4 ranks (docs/benchmarks.md,
+// session 10).
+AR_DEVICE Spread spread_from_last() {
+  return Spread{(u64)(grid_dim_x() - 1u - block_x()) * kThreads + thread_x(), (u64)grid_dim_x() * kThreads};
+}
+// The two-shot keeps block order and whole blocks: the reversal there cost 2-4% at 64-128
+// tokens on 4 ranks (docs/benchmarks.md).
+AR_DEVICE Spread spread_in_order() {
+  return Spread{(u64)block_x() * kThreads + thread_x(), (u64)grid_dim_x() * kThreads};
+}
+template <bool kFromLast>
+AR_DEVICE Spread spread() { return kFromLast ? spread_from_last() : spread_in_order(); }
+
+// Vectors [0, n) of `rows` back to the -0.0 sentinel.
+template <typename T, bool kFromLast>
+AR_DEVICE void fill_sentinel(uint4* rows, u64 n) {
   const uint4 s = sentinel_vector<T>();
-  const u64 stride = (u64)grid_dim_x() * kThreads;
-  for (u64 v = first; v < n; v += stride) rows[v] = s;
+  const Spread sp = spread<kFromLast>();
+  for (u64 v = sp.first; v < n; v += sp.stride) rows[v] = s;
 }
 
 // The rows [lo, hi) this rank owned in the previous call, if it was a two-shot.
@@ -624,8 +658,8 @@ AR_DEVICE void prev_owned(const FusedArgs& a, const Call& c, uint32_t world, u64
 // rank's slot for all its rows; two-shot, every rank's slot for the rows we owned. We read
 // those slots ourselves in that call, and peers write them again only in call k + 2, so this
 // may run before the tags agree, overlapping the pushes in flight.
-template <typename T, int W>
-AR_DEVICE void refill(const FusedArgs& a, const Call& c, u64 first) {
+template <typename T, int W, bool kFromLast>
+AR_DEVICE void refill(const FusedArgs& a, const Call& c) {
   const uint32_t world = world_of<W>(a);
   constexpr int E = Packed<T>::kElems;
   const u64 row_vecs = a.hidden / E;
@@ -633,21 +667,21 @@ AR_DEVICE void refill(const FusedArgs& a, const Call& c, u64 first) {
   u64 lo = 0, hi = c.prev_tokens;
   if (c.prev_twoshot) prev_owned(a, c, world, lo, hi);
   for (uint32_t src = 0; src < world; ++src)
-    fill_sentinel<T>(slot<T>(a, self, c.stale, src) + lo * row_vecs, (hi - lo) * row_vecs, first);
+    fill_sentinel<T, kFromLast>(slot<T>(a, self, c.stale, src) + lo * row_vecs, (hi - lo) * row_vecs);
 }
 
 // After a two-shot call: its reduced rows, which we kept in our slot `world` and every peer
 // read from there, back to -0.0. Only once the tags agree: a peer's tag of this call proves it
 // left the previous one, so none still reads them (before, a peer in its last phase could
 // read a refilled vector and wait for a value that never comes).
-template <typename T, int W>
-AR_DEVICE void refill_reduced(const FusedArgs& a, const Call& c, u64 first) {
+template <typename T, int W, bool kFromLast>
+AR_DEVICE void refill_reduced(const FusedArgs& a, const Call& c) {
   if (!c.prev_twoshot) return;
   const uint32_t world = world_of<W>(a);
   const u64 row_vecs = a.hidden / Packed<T>::kElems;
   u64 lo, hi;
   prev_owned(a, c, world, lo, hi);
-  fill_sentinel<T>(slot<T>(a, a.lamport[a.rank], c.stale, world) + lo * row_vecs, (hi - lo) * row_vecs, first);
+  fill_sentinel<T, kFromLast>(slot<T>(a, a.lamport[a.rank], c.stale, world) + lo * row_vecs, (hi - lo) * row_vecs);
 }
 
 // One round of phase 1's input loads: vectors v0 + u * stride, -0.0 pushed as +0.0.
@@ -658,15 +692,15 @@ AR_DEVICE void load_round(const FusedArgs& a, u64 v0, u64 nvec, u64 stride, uint
     if (v0 + u * stride < nvec) x[u] = plus_zero<T>(static_cast<const uint4*>(a.input)[v0 + u * stride]);
 }
 
-// One-shot: push every row to every rank; each rank reduces every row itself, in rank order,
-// and runs the epilogue. One hop.
+// The one-shot's phases 1 and 2, shared by oneshot and oneshot_split: push every row to
+// every rank, refill the stale buffer, agree on the call. False when the block must leave.
 template <typename T, int W>
-__device__ void oneshot(const FusedArgs& a) {
+AR_DEVICE bool oneshot_exchange(const FusedArgs& a, Call& c) {
   const uint32_t world = world_of<W>(a);
-  __shared__ float scratch[kScratch];
   constexpr int E = Packed<T>::kElems;
   const u64 row_vecs = a.hidden / E, nvec = (u64)a.tokens * row_vecs;
-  const u64 stride = (u64)grid_dim_x() * kThreads, first = spread_first();
+  const Spread sp = spread_from_last();
+  const u64 stride = sp.stride, first = sp.first;
   // The first round of input loads goes out before the call state is read: the pushes (what
   // the peers wait for) need both, and neither needs the other, so one memory latency comes
   // before the first push instead of two. After send_tag they could not be hoisted: its store
@@ -674,7 +708,6 @@ __device__ void oneshot(const FusedArgs& a) {
   // noise on small one-shot calls, whose time is elsewhere.)
   uint4 x[kPushUnroll];
   load_round<T>(a, first, nvec, stride, x);
-  Call c;
   begin(a, c);
   const u64 desc = call_desc<T>(a, false);
   send_tag(a, c.calls, c.buffer, desc);
@@ -692,9 +725,22 @@ __device__ void oneshot(const FusedArgs& a) {
     }
   }
   // ---- Phase 2: refill the stale buffer (overlaps the peers' pushes in flight), then agree.
-  refill<T, W>(a, c, first);
-  if (!tags_agree(a, c.calls, c.buffer, desc)) return;
-  refill_reduced<T, W>(a, c, first);
+  refill<T, W, true>(a, c);
+  if (!tags_agree(a, c.calls, c.buffer, desc)) return false;
+  refill_reduced<T, W, true>(a, c);
+  return true;
+}
+
+// One-shot: push every row to every rank; each rank reduces every row itself, in rank order,
+// and runs the epilogue. One hop.
+template <typename T, int W>
+__device__ void oneshot(const FusedArgs& a) {
+  const uint32_t world = world_of<W>(a);
+  __shared__ float scratch[kScratch];
+  constexpr int E = Packed<T>::kElems;
+  const u64 row_vecs = a.hidden / E;
+  Call c;
+  if (!oneshot_exchange<T, W>(a, c)) return;
 
   // ---- Phase 3: per batch of rows (rows of one block: t = block, block + G, ...), wait for
   // every rank's vectors, reduce, epilogue.
@@ -727,7 +773,8 @@ __device__ void twoshot(const FusedArgs& a) {
   __shared__ float scratch[kScratch];
   constexpr int E = Packed<T>::kElems;
   const u64 row_vecs = a.hidden / E, nvec = (u64)a.tokens * row_vecs;
-  const u64 stride = (u64)grid_dim_x() * kThreads, first = block_order_first();
+  const Spread sp = spread_in_order();
+  const u64 stride = sp.stride, first = sp.first;
   const u64 per = (a.tokens + world - 1) / world;
   uint4 x[kPushUnroll];
   load_round<T>(a, first, nvec, stride, x);  // before the state, as in oneshot
@@ -751,9 +798,9 @@ __device__ void twoshot(const FusedArgs& a) {
       }
     }
   }
-  refill<T, W>(a, c, first);
+  refill<T, W, false>(a, c);
   if (!tags_agree(a, c.calls, c.buffer, desc)) return;
-  refill_reduced<T, W>(a, c, first);
+  refill_reduced<T, W, false>(a, c);
 
   // ---- Phase 2: reduce our rows into our own slot `world`, where every rank reads them.
   char* self = a.lamport[a.rank];
@@ -789,6 +836,193 @@ __device__ void twoshot(const FusedArgs& a) {
     epilogue<T>(a, bt, row, scratch);
   }
   finish(a, c, true);
+}
+
+// ---- One-shot over thread-block clusters (CUDA, sm_90 and later) -----------------------------
+
+// At few rows one block, on one SM, carried a whole row after the pushes: the polls of every
+// rank's copy (world x the row), the residual and gamma loads, the two or three outputs; at
+// hidden 8192 that is (world + 4) x 16 KiB through one SM's load/store path, on the critical
+// path of every small call. oneshot_split shares each row among the C blocks of a cluster
+// (the host picks C in 2, 4, 8, with vpr <= C and every row its own cluster). Block q of a
+// cluster takes warps [q * 16 / C, (q + 1) * 16 / C) of every 512-vector slot of the row, so
+// each thread holds one vector, and the blocks exchange per-warp sums through distributed
+// shared memory: every block folds them warps in order, then slots in order, exactly the
+// arithmetic of block_reduce in the one-block kernels, so the norm keeps the same bits as
+// oneshot and the unfused norm kernel (tests compare them by value).
+//
+// Every block of a cluster passes every cluster barrier, whatever failed: a block that left
+// early would leave its cluster waiting at a barrier that has no deadline. A failure (tags
+// that disagree, a poll past its deadline or aborted) travels with the sums as a flag, and the
+// whole cluster leaves together after the barrier. Writers store into every peer's shared
+// memory before the barrier and read only their own after it, so no block touches a peer's
+// shared memory once it may have exited.
+#if !AR_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define AR_CLUSTERS 1
+namespace cluster {
+AR_DEVICE uint32_t rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+AR_DEVICE uint32_t size() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+  return r;
+}
+AR_DEVICE uint32_t id() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
+  return r;
+}
+AR_DEVICE uint32_t count() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
+  return r;
+}
+// Release what this thread wrote (peers' shared memory included), wait for every thread of
+// the cluster, acquire what they wrote.
+AR_DEVICE void sync() {
+  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
+// *p in block `block` of the cluster (p: this block's copy of a __shared__ variable).
+AR_DEVICE void store(const void* p, uint32_t block, uint32_t v) {
+  const uint32_t local = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(block));
+  asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(remote), "r"(v) : "memory");
+}
+}  // namespace cluster
+
+// Per-warp totals of a row, [row parity][slot][warp of the slot]: two rows' worth, so a block
+// one row ahead never overwrites what a peer still folds.
+struct SplitExchange {
+  float sum[2][kMaxVecs][kWarps];
+  float amax[2][kMaxVecs][kWarps];
+  uint32_t bad[2][kMaxVecs][kWarps];
+};
+
+// Lane b < C of a warp stores v at p in block b of the cluster: the C copies at once.
+AR_DEVICE void publish(const void* p, uint32_t lane, uint32_t C, uint32_t v) {
+  if (lane < C) cluster::store(p, lane, v);
+}
+#else
+#define AR_CLUSTERS 0
+#endif
+
+template <typename T, int W>
+__device__ void oneshot_split(const FusedArgs& a) {
+#if AR_CLUSTERS
+  __shared__ SplitExchange ex;
+  constexpr int E = Packed<T>::kElems;
+  const uint32_t world = world_of<W>(a);
+  const u64 row_vecs = a.hidden / E;
+  Call c;
+  bool ok = oneshot_exchange<T, W>(a, c);  // no early return: see above
+
+  const uint32_t C = cluster::size(), q = cluster::rank();
+  const uint32_t per = kWarps / C;  // warps of a slot per block
+  const uint32_t lw = thread_x() / kWarpSize, lane = thread_x() % kWarpSize;
+  const uint32_t vpr = uint32_t((row_vecs + kThreads - 1) / kThreads);
+  const uint32_t slot = lw / per, wi = q * per + lw % per;
+  const bool owner = slot < vpr;  // this warp holds warp wi of the row's slot `slot`
+  const u64 j = (u64)slot * kThreads + wi * kWarpSize + lane;
+  const bool valid = owner && j < row_vecs;
+  const bool norm = a.pattern != kPatternAllReduce;
+  uint32_t it = 0;
+  for (uint32_t t = cluster::id(); t < a.tokens; t += cluster::count(), ++it) {
+    const uint32_t par = it & 1u;
+    const u64 v = (u64)t * row_vecs + j;
+    if (valid && norm) {
+      prefetch_l1(static_cast<const uint4*>(a.residual_in) + v);
+      prefetch_l1(static_cast<const uint4*>(a.gamma) + j);
+    }
+    uint4 x4 = make_uint4(0u, 0u, 0u, 0u);
+    float part = 0.0f;
+    if (valid && ok) {
+      uint4 raw[Ranks<W>::kN];
+      ok = poll_all<T, W>(a, c.buffer, v, raw, c.calls);
+      if (ok) {
+        x4 = reduce<T, W>(raw, world);
+        if (a.allreduce_out) static_cast<uint4*>(a.allreduce_out)[v] = x4;
+        if (norm) {
+          // As epilogue(): rounded once to T, squares of the rounded values.
+          float x[E], r[E];
+          Packed<T>::to_f32(x4, x);
+          Packed<T>::to_f32(static_cast<const uint4*>(a.residual_in)[v], r);
+#pragma unroll
+          for (int k = 0; k < E; ++k) x[k] += r[k];
+          x4 = Packed<T>::from_f32(x);
+          if (a.residual_out) static_cast<uint4*>(a.residual_out)[v] = x4;
+          Packed<T>::to_f32(x4, x);
+#pragma unroll
+          for (int k = 0; k < E; ++k) part += x[k] * x[k];
+        }
+      }
+    }
+    if (!norm) continue;  // no exchange: a failed block leaves after the loop
+
+    const float wsum = warp_reduce<false>(part);
+    const uint32_t bad = __any_sync(0xffffffffu, !ok);
+    if (owner) {
+      publish(&ex.sum[par][slot][wi], lane, C, as_uint(wsum));
+      publish(&ex.bad[par][slot][wi], lane, C, bad);
+    }
+    cluster::sync();
+    float ss = 0.0f;
+    uint32_t any_bad = 0;
+    for (uint32_t k = 0; k < vpr; ++k) {
+      float total = ex.sum[par][k][0];
+      any_bad |= ex.bad[par][k][0];
+#pragma unroll
+      for (int w = 1; w < kWarps; ++w) {
+        total = total + ex.sum[par][k][w];
+        any_bad |= ex.bad[par][k][w];
+      }
+      ss += total;
+    }
+    if (any_bad) return;  // the same flags in every block of the cluster: all leave
+    const float inv = div_rn(1.0f, sqrt_rn(div_rn(ss, float(a.hidden)) + a.eps));
+
+    float amax = 0.0f;
+    if (valid) {
+      float x[E], g[E];
+      Packed<T>::to_f32(x4, x);
+      Packed<T>::to_f32(static_cast<const uint4*>(a.gamma)[j], g);
+#pragma unroll
+      for (int k = 0; k < E; ++k) x[k] = (x[k] * inv) * g[k];
+      x4 = Packed<T>::from_f32(x);
+      if (a.norm_out) static_cast<uint4*>(a.norm_out)[v] = x4;
+      Packed<T>::to_f32(x4, x);
+#pragma unroll
+      for (int k = 0; k < E; ++k) amax = max_f(amax, x[k] < 0.0f ? -x[k] : x[k]);
+    }
+    if (a.pattern != kPatternNormFp8) continue;
+
+    const float wmax = warp_reduce<true>(amax);
+    if (owner) publish(&ex.amax[par][slot][wi], lane, C, as_uint(wmax));
+    cluster::sync();
+    float m = 0.0f;
+    for (uint32_t k = 0; k < vpr; ++k) {
+      float total = ex.amax[par][k][0];
+#pragma unroll
+      for (int w = 1; w < kWarps; ++w) total = max_f(total, ex.amax[par][k][w]);
+      m = max_f(m, total);
+    }
+    if (!valid) continue;
+    float scale, mul;
+    fp8_scale(m, scale, mul);
+    store_e4m3<T>(a.quant_out, v, x4, mul);
+    if (j == 0) a.scale_out[t] = scale;
+  }
+  if (sync_block_or(!ok)) return;
+  finish(a, c, false);
+#else
+  (void)a;
+#if !AR_HIP
+  __trap();  // the host launches it only on devices with clusters (sm_90 and later)
+#endif
+#endif
 }
 
 // The unfused baseline's second kernel: residual add + RMSNorm (+ FP8) of an all-reduce output

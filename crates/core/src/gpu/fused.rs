@@ -50,18 +50,31 @@ pub fn kernel_names<R: GpuRuntime>(world: usize) -> [[String; 3]; 3] {
     ]
 }
 
+/// The split one-shot's names (`oneshot_split` in fused.h: a row shared by the blocks of a
+/// cluster), f32, f16, bf16; CUDA only.
+pub fn split_kernel_names<R: GpuRuntime>(world: usize) -> [String; 3] {
+    let w = if R::FUSED_WORLDS.contains(&world) {
+        world
+    } else {
+        0
+    };
+    ["f32", "f16", "bf16"].map(|dtype| format!("ar_fused_oneshot_split_{dtype}_w{w}"))
+}
+
 /// The fused module's kernels on one device.
 struct Kernels<R: GpuRuntime> {
     oneshot: [R::Function; 3],
     twoshot: [R::Function; 3],
     norm: [R::Function; 3],
+    /// Where the device runs clusters ([`GpuRuntime::has_clusters`]).
+    split: Option<[R::Function; 3]>,
     _module: R::Module,
 }
 
 impl<R: GpuRuntime> Kernels<R> {
     /// Look up (eagerly: see [`GpuRuntime::function`]) the instances for groups of `world`
     /// ranks in a loaded fused module.
-    fn from_module(module: R::Module, world: usize) -> Result<Self> {
+    fn from_module(module: R::Module, world: usize, clusters: bool) -> Result<Self> {
         let [oneshot, twoshot, norm] = kernel_names::<R>(world);
         let set = |names: &[String; 3]| -> Result<[R::Function; 3]> {
             let f = |name: &String| {
@@ -76,6 +89,11 @@ impl<R: GpuRuntime> Kernels<R> {
             oneshot: set(&oneshot)?,
             twoshot: set(&twoshot)?,
             norm: set(&norm)?,
+            split: if clusters {
+                Some(set(&split_kernel_names::<R>(world))?)
+            } else {
+                None
+            },
             _module: module,
         })
     }
@@ -92,6 +110,9 @@ struct Shared<R: GpuRuntime> {
     /// Per rank (kernels loaded once per rank's device; ranks on one GPU share a load
     /// through the Arc).
     kernels: Vec<Arc<Kernels<R>>>,
+    /// The largest cluster the one-shot may split a row over ([`split_cluster`]); below 2
+    /// where any rank's device has no clusters.
+    max_cluster: u32,
 }
 
 impl<R: GpuRuntime> Drop for Shared<R> {
@@ -150,7 +171,11 @@ pub fn create_group<R: GpuRuntime>(
         let k = match loaded.iter().find(|(o, _)| *o == ordinal) {
             Some((_, k)) => k.clone(),
             None => {
-                let k = Arc::new(Kernels::from_module(R::load_fused_module(dev)?, world)?);
+                let k = Arc::new(Kernels::from_module(
+                    R::load_fused_module(dev)?,
+                    world,
+                    R::has_clusters(dev),
+                )?);
                 loaded.push((ordinal, k.clone()));
                 k
             }
@@ -158,6 +183,11 @@ pub fn create_group<R: GpuRuntime>(
         kernels.push(k);
     }
     let grid = fused_grid(&group);
+    let max_cluster = if kernels.iter().all(|k| k.split.is_some()) {
+        max_cluster_setting()?
+    } else {
+        1
+    };
     tracing::debug!(
         backend = R::NAME,
         world,
@@ -166,10 +196,12 @@ pub fn create_group<R: GpuRuntime>(
         dtype = %config.dtype,
         bytes_per_rank = meta[0].buffer_size,
         grid,
+        max_cluster,
         "fused workspace"
     );
     let shared = Arc::new(Shared {
         grid,
+        max_cluster,
         group,
         meta,
         lamport,
@@ -209,7 +241,53 @@ pub fn fused_grid<R: GpuRuntime>(group: &GroupView<R>) -> u32 {
         .map(|r| R::compute_units(group.device(r)))
         .min()
         .unwrap_or(1);
-    (sms / busiest).clamp(1, abi::MAX_BLOCKS as u32)
+    let g = (sms / busiest).clamp(1, abi::MAX_BLOCKS as u32);
+    // A multiple of 8 where it can be, so that clusters of up to 8 blocks tile it
+    // (split_cluster).
+    if g >= 8 {
+        g / 8 * 8
+    } else {
+        g
+    }
+}
+
+/// `ALLREDUCE_FUSED_CLUSTER`: the largest cluster (2, 4 or 8 blocks) the fused one-shot may
+/// share a row among, 1 for never; 8 when unset. A tuning and comparison knob.
+pub const MAX_CLUSTER_ENV: &str = "ALLREDUCE_FUSED_CLUSTER";
+
+fn max_cluster_setting() -> Result<u32> {
+    match std::env::var(MAX_CLUSTER_ENV) {
+        Err(_) => Ok(8),
+        Ok(v) => match v.trim().parse::<u32>() {
+            Ok(c @ (1 | 2 | 4 | 8)) => Ok(c),
+            _ => Err(Error::InvalidConfig(format!(
+                "{MAX_CLUSTER_ENV}={v:?}: want 1, 2, 4 or 8"
+            ))),
+        },
+    }
+}
+
+/// The cluster size the one-shot shares each row among (fused.h's `oneshot_split`), or
+/// `None` for the one-block one-shot: the largest C <= `max` in 8, 4, 2 that divides the grid,
+/// gives every row its own cluster (tokens x C <= grid) and each thread at most one vector
+/// (a row's 512-vector slots <= C).
+pub fn split_cluster(
+    grid: u32,
+    max: u32,
+    tokens: usize,
+    hidden: usize,
+    dtype: DType,
+) -> Option<u32> {
+    let slots = (hidden * dtype.size())
+        .div_ceil(16)
+        .div_ceil(THREADS as usize);
+    [8u32, 4, 2].into_iter().find(|&c| {
+        c <= max
+            && grid % c == 0
+            && tokens >= 1
+            && tokens * c as usize <= grid as usize
+            && slots <= c as usize
+    })
 }
 
 fn warm_up<R: GpuRuntime>(s: &Shared<R>, dtype: DType) -> Result<()> {
@@ -217,7 +295,7 @@ fn warm_up<R: GpuRuntime>(s: &Shared<R>, dtype: DType) -> Result<()> {
     for rank in 0..s.meta.len() {
         let mut args = s.args(rank, 0, s.meta[rank].hidden, FusionPattern::AllReduce, 0.0);
         // World 1, no rows: each kernel touches only this rank's state, and every rank's call
-        // count advances by the same two.
+        // count advances by the same two (three with the split one-shot).
         args.lamport = [0; MAX_WORLD];
         args.lamport[0] = R::memory_addr(&s.lamport[rank]);
         args.ws = [0; MAX_WORLD];
@@ -229,6 +307,10 @@ fn warm_up<R: GpuRuntime>(s: &Shared<R>, dtype: DType) -> Result<()> {
         for f in [k.oneshot[d], k.twoshot[d], k.norm[d]] {
             // SAFETY: tokens = 0 and world = 1: only this rank's state is touched.
             unsafe { R::launch(f, s.grid, THREADS, Stream::NULL, &args)? };
+        }
+        if let (Some(split), true) = (&k.split, s.max_cluster >= 2 && s.grid % 2 == 0) {
+            // SAFETY: as above; a first cluster launch must not wait while a peer polls.
+            unsafe { R::launch_cluster(split[d], s.grid, 2, THREADS, Stream::NULL, &args)? };
         }
     }
     for rank in 0..s.meta.len() {
@@ -294,6 +376,13 @@ impl<R: GpuRuntime> FusedComm for GpuFused<R> {
         }
         let k = &s.kernels[self.rank];
         let d = dtype_index(call.dtype);
+        let split = match (call.strategy, &k.split) {
+            (Strategy::OneShot, Some(split)) => {
+                split_cluster(s.grid, s.max_cluster, call.tokens, call.hidden, call.dtype)
+                    .map(|c| (split[d], c))
+            }
+            _ => None,
+        };
         let f = match call.strategy {
             Strategy::OneShot => k.oneshot[d],
             Strategy::TwoShot => k.twoshot[d],
@@ -317,7 +406,12 @@ impl<R: GpuRuntime> FusedComm for GpuFused<R> {
         // SAFETY: FusedArgs mirrors the kernel's parameter; the workspaces live as long as
         // `shared`, and `prepare_fused` validated the caller's buffers (device, sizes,
         // alignment, overlap).
-        unsafe { R::launch(f, s.grid, THREADS, call.stream, &args) }
+        unsafe {
+            match split {
+                Some((f, c)) => R::launch_cluster(f, s.grid, c, THREADS, call.stream, &args),
+                None => R::launch(f, s.grid, THREADS, call.stream, &args),
+            }
+        }
     }
 }
 
@@ -349,7 +443,7 @@ impl<R: GpuRuntime> RmsNormKernel<R> {
     /// From a fused module loaded on the device the launches will run on.
     pub fn from_module(module: R::Module) -> Result<Self> {
         Ok(RmsNormKernel {
-            kernels: Kernels::from_module(module, 0)?,
+            kernels: Kernels::from_module(module, 0, false)?,
         })
     }
 
@@ -423,4 +517,30 @@ pub fn norm_args(
         pattern: pattern.code(),
         eps,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_cluster_gives_each_row_its_own_cluster() {
+        let bf16 = DType::BF16;
+        // 2 ranks on one H200 (64 blocks): hidden 8192 bf16 is two 512-vector slots.
+        assert_eq!(split_cluster(64, 8, 1, 8192, bf16), Some(8));
+        assert_eq!(split_cluster(64, 8, 8, 8192, bf16), Some(8));
+        assert_eq!(split_cluster(64, 8, 9, 8192, bf16), Some(4));
+        assert_eq!(split_cluster(64, 8, 32, 8192, bf16), Some(2));
+        assert_eq!(split_cluster(64, 8, 33, 8192, bf16), None);
+        // The cap, and no rows.
+        assert_eq!(split_cluster(64, 4, 1, 8192, bf16), Some(4));
+        assert_eq!(split_cluster(64, 1, 1, 8192, bf16), None);
+        assert_eq!(split_cluster(64, 8, 0, 8192, bf16), None);
+        // f32 hidden 8192 is four slots: a thread holds one vector only with C >= 4.
+        assert_eq!(split_cluster(64, 8, 16, 8192, DType::F32), Some(4));
+        assert_eq!(split_cluster(64, 8, 17, 8192, DType::F32), None);
+        // A grid clusters do not tile.
+        assert_eq!(split_cluster(33, 8, 1, 4096, bf16), None);
+        assert_eq!(split_cluster(12, 8, 1, 4096, bf16), Some(4));
+    }
 }

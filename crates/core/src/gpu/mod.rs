@@ -196,6 +196,30 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
     /// worlds use the generic `_w0` instance.
     const FUSED_WORLDS: &'static [usize] = &[];
 
+    /// Whether `dev` runs thread-block clusters (CUDA sm_90 and later), which the fused
+    /// one-shot's split kernel needs ([`GpuRuntime::launch_cluster`]).
+    fn has_clusters(_dev: &Self::Device) -> bool {
+        false
+    }
+
+    /// As [`GpuRuntime::launch`], in clusters of `cluster` blocks (`grid` a multiple of it).
+    ///
+    /// # Safety
+    /// As [`GpuRuntime::launch`].
+    unsafe fn launch_cluster<A>(
+        _f: Self::Function,
+        _grid: u32,
+        _cluster: u32,
+        _block: u32,
+        _stream: Stream,
+        _args: &A,
+    ) -> Result<()> {
+        Err(crate::Error::InvalidConfig(format!(
+            "the {} backend has no thread-block clusters",
+            Self::NAME
+        )))
+    }
+
     /// Load the fused all-reduce + RMSNorm kernels (a second module, `fused.h`'s) for `dev`,
     /// which the caller has made current.
     fn load_fused_module(_dev: &Self::Device) -> Result<Self::Module> {
