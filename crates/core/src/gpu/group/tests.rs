@@ -13,6 +13,8 @@ use crate::{AllReduceOptions, BufMut, BufRef, Device, FusionPattern};
 struct Launch {
     kernel: &'static str,
     grid: u32,
+    /// Blocks per cluster (`launch_cluster`), 0 for a plain launch.
+    cluster: u32,
     block: u32,
     stream: usize,
     /// The argument block when it is an `Args` (zeroed for other kernels' blocks).
@@ -96,12 +98,17 @@ fn fused_kernels() -> &'static [&'static str] {
                 }
             }
             v.push(&*format!("ar_rmsnorm_{dtype}").leak());
+            for w in [0, 2, 4, 8] {
+                v.push(&*format!("ar_fused_oneshot_split_{dtype}_w{w}").leak());
+            }
         }
         v
     })
 }
 
 thread_local! {
+    /// Whether the mock's devices run thread-block clusters (`has_clusters`).
+    static CLUSTERS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// Fills asked of `alloc_filled`, with their sizes.
     static FILLS: RefCell<Vec<(usize, Fill)>> = const { RefCell::new(Vec::new()) };
 }
@@ -199,12 +206,29 @@ impl GpuRuntime for Mock {
             l.borrow_mut().push(Launch {
                 kernel: f,
                 grid,
+                cluster: 0,
                 block,
                 stream: stream.as_raw() as usize,
                 args,
                 raw: raw.to_vec(),
             })
         });
+        Ok(())
+    }
+    fn has_clusters(_dev: &MockDevice) -> bool {
+        CLUSTERS.with(|c| c.get())
+    }
+    unsafe fn launch_cluster<A>(
+        f: &'static str,
+        grid: u32,
+        cluster: u32,
+        block: u32,
+        stream: Stream,
+        args: &A,
+    ) -> Result<()> {
+        assert_eq!(grid % cluster, 0, "clusters must tile the grid");
+        Self::launch(f, grid, block, stream, args)?;
+        LAUNCHES.with(|l| l.borrow_mut().last_mut().unwrap().cluster = cluster);
         Ok(())
     }
     fn synchronize_device(_dev: &MockDevice) -> Result<()> {
@@ -817,8 +841,9 @@ fn fused_workspaces_are_sized_filled_and_warmed_per_rank() {
             "ar_rmsnorm_bf16",
         ];
         assert_eq!(l.kernel, want[i % 3]);
-        // One block per compute unit (20 in the mock), one rank per device.
-        assert_eq!((l.grid, l.block, l.stream), (20, THREADS, 0));
+        // One block per compute unit (20 in the mock), one rank per device, rounded down to
+        // a multiple of 8 (clusters of up to 8 tile it).
+        assert_eq!((l.grid, l.block, l.stream), (16, THREADS, 0));
         let a = l.fused();
         // Alone and empty: world 1, rank 0, no rows, only its own buffers.
         assert_eq!((a.world, a.rank, a.tokens, a.hidden), (1, 0, 0, 1024));
@@ -866,7 +891,7 @@ fn fused_calls_launch_the_chosen_kernel_with_every_ranks_buffers() {
     let l = take_launches().pop().expect("one launch");
     assert_eq!(
         (l.kernel, l.grid, l.block, l.stream),
-        ("ar_fused_twoshot_bf16_w4", 20, THREADS, 0x77)
+        ("ar_fused_twoshot_bf16_w4", 16, THREADS, 0x77)
     );
     let a = l.fused();
     assert_eq!((a.rank, a.world, a.tokens, a.hidden), (2, 4, 8, 1024));
@@ -937,7 +962,8 @@ fn fused_worlds_without_an_instance_use_the_generic_kernels_and_f32_lamport_word
             "ar_rmsnorm_f32"
         ]
     );
-    assert!(warm.iter().all(|l| l.grid == 10));
+    // Two ranks share device 0: 10 blocks each, rounded down to 8.
+    assert!(warm.iter().all(|l| l.grid == 8));
     // The mock's device memory is host memory: every word reads -0.0 until a kernel writes.
     let lamport = warm[0].fused().lamport[0] as *const u32;
     // SAFETY: the rank's Lamport allocation, alive while `fused` is.
@@ -1014,4 +1040,59 @@ fn the_unfused_norm_kernel_checks_rows_and_clamps_its_grid() {
         (a.input, a.gamma, a.tokens, a.hidden, a.world),
         (0x1000, 0x2000, 100, 4096, 1)
     );
+}
+
+#[test]
+fn small_one_shot_calls_take_the_cluster_kernel_where_the_device_has_clusters() {
+    CLUSTERS.with(|c| c.set(true));
+    let hidden = 8192;
+    let config = crate::FusedConfig::new(64, hidden, DType::BF16);
+    // Two ranks on two devices of 20 compute units: 16 blocks per launch.
+    let (_comms, fused) = fused_group(vec![0, 1], &config);
+    let warm = take_launches();
+    // Warm-up runs the split kernel too (no rows, clusters of 2), so call counts stay equal.
+    let split: Vec<&Launch> = warm.iter().filter(|l| l.cluster != 0).collect();
+    assert_eq!(split.len(), 2);
+    assert!(split
+        .iter()
+        .all(|l| l.kernel == "ar_fused_oneshot_split_bf16_w2" && l.cluster == 2 && l.grid == 16));
+    let n = 64 * hidden;
+    let (input, res_in) = (vec![0u16; n], vec![0u16; n]);
+    let (mut res_out, mut norm_out, gamma) = (vec![0u16; n], vec![0u16; n], vec![0u16; hidden]);
+    let dev = Device::Rocm(0);
+    let table = crate::fused::default_table();
+    // Hidden 8192 bf16 is two 512-vector slots: clusters of 8 up to 2 rows (2 x 8 <= 16),
+    // 4 for 3-4 rows, 2 for 5-8, then the one-block one-shot; two-shot never splits.
+    for (tokens, strategy, want) in [
+        (1, Strategy::OneShot, Some(8)),
+        (2, Strategy::OneShot, Some(8)),
+        (3, Strategy::OneShot, Some(4)),
+        (8, Strategy::OneShot, Some(2)),
+        (9, Strategy::OneShot, None),
+        (4, Strategy::TwoShot, None),
+    ] {
+        let m = tokens * hidden;
+        // SAFETY (views): prefixes of live vectors, used only by the mock's records.
+        let view = |v: &[u16]| unsafe {
+            BufRef::from_raw(v.as_ptr() as usize, m.min(v.len()), DType::BF16, dev)
+        };
+        let view_mut = |v: &mut [u16]| unsafe {
+            BufMut::from_raw(v.as_mut_ptr() as usize, m, DType::BF16, dev)
+        };
+        let args = crate::FusedArgs::new(FusionPattern::ResidualRmsNorm, tokens, view(&input))
+            .residual(view(&res_in), Some(view_mut(&mut res_out)))
+            .rms_norm(view(&gamma), 1e-6, Some(view_mut(&mut norm_out)))
+            .strategy(strategy);
+        let call =
+            crate::fused::prepare_fused(&args, fused[0].metadata(), &table, dev, 16).unwrap();
+        fused[0].run(&call).unwrap();
+        let l = take_launches().pop().expect("one launch");
+        let got = (l.cluster != 0).then_some(l.cluster);
+        assert_eq!(got, want, "{tokens} tokens, {strategy:?}");
+        assert_eq!(l.grid, 16);
+        let split = l.kernel.contains("split");
+        assert_eq!(split, want.is_some(), "{}", l.kernel);
+        assert_eq!(l.fused().tokens, tokens as u32);
+    }
+    CLUSTERS.with(|c| c.set(false));
 }
