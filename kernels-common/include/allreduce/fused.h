@@ -321,17 +321,24 @@ struct Ranks { static constexpr int kN = W > 0 ? W : kMaxWorld; };
 
 // Vector v of every rank's slot: all world loads in flight at once, then a poll only for the
 // ones not there yet (polling one rank after the other would cost world round trips).
-template <typename T, int W>
+// kOwnInput: our own vector comes from our input, not from slot `rank` (the two-shot, whose
+// rows nobody pushes to their own owner; see twoshot).
+template <typename T, int W, bool kOwnInput = false>
 AR_DEVICE bool poll_all(const FusedArgs& a, uint32_t buffer, u64 v, uint4 (&raw)[Ranks<W>::kN],
                         uint32_t calls) {
   char* self = a.lamport[a.rank];
   const int world = int(world_of<W>(a));
+  const int own = kOwnInput ? int(a.rank) : -1;
+#pragma unroll
+  for (int r = 0; r < Ranks<W>::kN; ++r) {
+    if (r >= world) continue;
+    raw[r] = r == own ? plus_zero<T>(static_cast<const uint4*>(a.input)[v])
+                      : ld_volatile(slot<T>(a, self, buffer, r) + v);
+  }
 #pragma unroll
   for (int r = 0; r < Ranks<W>::kN; ++r)
-    if (r < world) raw[r] = ld_volatile(slot<T>(a, self, buffer, r) + v);
-#pragma unroll
-  for (int r = 0; r < Ranks<W>::kN; ++r)
-    if (r < world && has_sentinel<T>(raw[r]) && !poll<T>(slot<T>(a, self, buffer, r) + v, raw[r], a, calls))
+    if (r < world && r != own && has_sentinel<T>(raw[r]) &&
+        !poll<T>(slot<T>(a, self, buffer, r) + v, raw[r], a, calls))
       return false;
   return true;
 }
@@ -655,7 +662,7 @@ AR_DEVICE void prev_owned(const FusedArgs& a, const Call& c, uint32_t world, u64
 }
 
 // Refill with -0.0 what the previous call's peers wrote into our stale buffer: one-shot, every
-// rank's slot for all its rows; two-shot, every rank's slot for the rows we owned. We read
+// rank's slot for all its rows; two-shot, every other rank's slot for the rows we owned. We read
 // those slots ourselves in that call, and peers write them again only in call k + 2, so this
 // may run before the tags agree, overlapping the pushes in flight.
 template <typename T, int W, bool kFromLast>
@@ -667,7 +674,8 @@ AR_DEVICE void refill(const FusedArgs& a, const Call& c) {
   u64 lo = 0, hi = c.prev_tokens;
   if (c.prev_twoshot) prev_owned(a, c, world, lo, hi);
   for (uint32_t src = 0; src < world; ++src)
-    fill_sentinel<T, kFromLast>(slot<T>(a, self, c.stale, src) + lo * row_vecs, (hi - lo) * row_vecs);
+    if (!c.prev_twoshot || src != a.rank)  // a two-shot leaves our own slot unwritten
+      fill_sentinel<T, kFromLast>(slot<T>(a, self, c.stale, src) + lo * row_vecs, (hi - lo) * row_vecs);
 }
 
 // After a two-shot call: its reduced rows, which we kept in our slot `world` and every peer
@@ -766,7 +774,11 @@ __device__ void oneshot(const FusedArgs& a) {
 // Two-shot: rows are split among ranks (rank o owns rows [o * per, (o + 1) * per)); every
 // rank pushes each row to its owner, the owner reduces it into its own slot `world`, every
 // rank reads (polls) each row there and runs the epilogue on every row. Two hops, but each
-// rank receives 2 x the message instead of world x.
+// rank receives 2 x the message instead of world x. The owner takes its own share of a row
+// from its input, not from a push to itself: 1 / world of the message less to write and to
+// refill per call. (The one-shot keeps pushing to itself: there a row's reducer may finish
+// the row while another block has yet to read that input row and push it, which an
+// in-place call, allreduce_out == input, would have overwritten.)
 template <typename T, int W>
 __device__ void twoshot(const FusedArgs& a) {
   const uint32_t world = world_of<W>(a);
@@ -794,7 +806,7 @@ __device__ void twoshot(const FusedArgs& a) {
         const u64 v = v0 + u * stride;
         if (v >= nvec) continue;
         while (v >= (owner + 1ull) * per * row_vecs) ++owner;
-        st_volatile(slot<T>(a, a.lamport[owner], c.buffer, a.rank) + v, x[u]);
+        if (owner != a.rank) st_volatile(slot<T>(a, a.lamport[owner], c.buffer, a.rank) + v, x[u]);
       }
     }
   }
@@ -808,7 +820,7 @@ __device__ void twoshot(const FusedArgs& a) {
   bool ok = true;
   for (u64 v = lo + first; v < hi && ok; v += stride) {
     uint4 raw[Ranks<W>::kN];
-    ok = poll_all<T, W>(a, c.buffer, v, raw, c.calls);
+    ok = poll_all<T, W, true>(a, c.buffer, v, raw, c.calls);
     if (!ok) break;
     st_volatile(slot<T>(a, self, c.buffer, world) + v, reduce<T, W>(raw, world));
   }
