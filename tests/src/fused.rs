@@ -10,6 +10,7 @@
 //! - 2, 4 and 8 ranks; tokens 1..2048; hidden 2048, 4096, 8192; f16 and bf16; one-shot,
 //!   two-shot and Auto; inputs holding -0.0 (on every rank at some positions, on some ranks
 //!   at others);
+//! - the all-reduce output in its own buffer, in place over the input, or not asked for;
 //! - CUDA/HIP graphs of 1, 2 and 3 fused calls replayed 1000 times with new inputs.
 //!
 //! Skips with the reason when no GPU is usable. `ALLREDUCE_FUSED_QUICK=1` runs fewer token counts.
@@ -66,12 +67,23 @@ mod fused {
         b
     }
 
+    /// Where a case asks for the all-reduce output: its own buffer, in place over the input
+    /// (which the one-shot must not overwrite before every block has pushed it), or not at
+    /// all (a norm pattern; what the bench and a model run).
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Out {
+        Separate,
+        InPlace,
+        Omitted,
+    }
+
     #[derive(Clone, Copy, Debug)]
     struct Case {
         tokens: usize,
         pattern: FusionPattern,
         strategy: Strategy,
         seed: usize,
+        out: Out,
     }
 
     /// What every rank checks its outputs against.
@@ -307,9 +319,13 @@ mod fused {
                 let r = |b: &Buffer| BufRef::from_raw(b.addr(), n, dtype, dev);
                 let m = |b: &Buffer| BufMut::from_raw(b.addr(), n, dtype, dev);
                 let mut args = FusedArgs::new(case.pattern, case.tokens, r(&b.input))
-                    .allreduce_out(m(&b.ar))
                     .strategy(case.strategy)
                     .stream(stream.handle());
+                match case.out {
+                    Out::Separate => args = args.allreduce_out(m(&b.ar)),
+                    Out::InPlace => args = args.allreduce_out(m(&b.input)),
+                    Out::Omitted => {}
+                }
                 if case.pattern.has_norm() {
                     args = args.residual(r(&b.residual), Some(m(&b.res_out))).rms_norm(
                         BufRef::from_raw(b.gamma.addr(), hidden, dtype, dev),
@@ -323,9 +339,9 @@ mod fused {
                         BufMut::from_raw(b.scale.addr(), case.tokens, DType::F32, dev),
                     );
                 }
-                comm.all_reduce_fusion(ws, args).and_then(|_| {
-                    // The unfused pipeline on the same inputs: our exact all-reduce, then the
-                    // residual + RMSNorm kernel.
+                // The unfused pipeline first (an in-place fused call overwrites the input):
+                // our exact all-reduce, then the residual + RMSNorm kernel.
+                let unfused = || -> allreduce::Result<()> {
                     comm.all_reduce(
                         r(&b.input),
                         m(&b.u_ar),
@@ -352,12 +368,16 @@ mod fused {
                             stream.handle(),
                         )?;
                     }
-                    comm.synchronize(stream.handle())
-                })
+                    Ok(())
+                };
+                unfused()
+                    .and_then(|_| comm.all_reduce_fusion(ws, args))
+                    .and_then(|_| comm.synchronize(stream.handle()))
             };
             let label = format!(
-                "{world} ranks {dtype} hidden {hidden} {} tokens {} {} rank {rank}",
-                case.tokens, case.pattern, case.strategy
+                "{world} ranks {dtype} hidden {hidden} {} tokens {} {} allreduce_out {:?} rank \
+                 {rank}",
+                case.tokens, case.pattern, case.strategy, case.out
             );
             if let Err(e) = run {
                 failures.push(format!("{label}: {e}"));
@@ -371,23 +391,30 @@ mod fused {
                     failures.push(format!("{label}: {m}"));
                 }
             };
-            let ar = down(&b.ar, tb, &stream);
-            fail(compare(
-                "allreduce_out",
-                dtype,
-                &ar,
-                &want.allreduce,
-                true,
-                false,
-            ));
-            fail(compare(
-                "allreduce_out vs unfused",
-                dtype,
-                &ar,
-                &down(&b.u_ar, tb, &stream),
-                false,
-                false,
-            ));
+            let ar_buf = match case.out {
+                Out::Separate => Some(&b.ar),
+                Out::InPlace => Some(&b.input),
+                Out::Omitted => None,
+            };
+            if let Some(ar_buf) = ar_buf {
+                let ar = down(ar_buf, tb, &stream);
+                fail(compare(
+                    "allreduce_out",
+                    dtype,
+                    &ar,
+                    &want.allreduce,
+                    true,
+                    false,
+                ));
+                fail(compare(
+                    "allreduce_out vs unfused",
+                    dtype,
+                    &ar,
+                    &down(&b.u_ar, tb, &stream),
+                    false,
+                    false,
+                ));
+            }
             if case.pattern.has_norm() {
                 let res = down(&b.res_out, tb, &stream);
                 let norm = down(&b.norm, tb, &stream);
@@ -850,16 +877,23 @@ mod fused {
                     let mut cases = Vec::new();
                     for (i, &t) in tokens.iter().enumerate() {
                         let pattern = FusionPattern::ALL[(i + hidden / 2048) % 3];
-                        for strategy in [Strategy::Auto, Strategy::OneShot, Strategy::TwoShot] {
+                        let strategies = [Strategy::Auto, Strategy::OneShot, Strategy::TwoShot];
+                        for (k, strategy) in strategies.into_iter().enumerate() {
                             // The largest rows are slow to check on the host: Auto only.
                             if t >= 500 && strategy != Strategy::Auto {
                                 continue;
                             }
+                            let out = match (i + k) % 3 {
+                                1 => Out::InPlace,
+                                2 if pattern.has_norm() => Out::Omitted,
+                                _ => Out::Separate,
+                            };
                             cases.push(Case {
                                 tokens: t,
                                 pattern,
                                 strategy,
                                 seed: i * 3 + world,
+                                out,
                             });
                         }
                     }
@@ -883,13 +917,19 @@ mod fused {
         {
             let mut cases = Vec::new();
             for (i, &t) in [1usize, 7, 128].iter().enumerate() {
-                for strategy in [Strategy::Auto, Strategy::OneShot, Strategy::TwoShot] {
+                let strategies = [Strategy::Auto, Strategy::OneShot, Strategy::TwoShot];
+                for (k, strategy) in strategies.into_iter().enumerate() {
                     let pattern = FusionPattern::ALL[i % 3];
                     cases.push(Case {
                         tokens: t,
                         pattern,
                         strategy,
                         seed: 40 + i,
+                        out: if (i + k) % 2 == 1 {
+                            Out::InPlace
+                        } else {
+                            Out::Separate
+                        },
                     });
                 }
             }

@@ -58,7 +58,7 @@ struct BlockState {
   uint32_t calls;        // calls this block has run: calls % 3 is this call's buffer
   uint32_t prev_tokens;  // rows of the previous call (what to refill)
   uint32_t prev_twoshot; // whether the previous call was two-shot (which slots it wrote)
-  uint32_t pad;
+  uint32_t prev_self;    // whether the previous call pushed into our own slot `rank`
 };
 static_assert(sizeof(BlockState) == 16 && kMaxBlocks * sizeof(BlockState) == 1024, "BlockState");
 
@@ -321,14 +321,13 @@ struct Ranks { static constexpr int kN = W > 0 ? W : kMaxWorld; };
 
 // Vector v of every rank's slot: all world loads in flight at once, then a poll only for the
 // ones not there yet (polling one rank after the other would cost world round trips).
-// kOwnInput: our own vector comes from our input, not from slot `rank` (the two-shot, whose
-// rows nobody pushes to their own owner; see twoshot).
-template <typename T, int W, bool kOwnInput = false>
+// own_input: our own vector comes from our input, not from slot `rank` (own_input() below).
+template <typename T, int W>
 AR_DEVICE bool poll_all(const FusedArgs& a, uint32_t buffer, u64 v, uint4 (&raw)[Ranks<W>::kN],
-                        uint32_t calls) {
+                        uint32_t calls, bool own_input) {
   char* self = a.lamport[a.rank];
   const int world = int(world_of<W>(a));
-  const int own = kOwnInput ? int(a.rank) : -1;
+  const int own = own_input ? int(a.rank) : -1;
 #pragma unroll
   for (int r = 0; r < Ranks<W>::kN; ++r) {
     if (r >= world) continue;
@@ -593,7 +592,7 @@ AR_DEVICE uint4 reduce(const uint4 (&raw)[Ranks<W>::kN], uint32_t world) {
 
 struct Call {
   uint32_t calls, buffer, stale, prev_tokens;
-  bool prev_twoshot;
+  bool prev_twoshot, prev_self;
 };
 
 // Read this block's state (every thread). No abort check here, unlike the exact kernels: it
@@ -607,16 +606,17 @@ AR_DEVICE void begin(const FusedArgs& a, Call& c) {
   c.stale = (s.calls + 2) % 3;
   c.prev_tokens = s.prev_tokens;
   c.prev_twoshot = s.prev_twoshot != 0;
+  c.prev_self = s.prev_self != 0;
 }
 
-AR_DEVICE void finish(const FusedArgs& a, const Call& c, bool twoshot) {
+AR_DEVICE void finish(const FusedArgs& a, const Call& c, bool twoshot, bool self_pushed) {
   sync_block();  // every thread read the state in begin()
   if (thread_x() == 0) {
     BlockState s;
     s.calls = c.calls + 1;
     s.prev_tokens = a.tokens;
     s.prev_twoshot = twoshot;
-    s.pad = 0;
+    s.prev_self = self_pushed;
     a.state[block_x()] = s;
   }
 }
@@ -674,7 +674,8 @@ AR_DEVICE void refill(const FusedArgs& a, const Call& c) {
   u64 lo = 0, hi = c.prev_tokens;
   if (c.prev_twoshot) prev_owned(a, c, world, lo, hi);
   for (uint32_t src = 0; src < world; ++src)
-    if (!c.prev_twoshot || src != a.rank)  // a two-shot leaves our own slot unwritten
+    if (src != a.rank || c.prev_self)  // a call that read its own rows from its input
+                                       // left our own slot unwritten
       fill_sentinel<T, kFromLast>(slot<T>(a, self, c.stale, src) + lo * row_vecs, (hi - lo) * row_vecs);
 }
 
@@ -700,10 +701,22 @@ AR_DEVICE void load_round(const FusedArgs& a, u64 v0, u64 nvec, u64 stride, uint
     if (v0 + u * stride < nvec) x[u] = plus_zero<T>(static_cast<const uint4*>(a.input)[v0 + u * stride]);
 }
 
+// Whether the one-shot reduces our own rows from our input rather than from a push into our
+// own slot: 1 / world of the message less to push, refill and poll (H200, 2 ranks: 9% less
+// per call at 64 tokens of hidden 8192). Not in place (allreduce_out == input): there a row's
+// reducer may write the row's output while another block of ours has yet to read that input
+// row to push it to the peers; the push to ourselves, which the reducer waits for, is what
+// orders the two. Not in oneshot_split either: its small calls wait on latency, and there a
+// row's blocks reading the input themselves cost 0.3-0.7 us per call at 4 ranks (probably
+// a load from memory where the slot our own pushers had just written hits in L2). Per rank and call (only we
+// write and read our own slot); BlockState::prev_self tells the next call's refill.
+AR_DEVICE bool own_input(const FusedArgs& a) { return a.allreduce_out != a.input; }
+
 // The one-shot's phases 1 and 2, shared by oneshot and oneshot_split: push every row to
-// every rank, refill the stale buffer, agree on the call. False when the block must leave.
+// every rank (but ourselves when `own`: own_input), refill the stale buffer, agree on the
+// call. False when the block must leave.
 template <typename T, int W>
-AR_DEVICE bool oneshot_exchange(const FusedArgs& a, Call& c) {
+AR_DEVICE bool oneshot_exchange(const FusedArgs& a, Call& c, bool own) {
   const uint32_t world = world_of<W>(a);
   constexpr int E = Packed<T>::kElems;
   const u64 row_vecs = a.hidden / E, nvec = (u64)a.tokens * row_vecs;
@@ -729,7 +742,8 @@ AR_DEVICE bool oneshot_exchange(const FusedArgs& a, Call& c) {
     for (int u = 0; u < kPushUnroll; ++u) {
       if (v0 + u * stride >= nvec) continue;
       for (uint32_t p = 0; p < world; ++p)
-        st_volatile(slot<T>(a, a.lamport[p], c.buffer, a.rank) + v0 + u * stride, x[u]);
+        if (p != a.rank || !own)
+          st_volatile(slot<T>(a, a.lamport[p], c.buffer, a.rank) + v0 + u * stride, x[u]);
     }
   }
   // ---- Phase 2: refill the stale buffer (overlaps the peers' pushes in flight), then agree.
@@ -747,8 +761,9 @@ __device__ void oneshot(const FusedArgs& a) {
   __shared__ float scratch[kScratch];
   constexpr int E = Packed<T>::kElems;
   const u64 row_vecs = a.hidden / E;
+  const bool own = own_input(a);
   Call c;
-  if (!oneshot_exchange<T, W>(a, c)) return;
+  if (!oneshot_exchange<T, W>(a, c, own)) return;
 
   // ---- Phase 3: per batch of rows (rows of one block: t = block, block + G, ...), wait for
   // every rank's vectors, reduce, epilogue.
@@ -762,13 +777,13 @@ __device__ void oneshot(const FusedArgs& a) {
       // All ranks' vectors, then the sum in rank order from rank 0's value: every rank
       // computes the same bits.
       uint4 raw[Ranks<W>::kN];
-      ok = poll_all<T, W>(a, c.buffer, (u64)bt.token(i) * row_vecs + bt.vec(i), raw, c.calls);
+      ok = poll_all<T, W>(a, c.buffer, (u64)bt.token(i) * row_vecs + bt.vec(i), raw, c.calls, own);
       if (ok) row[i] = reduce<T, W>(raw, world);
     }
     if (sync_block_or(!ok)) return;
     epilogue<T>(a, bt, row, scratch);
   }
-  finish(a, c, false);
+  finish(a, c, false, !own);
 }
 
 // Two-shot: rows are split among ranks (rank o owns rows [o * per, (o + 1) * per)); every
@@ -820,7 +835,7 @@ __device__ void twoshot(const FusedArgs& a) {
   bool ok = true;
   for (u64 v = lo + first; v < hi && ok; v += stride) {
     uint4 raw[Ranks<W>::kN];
-    ok = poll_all<T, W, true>(a, c.buffer, v, raw, c.calls);
+    ok = poll_all<T, W>(a, c.buffer, v, raw, c.calls, true);
     if (!ok) break;
     st_volatile(slot<T>(a, self, c.buffer, world) + v, reduce<T, W>(raw, world));
   }
@@ -847,7 +862,7 @@ __device__ void twoshot(const FusedArgs& a) {
     if (sync_block_or(!ok)) return;
     epilogue<T>(a, bt, row, scratch);
   }
-  finish(a, c, true);
+  finish(a, c, true, false);
 }
 
 // ---- One-shot over thread-block clusters (CUDA, sm_90 and later) -----------------------------
@@ -929,8 +944,9 @@ __device__ void oneshot_split(const FusedArgs& a) {
   constexpr int E = Packed<T>::kElems;
   const uint32_t world = world_of<W>(a);
   const u64 row_vecs = a.hidden / E;
+  const bool own = false;  // see own_input
   Call c;
-  bool ok = oneshot_exchange<T, W>(a, c);  // no early return: see above
+  bool ok = oneshot_exchange<T, W>(a, c, own);  // no early return: see above
 
   const uint32_t C = cluster::size(), q = cluster::rank();
   const uint32_t per = kWarps / C;  // warps of a slot per block
@@ -953,7 +969,7 @@ __device__ void oneshot_split(const FusedArgs& a) {
     float part = 0.0f;
     if (valid && ok) {
       uint4 raw[Ranks<W>::kN];
-      ok = poll_all<T, W>(a, c.buffer, v, raw, c.calls);
+      ok = poll_all<T, W>(a, c.buffer, v, raw, c.calls, own);
       if (ok) {
         x4 = reduce<T, W>(raw, world);
         if (a.allreduce_out) static_cast<uint4*>(a.allreduce_out)[v] = x4;
@@ -1028,7 +1044,7 @@ __device__ void oneshot_split(const FusedArgs& a) {
     if (j == 0) a.scale_out[t] = scale;
   }
   if (sync_block_or(!ok)) return;
-  finish(a, c, false);
+  finish(a, c, false, true);
 #else
   (void)a;
 #if !AR_HIP
