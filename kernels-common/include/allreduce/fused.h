@@ -10,9 +10,10 @@
 // into the receivers' buffers; a receiver polls its own buffer until no element of the vector
 // it needs is -0.0 any more. The data is its own flag: no barrier, no flag word, one hop.
 // Buffers come in threes: call k writes buffer k % 3 and, before reading, refills buffer
-// (k - 1) % 3 (its own, which peers wrote in call k - 1) with -0.0. (The two-shot's reduced
-// rows are the one part peers read rather than write: their owner refills them only after
-// every peer's tag of call k shows it left call k - 1; refill_reduced.) Peers write that buffer
+// (k - 1) % 3 (its own, which peers wrote in call k - 1) with -0.0. (A two-shot instead clears
+// each vector peers pushed to it right after reading it, while the line is still in L2. Its
+// reduced rows are the one part peers read rather than write: their owner refills them only
+// after every peer's tag of call k shows it left call k - 1; refill_reduced.) Peers write that buffer
 // again only in call k + 2, which they cannot start before finishing call k + 1, which needs
 // our call k + 1 pushes, which our stream orders after this kernel: so no peer write can meet
 // our refill. (Two buffers would not do: a peer may start call k + 1, writing buffer
@@ -661,22 +662,22 @@ AR_DEVICE void prev_owned(const FusedArgs& a, const Call& c, uint32_t world, u64
   hi = min_u64(lo + per, c.prev_tokens);
 }
 
-// Refill with -0.0 what the previous call's peers wrote into our stale buffer: one-shot, every
-// rank's slot for all its rows; two-shot, every other rank's slot for the rows we owned. We read
+// Refill with -0.0 what the previous call's peers wrote into our stale buffer, if it was a
+// one-shot: every rank's slot for all its rows (our own only if we pushed into it). We read
 // those slots ourselves in that call, and peers write them again only in call k + 2, so this
-// may run before the tags agree, overlapping the pushes in flight.
+// may run before the tags agree, overlapping the pushes in flight. A two-shot clears what it
+// read as it reads it (twoshot, phase 2).
 template <typename T, int W, bool kFromLast>
 AR_DEVICE void refill(const FusedArgs& a, const Call& c) {
+  if (c.prev_twoshot) return;
   const uint32_t world = world_of<W>(a);
   constexpr int E = Packed<T>::kElems;
   const u64 row_vecs = a.hidden / E;
   char* self = a.lamport[a.rank];
-  u64 lo = 0, hi = c.prev_tokens;
-  if (c.prev_twoshot) prev_owned(a, c, world, lo, hi);
   for (uint32_t src = 0; src < world; ++src)
     if (src != a.rank || c.prev_self)  // a call that read its own rows from its input
                                        // left our own slot unwritten
-      fill_sentinel<T, kFromLast>(slot<T>(a, self, c.stale, src) + lo * row_vecs, (hi - lo) * row_vecs);
+      fill_sentinel<T, kFromLast>(slot<T>(a, self, c.stale, src), (u64)c.prev_tokens * row_vecs);
 }
 
 // After a two-shot call: its reduced rows, which we kept in our slot `world` and every peer
@@ -838,6 +839,12 @@ __device__ void twoshot(const FusedArgs& a) {
     ok = poll_all<T, W>(a, c.buffer, v, raw, c.calls, true);
     if (!ok) break;
     st_volatile(slot<T>(a, self, c.buffer, world) + v, reduce<T, W>(raw, world));
+    // Clear what we just read (only we read it; peers write it again only in call k + 3, as
+    // for refill): the line is still in L2, dirty from the push, so memory sees one write
+    // back of it where a refill pass in the next call wrote it back a second time.
+#pragma unroll
+    for (int r = 0; r < Ranks<W>::kN; ++r)
+      if (r < int(world) && r != int(a.rank)) slot<T>(a, self, c.buffer, r)[v] = sentinel_vector<T>();
   }
   if (sync_block_or(!ok)) return;
 
