@@ -65,11 +65,13 @@ impl FusedWorkspace {
                 "a fused workspace is created for a whole group: pass every rank's communicator, in rank order".into(),
             ));
         }
+        let natives = comms[0].comm.create_fused_group(&config)?;
+        // The caller's table, else the backend's (which knows its kernels), else the default.
         let table = config
             .selection
             .clone()
+            .or_else(|| natives.as_ref()?.first()?.default_table())
             .unwrap_or_else(fused::default_table);
-        let natives = comms[0].comm.create_fused_group(&config)?;
         let mut natives: Vec<Option<Box<dyn FusedComm>>> = match natives {
             Some(v) => v.into_iter().map(Some).collect(),
             None => (0..world).map(|_| None).collect(),

@@ -258,9 +258,12 @@ impl FusedMetadata {
 /// section: the forced one-shot and two-shot columns of the kernels specialised per world
 /// size): one-shot up to 512 KiB at 2 ranks, 256 KiB at 3-4, 64 KiB above (2 ranks: 1 MiB
 /// until the two-shot pulled its reduced rows instead of pushing them; at 1 MiB it is now
-/// 1-3% faster, at 512 KiB still 4% slower). Virtual ranks share one GPU's memory, which charges one-shot `world` times its
-/// real per-GPU traffic, so on distinct GPUs the crossover is expected higher (TensorRT-LLM
-/// keeps one-shot up to 128 tokens); the multi-GPU table is issue 9's to measure.
+/// 1-3% faster, at 512 KiB still 4% slower). A GPU workspace whose one-shot shares rows among
+/// cluster blocks puts a rule in front of these ([`FusedComm::default_table`]). Virtual ranks
+/// share one GPU's
+/// memory, which charges one-shot `world` times its real per-GPU traffic, so on distinct
+/// GPUs the crossover is expected higher (TensorRT-LLM keeps one-shot up to 128 tokens); the
+/// multi-GPU table is issue 9's to measure.
 pub fn default_table() -> SelectionTable {
     const KIB: usize = 1 << 10;
     let rule = |world: (usize, usize), max_bytes, strategy| Rule {
@@ -629,6 +632,12 @@ pub fn prepare_fused(
 /// A backend's fused workspace for one rank (created for all ranks of a group at once).
 pub trait FusedComm: Send + Sync {
     fn metadata(&self) -> &FusedMetadata;
+    /// The workspace's `Strategy::Auto` table when the caller gives none, where the backend
+    /// knows better than [`default_table`] (the GPU one-shot's cluster kernel); `None` for
+    /// [`default_table`].
+    fn default_table(&self) -> Option<SelectionTable> {
+        None
+    }
     /// Enqueue a validated call on `call.stream`. Device-side failures (a poll past its
     /// deadline) surface through the communicator's `synchronize`.
     fn run(&self, call: &FusedCall) -> Result<()>;

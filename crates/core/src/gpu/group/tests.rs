@@ -1094,5 +1094,21 @@ fn small_one_shot_calls_take_the_cluster_kernel_where_the_device_has_clusters() 
         assert_eq!(split, want.is_some(), "{}", l.kernel);
         assert_eq!(l.fused().tokens, tokens as u32);
     }
+    // Auto's default table takes the one-shot as far as the cluster kernel goes: 8 rows of
+    // 8192 bf16 here (clusters of 2 over 16 blocks), then the byte rules.
+    let t = fused[0]
+        .default_table()
+        .expect("a table of the workspace's own");
+    let r = &t.rules[0];
+    assert_eq!(
+        (r.world, r.max_bytes, r.strategy),
+        ((2, 2), 8 * hidden * 2, Strategy::OneShot)
+    );
+    assert_eq!(&t.rules[1..], &crate::fused::default_table().rules[..]);
     CLUSTERS.with(|c| c.set(false));
+    let (_comms, fused) = fused_group(vec![0, 1], &config);
+    assert!(
+        fused[0].default_table().is_none(),
+        "no clusters, no rule of its own"
+    );
 }
