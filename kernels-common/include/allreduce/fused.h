@@ -10,14 +10,14 @@
 // into the receivers' buffers; a receiver polls its own buffer until no element of the vector
 // it needs is -0.0 any more. The data is its own flag: no barrier, no flag word, one hop.
 // Buffers come in threes: call k writes buffer k % 3 and, before reading, refills buffer
-// (k - 1) % 3 (its own, which peers wrote in call k - 1) with -0.0. (A two-shot instead clears
-// each vector peers pushed to it right after reading it, while the line is still in L2. Its
-// reduced rows are the one part peers read rather than write: their owner refills them only
-// after every peer's tag of call k shows it left call k - 1; refill_reduced.) Peers write that buffer
-// again only in call k + 2, which they cannot start before finishing call k + 1, which needs
-// our call k + 1 pushes, which our stream orders after this kernel: so no peer write can meet
-// our refill. (Two buffers would not do: a peer may start call k + 1, writing buffer
-// (k + 1) % 2 = (k - 1) % 2, while we still refill it in call k.)
+// (k - 1) % 3 (its own, which peers wrote in call k - 1) with -0.0. (A two-shot instead
+// clears each vector peers pushed to it right after reading it, while the line is still in
+// L2. Its reduced rows are the one part peers read rather than write: their owner refills
+// them only after every peer's tag of call k shows it left call k - 1; refill_reduced.)
+// Peers write that buffer again only in call k + 2, which they cannot start before finishing
+// call k + 1, which needs our call k + 1 pushes, which our stream orders after this kernel: so
+// no peer write can meet our refill. (Two buffers would not do: a peer may start call k + 1,
+// writing buffer (k + 1) % 2 = (k - 1) % 2, while we still refill it in call k.)
 //
 // State that changes per call (the call count, whose remainder picks the buffer, and the
 // previous call's shape, which says what to refill) lives in device memory, one copy per
@@ -223,9 +223,6 @@ AR_DEVICE float shfl_xor(float v, int mask) {
 #endif
 }
 
-// Sum (or max) over the block of each of kMaxVecs values, the same totals in every thread.
-// Deterministic: a butterfly in each warp, then every thread combines the warps' totals in warp
-// order. `scratch` holds kMaxVecs floats per warp and is free again on return.
 constexpr int kWarps = kThreads / kWarpSize;
 
 // The butterfly of a warp: every lane ends with the warp's total (or max).
@@ -239,6 +236,9 @@ AR_DEVICE float warp_reduce(float v) {
   return v;
 }
 
+// Sum (or max) over the block of each of kMaxVecs values, the same totals in every thread.
+// Deterministic: a butterfly in each warp, then every thread combines the warps' totals in warp
+// order. `scratch` holds kMaxVecs floats per warp and is free again on return.
 template <bool kMax>
 AR_DEVICE void block_reduce(float (&v)[kMaxVecs], float* scratch) {
 #pragma unroll
@@ -637,7 +637,8 @@ struct Spread {
 // per block, cost 0.1-0.5 us per call on the H200 at 2 and 4 ranks (docs/benchmarks.md,
 // session 10).
 AR_DEVICE Spread spread_from_last() {
-  return Spread{(u64)(grid_dim_x() - 1u - block_x()) * kThreads + thread_x(), (u64)grid_dim_x() * kThreads};
+  return Spread{(u64)(grid_dim_x() - 1u - block_x()) * kThreads + thread_x(),
+                (u64)grid_dim_x() * kThreads};
 }
 // The two-shot keeps block order and whole blocks: the reversal there cost 2-4% at 64-128
 // tokens on 4 ranks (docs/benchmarks.md).
@@ -691,7 +692,8 @@ AR_DEVICE void refill_reduced(const FusedArgs& a, const Call& c) {
   const u64 row_vecs = a.hidden / Packed<T>::kElems;
   u64 lo, hi;
   prev_owned(a, c, world, lo, hi);
-  fill_sentinel<T, kFromLast>(slot<T>(a, a.lamport[a.rank], c.stale, world) + lo * row_vecs, (hi - lo) * row_vecs);
+  uint4* reduced = slot<T>(a, a.lamport[a.rank], c.stale, world);
+  fill_sentinel<T, kFromLast>(reduced + lo * row_vecs, (hi - lo) * row_vecs);
 }
 
 // One round of phase 1's input loads: vectors v0 + u * stride, -0.0 pushed as +0.0.
@@ -709,8 +711,9 @@ AR_DEVICE void load_round(const FusedArgs& a, u64 v0, u64 nvec, u64 stride, uint
 // row to push it to the peers; the push to ourselves, which the reducer waits for, is what
 // orders the two. Not in oneshot_split either: its small calls wait on latency, and there a
 // row's blocks reading the input themselves cost 0.3-0.7 us per call at 4 ranks (probably
-// a load from memory where the slot our own pushers had just written hits in L2). Per rank and call (only we
-// write and read our own slot); BlockState::prev_self tells the next call's refill.
+// a load from memory where the slot our own pushers had just written hits in L2). Per rank
+// and call (only we write and read our own slot); BlockState::prev_self tells the next
+// call's refill.
 AR_DEVICE bool own_input(const FusedArgs& a) { return a.allreduce_out != a.input; }
 
 // The one-shot's phases 1 and 2, shared by oneshot and oneshot_split: push every row to
@@ -844,7 +847,8 @@ __device__ void twoshot(const FusedArgs& a) {
     // back of it where a refill pass in the next call wrote it back a second time.
 #pragma unroll
     for (int r = 0; r < Ranks<W>::kN; ++r)
-      if (r < int(world) && r != int(a.rank)) slot<T>(a, self, c.buffer, r)[v] = sentinel_vector<T>();
+      if (r < int(world) && r != int(a.rank))
+        slot<T>(a, self, c.buffer, r)[v] = sentinel_vector<T>();
   }
   if (sync_block_or(!ok)) return;
 
