@@ -260,10 +260,9 @@ impl FusedMetadata {
 /// until the two-shot pulled its reduced rows instead of pushing them; at 1 MiB it is now
 /// 1-3% faster, at 512 KiB still 4% slower). A GPU workspace whose one-shot shares rows among
 /// cluster blocks puts a rule in front of these ([`FusedComm::default_table`]). Virtual ranks
-/// share one GPU's
-/// memory, which charges one-shot `world` times its real per-GPU traffic, so on distinct
-/// GPUs the crossover is expected higher (TensorRT-LLM keeps one-shot up to 128 tokens); the
-/// multi-GPU table is issue 9's to measure.
+/// share one GPU's memory, which charges one-shot `world` times its real per-GPU traffic, so
+/// on distinct GPUs the crossover is expected higher (TensorRT-LLM keeps one-shot up to 128
+/// tokens); the multi-GPU table is issue 9's to measure.
 pub fn default_table() -> SelectionTable {
     const KIB: usize = 1 << 10;
     let rule = |world: (usize, usize), max_bytes, strategy| Rule {

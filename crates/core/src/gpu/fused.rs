@@ -34,11 +34,7 @@ fn dtype_index(d: DType) -> usize {
 /// the unfused norm, each for f32, f16 and bf16. A world the module has no instance for
 /// (`R::FUSED_WORLDS`) uses the generic one (`_w0`), which reads the world from its arguments.
 pub fn kernel_names<R: GpuRuntime>(world: usize) -> [[String; 3]; 3] {
-    let w = if R::FUSED_WORLDS.contains(&world) {
-        world
-    } else {
-        0
-    };
+    let w = instance_world::<R>(world);
     let set = |prefix: &str, tail: &str| {
         ["f32", "f16", "bf16"].map(|dtype| format!("{prefix}_{dtype}{tail}"))
     };
@@ -50,14 +46,20 @@ pub fn kernel_names<R: GpuRuntime>(world: usize) -> [[String; 3]; 3] {
     ]
 }
 
-/// The split one-shot's names (`oneshot_split` in fused.h: a row shared by the blocks of a
-/// cluster), f32, f16, bf16; CUDA only.
-pub fn split_kernel_names<R: GpuRuntime>(world: usize) -> [String; 3] {
-    let w = if R::FUSED_WORLDS.contains(&world) {
+/// The world a kernel instance is compiled for: `world` where the module specialises it
+/// (`R::FUSED_WORLDS`), else 0, the generic instance.
+fn instance_world<R: GpuRuntime>(world: usize) -> usize {
+    if R::FUSED_WORLDS.contains(&world) {
         world
     } else {
         0
-    };
+    }
+}
+
+/// The split one-shot's names (`oneshot_split` in fused.h: a row shared by the blocks of a
+/// cluster), f32, f16, bf16; CUDA only.
+pub fn split_kernel_names<R: GpuRuntime>(world: usize) -> [String; 3] {
+    let w = instance_world::<R>(world);
     ["f32", "f16", "bf16"].map(|dtype| format!("ar_fused_oneshot_split_{dtype}_w{w}"))
 }
 
