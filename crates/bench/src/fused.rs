@@ -218,6 +218,12 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
                 .timeout(std::time::Duration::from_secs_f64(args.timeout)),
         )?;
         let ws = FusedWorkspace::create_group(&comms, FusedConfig::new(max_tokens, hidden, dtype))?;
+        if let Some(w) = ws.first() {
+            println!(
+                "# hidden {hidden}: {} blocks per fused launch",
+                w.metadata().blocks
+            );
+        }
         let barrier = Barrier::new(world);
         let results: Vec<Result<Times, String>> = std::thread::scope(|s| {
             let hs: Vec<_> = comms

@@ -199,6 +199,9 @@ pub struct FusedMetadata {
     pub flag_size: usize,
     /// Everything this rank allocates for the workspace.
     pub buffer_size: usize,
+    /// Blocks per fused kernel launch (the same on every rank); 0 where no kernel runs (the
+    /// host backend's composed call).
+    pub blocks: u32,
 }
 
 /// Per-block state bytes (64 blocks x 16 bytes), mirrored by fused.h.
@@ -247,6 +250,7 @@ impl FusedMetadata {
             lamport_buffer_size: 3 * lamport_comm_size,
             flag_size: FLAG_BYTES,
             buffer_size: 3 * lamport_comm_size + FLAG_BYTES,
+            blocks: 0,
         }
     }
 }

@@ -153,8 +153,12 @@ pub fn create_group<R: GpuRuntime>(
 ) -> Result<Vec<Box<dyn FusedComm>>> {
     config.validate()?;
     let world = group.world();
+    let grid = grid_setting(&group)?;
     let meta: Vec<FusedMetadata> = (0..world)
-        .map(|r| FusedMetadata::new(config, r, world))
+        .map(|r| FusedMetadata {
+            blocks: grid,
+            ..FusedMetadata::new(config, r, world)
+        })
         .collect();
     let mut lamport = Vec::with_capacity(world);
     let mut state = Vec::with_capacity(world);
@@ -184,7 +188,6 @@ pub fn create_group<R: GpuRuntime>(
         };
         kernels.push(k);
     }
-    let grid = fused_grid(&group);
     let max_cluster = if kernels.iter().all(|k| k.split.is_some()) {
         max_cluster_setting()?
     } else {
@@ -229,6 +232,19 @@ pub fn create_group<R: GpuRuntime>(
 /// `amdgpu_waves_per_eu`; all ranks of a GPU together ask for at most one per SM/CU), which
 /// the polls need.
 pub fn fused_grid<R: GpuRuntime>(group: &GroupView<R>) -> u32 {
+    let (busiest, sms) = ranks_and_sms(group);
+    let g = (sms / busiest).clamp(1, abi::MAX_BLOCKS as u32);
+    // A multiple of 8 where it can be, so that clusters of up to 8 blocks tile it
+    // (split_cluster).
+    if g >= 8 {
+        g / 8 * 8
+    } else {
+        g
+    }
+}
+
+/// The most ranks on one device of the group, and the fewest SMs (CUs) of its devices.
+fn ranks_and_sms<R: GpuRuntime>(group: &GroupView<R>) -> (u32, u32) {
     let world = group.world();
     let busiest = (0..world)
         .map(|r| {
@@ -243,13 +259,34 @@ pub fn fused_grid<R: GpuRuntime>(group: &GroupView<R>) -> u32 {
         .map(|r| R::compute_units(group.device(r)))
         .min()
         .unwrap_or(1);
-    let g = (sms / busiest).clamp(1, abi::MAX_BLOCKS as u32);
-    // A multiple of 8 where it can be, so that clusters of up to 8 blocks tile it
-    // (split_cluster).
-    if g >= 8 {
-        g / 8 * 8
-    } else {
-        g
+    (busiest, sms)
+}
+
+/// `ALLREDUCE_FUSED_BLOCKS`: blocks per fused launch instead of [`fused_grid`]'s, a tuning and
+/// comparison knob (the grid that suits 8 virtual ranks on one GPU is not the one that suits 8
+/// GPUs). Refused above [`abi::MAX_BLOCKS`] and where the ranks of the busiest device together
+/// would ask for more than two blocks per SM (CU): the launch bounds promise two, and every
+/// rank's grid must co-reside for the polls.
+pub const BLOCKS_ENV: &str = "ALLREDUCE_FUSED_BLOCKS";
+
+fn grid_setting<R: GpuRuntime>(group: &GroupView<R>) -> Result<u32> {
+    match std::env::var(BLOCKS_ENV) {
+        Err(_) => Ok(fused_grid(group)),
+        Ok(v) => {
+            let (busiest, sms) = ranks_and_sms(group);
+            blocks_setting(&v, busiest, sms)
+        }
+    }
+}
+
+/// [`BLOCKS_ENV`]'s value `v` checked for `busiest` ranks on a device of `sms` SMs (CUs).
+pub(crate) fn blocks_setting(v: &str, busiest: u32, sms: u32) -> Result<u32> {
+    let most = (abi::MAX_BLOCKS as u32).min(2 * sms / busiest.max(1));
+    match v.trim().parse::<u32>() {
+        Ok(g) if (1..=most).contains(&g) => Ok(g),
+        _ => Err(Error::InvalidConfig(format!(
+            "{BLOCKS_ENV}={v:?}: want 1 to {most} ({busiest} ranks share a device of {sms} SMs; the fused kernels fit two blocks per SM, and every rank's grid must co-reside)"
+        ))),
     }
 }
 

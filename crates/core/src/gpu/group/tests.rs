@@ -827,6 +827,7 @@ fn fused_workspaces_are_sized_filled_and_warmed_per_rank() {
         assert_eq!((m.rank, m.world), (r, 4));
         assert_eq!(m.lamport_comm_size, comm_bytes);
         assert_eq!(m.buffer_size, 3 * comm_bytes + 1024);
+        assert_eq!(m.blocks, 16);
     }
     // bf16 Lamport buffers hold bf16: -0.0 is 0x8000 in every 16-bit word.
     let fills = FILLS.with(|f| std::mem::take(&mut *f.borrow_mut()));
@@ -1111,4 +1112,23 @@ fn small_one_shot_calls_take_the_cluster_kernel_where_the_device_has_clusters() 
         fused[0].default_table().is_none(),
         "no clusters, no rule of its own"
     );
+}
+
+#[test]
+fn the_fused_blocks_knob_is_refused_past_co_residency() {
+    use crate::gpu::fused::blocks_setting;
+    // 8 ranks on 132 SMs: two blocks per SM is 33 per rank.
+    assert_eq!(blocks_setting("32", 8, 132).unwrap(), 32);
+    assert_eq!(blocks_setting(" 24 ", 8, 132).unwrap(), 24);
+    assert!(blocks_setting("33", 8, 132).is_ok());
+    for bad in ["34", "0", "-1", "x", ""] {
+        let e = blocks_setting(bad, 8, 132).unwrap_err().to_string();
+        assert!(
+            e.contains("ALLREDUCE_FUSED_BLOCKS") && e.contains("1 to 33"),
+            "{bad}: {e}"
+        );
+    }
+    // One rank per GPU: the per-block state caps it.
+    assert_eq!(blocks_setting("64", 1, 132).unwrap(), 64);
+    assert!(blocks_setting("65", 1, 132).is_err());
 }

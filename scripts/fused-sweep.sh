@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The fused bench's open questions at 4 and 8 virtual ranks on one GPU (docs/benchmarks.md,
+# "Open leads"), for the H200: build with scripts/build-gpu-bin.sh here, carry gpu-bin and
+# scripts, then on the GPU machine
+#   OUT=$OUT scripts/fused-sweep.sh
+# Writes $OUT/sweep.log (lines "== rep=N R=ranks cfg=NAME" before each bench run) and
+# $OUT/fused_wide.log (the full fused test list at the widest grid 8 ranks may take).
+#  - grid: ALLREDUCE_FUSED_BLOCKS (default: SMs / ranks of a GPU, one block per SM in all;
+#    the kernels fit two), eager and graph;
+#  - eager launch queues: CUDA_DEVICE_MAX_CONNECTIONS (8 by default: 8 rank streams plus any
+#    other stream share 8 hardware queues), which the graph rows do not depend on.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+B=gpu-bin
+NCCL_LIB=$(python3 -c "import nvidia.nccl, os; print(os.path.join(os.path.dirname(nvidia.nccl.__file__), 'lib'))" 2>/dev/null || true)
+export LD_LIBRARY_PATH=${NCCL_LIB}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+L=$OUT/sweep.log
+bench() { # ranks
+  timeout 120 $B/allreduce-bench --backend cuda --fused --ranks "$1" -d bf16 \
+    --tokens 1,8,16,32,64,128,256 --fused-hidden 4096,8192 --timeout 5 >>"$L" 2>&1
+  echo "rc=$?" >>"$L"
+}
+for rep in 1 2 3; do
+  for cfg in 8:G16 8:G24 8:G32 8:C32 4:G32 4:G48 4:G64; do
+    r=${cfg%%:*} c=${cfg#*:}
+    echo "== rep=$rep R=$r cfg=$c" >>"$L"
+    case $c in
+      G*) ALLREDUCE_FUSED_BLOCKS=${c#G} bench "$r" ;;
+      C*) CUDA_DEVICE_MAX_CONNECTIONS=${c#C} bench "$r" ;;
+    esac
+  done
+done
+# The widest grid must still pass everything (every rank's grid co-resident, 2 blocks per SM).
+ALLREDUCE_FUSED_BLOCKS=32 timeout 300 $B/cuda_fused >"$OUT/fused_wide.log" 2>&1
+echo "cuda_fused (32 blocks) rc=$?" >>"$OUT/fused_wide.log"
+tail -3 "$OUT/fused_wide.log"; grep -c "^== " "$L"; grep -v "rc=0" "$L" | grep "rc=" | head
