@@ -4,7 +4,8 @@
 # scripts, then on the GPU machine
 #   OUT=$OUT scripts/fused-sweep.sh
 # Writes $OUT/sweep.log (lines "== rep=N R=ranks cfg=NAME" before each bench run) and
-# $OUT/fused_wide.log (the full fused test list at the widest grid 8 ranks may take).
+# $OUT/fused_wide.log (the full fused test list at the widest grid 8 ranks may take). Back
+# here: scripts/fused-table.py sweep.log (medians per configuration, as a markdown table).
 #  - grid: ALLREDUCE_FUSED_BLOCKS (default: SMs / ranks of a GPU, one block per SM in all;
 #    the kernels fit two), eager and graph;
 #  - eager pace: the bench's last two columns, the host's enqueue time per call (fused,
