@@ -223,54 +223,42 @@ impl SelectionTable {
                 .and_then(|w| Some((w[0].as_u64()? as usize, w[1].as_u64()? as usize)))
                 .filter(|(lo, hi)| lo <= hi)
                 .ok_or_else(|| bad(at("world must be [min, max] with min <= max")))?;
-            let max_bytes = match r.get("max_bytes") {
-                None | Some(Value::Null) => usize::MAX,
-                Some(b) => b
-                    .as_u64()
-                    .ok_or_else(|| bad(at("max_bytes must be a number or null")))?
-                    as usize,
+            // An optional field: absent or null is None.
+            let field = |name: &str| r.get(name).filter(|v| !v.is_null());
+            let bytes = |name: &str| -> Result<Option<usize>> {
+                field(name)
+                    .map(|b| {
+                        b.as_u64()
+                            .map(|b| b as usize)
+                            .ok_or_else(|| bad(at(&format!("{name} must be a number or null"))))
+                    })
+                    .transpose()
             };
-            let dtype = match r.get("dtype") {
-                None | Some(Value::Null) => None,
-                Some(d) => Some(
-                    d.as_str()
-                        .ok_or_else(|| bad(at("dtype must be a string")))?
-                        .parse::<DType>()
-                        .map_err(|e| bad(at(&e)))?,
-                ),
-            };
-            let lossy = match r.get("lossy") {
-                None | Some(Value::Null) => None,
-                Some(l) => Some(
+            fn parsed<T: std::str::FromStr<Err = String>>(
+                v: Option<&Value>,
+                name: &str,
+                bad: impl Fn(&str) -> Error,
+            ) -> Result<Option<T>> {
+                v.map(|v| {
+                    v.as_str()
+                        .ok_or_else(|| bad(&format!("{name} must be a string")))?
+                        .parse::<T>()
+                        .map_err(|e| bad(&e))
+                })
+                .transpose()
+            }
+            let bad_at = |what: &str| bad(at(what));
+            let max_bytes = bytes("max_bytes")?.unwrap_or(usize::MAX);
+            let min_bytes = bytes("min_bytes")?.unwrap_or(0);
+            let dtype = parsed::<DType>(field("dtype"), "dtype", bad_at)?;
+            let codec = parsed::<Codec>(field("codec"), "codec", bad_at)?;
+            let topology = parsed::<TopologyClass>(field("topology"), "topology", bad_at)?;
+            let lossy = field("lossy")
+                .map(|l| {
                     l.as_bool()
-                        .ok_or_else(|| bad(at("lossy must be true, false or null")))?,
-                ),
-            };
-            let min_bytes = match r.get("min_bytes") {
-                None | Some(Value::Null) => 0,
-                Some(b) => b
-                    .as_u64()
-                    .ok_or_else(|| bad(at("min_bytes must be a number or null")))?
-                    as usize,
-            };
-            let codec = match r.get("codec") {
-                None | Some(Value::Null) => None,
-                Some(c) => Some(
-                    c.as_str()
-                        .ok_or_else(|| bad(at("codec must be a string")))?
-                        .parse::<Codec>()
-                        .map_err(|e| bad(at(&e)))?,
-                ),
-            };
-            let topology = match r.get("topology") {
-                None | Some(Value::Null) => None,
-                Some(t) => Some(
-                    t.as_str()
-                        .ok_or_else(|| bad(at("topology must be a string")))?
-                        .parse::<TopologyClass>()
-                        .map_err(|e| bad(at(&e)))?,
-                ),
-            };
+                        .ok_or_else(|| bad(at("lossy must be true, false or null")))
+                })
+                .transpose()?;
             let strategy = strategy(r.get("strategy"), &at("strategy"))?;
             rules.push(Rule {
                 world,
@@ -349,6 +337,36 @@ mod tests {
                 "{bad}"
             );
         }
+        // A rule's field errors name the rule and the field.
+        for (field, want) in [
+            (
+                r#""max_bytes": -1"#,
+                "rule 0: max_bytes must be a number or null",
+            ),
+            (r#""dtype": 16"#, "rule 0: dtype must be a string"),
+            (r#""topology": "ring""#, "rule 0: "),
+            (r#""lossy": 1"#, "rule 0: lossy must be true, false or null"),
+        ] {
+            let text = format!(
+                r#"{{"version": 1, "fallback": "twoshot", "rules": [{{"world": [2, 4], {field}, "strategy": "oneshot"}}]}}"#
+            );
+            let e = SelectionTable::from_json(&text).unwrap_err().to_string();
+            assert!(e.contains(want), "{field}: {e}");
+        }
+        // Null is the same as absent.
+        let text = r#"{"version": 1, "fallback": "twoshot", "rules": [{"world": [2, 4], "max_bytes": null, "dtype": null, "codec": null, "topology": null, "lossy": null, "min_bytes": null, "strategy": "oneshot"}]}"#;
+        let r = &SelectionTable::from_json(text).unwrap().rules[0];
+        assert_eq!(
+            (
+                r.min_bytes,
+                r.max_bytes,
+                r.dtype,
+                r.lossy,
+                r.codec,
+                r.topology
+            ),
+            (0, usize::MAX, None, None, None, None)
+        );
     }
 
     #[test]
