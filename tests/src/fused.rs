@@ -216,8 +216,15 @@ mod fused {
         None
     }
 
-    /// One group, one workspace, every case in order. Returns the failures.
-    fn run_group(world: usize, dtype: DType, hidden: usize, cases: &[Case]) -> Vec<String> {
+    /// One group, one workspace (of `blocks` blocks per launch, or the default grid), every
+    /// case in order. Returns the failures.
+    fn run_group(
+        world: usize,
+        dtype: DType,
+        hidden: usize,
+        blocks: Option<u32>,
+        cases: &[Case],
+    ) -> Vec<String> {
         let max_tokens = cases.iter().map(|c| c.tokens).max().unwrap();
         let elems = max_tokens * hidden;
         let comms = Communicator::new_group(
@@ -228,9 +235,15 @@ mod fused {
                 .timeout(Duration::from_secs(3)),
         )
         .expect("group");
-        let ws = FusedWorkspace::create_group(&comms, FusedConfig::new(max_tokens, hidden, dtype))
-            .expect("workspace");
+        let mut config = FusedConfig::new(max_tokens, hidden, dtype);
+        if let Some(b) = blocks {
+            config = config.blocks(b);
+        }
+        let ws = FusedWorkspace::create_group(&comms, config).expect("workspace");
         assert!(ws[0].is_fused());
+        if let Some(b) = blocks {
+            assert_eq!(ws[0].metadata().blocks, b);
+        }
         let barrier = Barrier::new(world);
         let expect: RwLock<Option<Expect>> = RwLock::new(None);
         let failures: Vec<Vec<String>> = std::thread::scope(|s| {
@@ -251,6 +264,25 @@ mod fused {
                 .collect()
         });
         failures.into_iter().flatten().collect()
+    }
+
+    /// Twice the default fused grid of `world` ranks on device 0, where the device allows it
+    /// (at most 64, and two blocks per SM for all ranks together, which twice the default's
+    /// one per SM is); None where it equals the default.
+    fn wide_grid(world: usize, dtype: DType, hidden: usize) -> Option<u32> {
+        let comms = Communicator::new_group(
+            BackendKind::$kind,
+            GroupConfig::new(world)
+                .devices(vec![0; world])
+                .max_bytes(hidden * dtype.size())
+                .timeout(Duration::from_secs(3)),
+        )
+        .expect("group");
+        let ws = FusedWorkspace::create_group(&comms, FusedConfig::new(1, hidden, dtype))
+            .expect("workspace");
+        let d = ws[0].metadata().blocks;
+        let wide = (2 * d).min(f::MAX_BLOCKS);
+        (wide > d).then_some(wide)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -898,7 +930,7 @@ mod fused {
                         }
                     }
                     let start = Instant::now();
-                    let f = run_group(world, dtype, hidden, &cases);
+                    let f = run_group(world, dtype, hidden, None, &cases);
                     println!(
                         "{world} ranks {dtype} hidden {hidden}: {} cases, {} failures ({:.1} s)",
                         cases.len(),
@@ -933,7 +965,7 @@ mod fused {
                     });
                 }
             }
-            let f = run_group(3, DType::BF16, 4096, &cases);
+            let f = run_group(3, DType::BF16, 4096, None, &cases);
             println!(
                 "3 ranks bf16 hidden 4096: {} cases, {} failures",
                 cases.len(),
@@ -944,6 +976,44 @@ mod fused {
             }
             cases_run += cases.len();
             failures.extend(f);
+        }
+        // Grids other than the default: one that is not a multiple of 8 (the cluster kernel
+        // then takes smaller clusters, or none) and, where the device allows it, twice the
+        // default (two blocks per SM for all ranks together: the tightest co-residency).
+        for (world, dtype, hidden) in [(8, DType::BF16, 8192), (2, DType::F16, 4096)] {
+            let mut grids = vec![12u32];
+            grids.extend(wide_grid(world, dtype, hidden));
+            for blocks in grids {
+                let mut cases = Vec::new();
+                for (i, &t) in [1usize, 4, 8, 16, 33, 128].iter().enumerate() {
+                    let strategies = [Strategy::Auto, Strategy::OneShot, Strategy::TwoShot];
+                    for (k, strategy) in strategies.into_iter().enumerate() {
+                        let pattern = FusionPattern::ALL[(i + k) % 3];
+                        cases.push(Case {
+                            tokens: t,
+                            pattern,
+                            strategy,
+                            seed: 60 + i,
+                            out: if (i + k) % 2 == 1 {
+                                Out::InPlace
+                            } else {
+                                Out::Separate
+                            },
+                        });
+                    }
+                }
+                let f = run_group(world, dtype, hidden, Some(blocks), &cases);
+                println!(
+                    "{world} ranks {dtype} hidden {hidden}, {blocks} blocks: {} cases, {} failures",
+                    cases.len(),
+                    f.len()
+                );
+                for m in f.iter().take(5) {
+                    println!("  FAIL {m}");
+                }
+                cases_run += cases.len();
+                failures.extend(f);
+            }
         }
         for &world in worlds {
             for k in 1..=3 {

@@ -102,7 +102,16 @@ pub struct FusedConfig {
     /// The one-shot/two-shot switch of `Strategy::Auto`, over the per-rank message size in
     /// bytes (`tokens * hidden * dtype.size()`); `None` uses [`default_table`].
     pub selection: Option<SelectionTable>,
+    /// Blocks per fused kernel launch; `None`: `ALLREDUCE_FUSED_BLOCKS` if set, else one block
+    /// per SM (CU) for all the ranks of the busiest device together. A GPU workspace refuses
+    /// more than two blocks per SM for those ranks together (the kernels' launch bounds: every
+    /// rank's grid must co-reside for the polls) or more than [`MAX_BLOCKS`]; the host backend
+    /// runs no kernel and ignores it.
+    pub blocks: Option<u32>,
 }
+
+/// Most blocks per fused launch (the per-block call state holds 64).
+pub const MAX_BLOCKS: u32 = 64;
 
 /// Largest hidden size the kernels keep in registers (one row per thread block, 512
 /// threads, at most 4 vectors of 16 bytes per thread).
@@ -116,7 +125,13 @@ impl FusedConfig {
             dtype,
             fp32_lamport: dtype == DType::F32,
             selection: None,
+            blocks: None,
         }
+    }
+
+    pub fn blocks(mut self, blocks: u32) -> Self {
+        self.blocks = Some(blocks);
+        self
     }
 
     pub fn fp32_lamport(mut self, yes: bool) -> Self {
@@ -160,6 +175,11 @@ impl FusedConfig {
                 self.dtype == DType::F32,
                 self.dtype
             ));
+        }
+        if let Some(b) = self.blocks {
+            if !(1..=MAX_BLOCKS).contains(&b) {
+                return bad(format!("blocks {b}: want 1 to {MAX_BLOCKS}"));
+            }
         }
         // Element offsets are 32-bit in the kernels.
         if self.max_tokens.saturating_mul(self.hidden) >= 1 << 31 {
@@ -205,7 +225,7 @@ pub struct FusedMetadata {
 }
 
 /// Per-block state bytes (64 blocks x 16 bytes), mirrored by fused.h.
-pub const FLAG_BYTES: usize = 64 * 16;
+pub const FLAG_BYTES: usize = MAX_BLOCKS as usize * 16;
 
 /// Call tags at the end of each Lamport buffer: one 16-byte tag per rank (8 at most), mirrored
 /// by fused.h's `tags`.

@@ -15,8 +15,9 @@
 use std::ffi::CString;
 use std::sync::Arc;
 
-use super::abi::{self, FusedArgs, MAX_WORLD, THREADS};
+use super::abi::{FusedArgs, MAX_WORLD, THREADS};
 use super::{Fill, GpuRuntime, GroupView};
+use crate::fused::MAX_BLOCKS;
 use crate::{
     DType, Error, FusedCall, FusedComm, FusedConfig, FusedMetadata, FusionPattern, Result, Rule,
     SelectionTable, Strategy, Stream,
@@ -153,7 +154,7 @@ pub fn create_group<R: GpuRuntime>(
 ) -> Result<Vec<Box<dyn FusedComm>>> {
     config.validate()?;
     let world = group.world();
-    let grid = grid_setting(&group)?;
+    let grid = grid_setting(&group, config)?;
     let meta: Vec<FusedMetadata> = (0..world)
         .map(|r| FusedMetadata {
             blocks: grid,
@@ -233,7 +234,7 @@ pub fn create_group<R: GpuRuntime>(
 /// the polls need.
 pub fn fused_grid<R: GpuRuntime>(group: &GroupView<R>) -> u32 {
     let (busiest, sms) = ranks_and_sms(group);
-    let g = (sms / busiest).clamp(1, abi::MAX_BLOCKS as u32);
+    let g = (sms / busiest).clamp(1, MAX_BLOCKS);
     // A multiple of 8 where it can be, so that clusters of up to 8 blocks tile it
     // (split_cluster).
     if g >= 8 {
@@ -262,30 +263,30 @@ fn ranks_and_sms<R: GpuRuntime>(group: &GroupView<R>) -> (u32, u32) {
     (busiest, sms)
 }
 
-/// `ALLREDUCE_FUSED_BLOCKS`: blocks per fused launch instead of [`fused_grid`]'s, a tuning and
-/// comparison knob (the grid that suits 8 virtual ranks on one GPU is not the one that suits 8
-/// GPUs). Refused above [`abi::MAX_BLOCKS`] and where the ranks of the busiest device together
-/// would ask for more than two blocks per SM (CU): the launch bounds promise two, and every
-/// rank's grid must co-reside for the polls.
+/// `ALLREDUCE_FUSED_BLOCKS`: blocks per fused launch where the workspace's config names none
+/// ([`FusedConfig::blocks`]), a tuning and comparison knob (the grid that suits 8 virtual
+/// ranks on one GPU is not the one that suits 8 GPUs).
 pub const BLOCKS_ENV: &str = "ALLREDUCE_FUSED_BLOCKS";
 
-fn grid_setting<R: GpuRuntime>(group: &GroupView<R>) -> Result<u32> {
-    match std::env::var(BLOCKS_ENV) {
-        Err(_) => Ok(fused_grid(group)),
-        Ok(v) => {
-            let (busiest, sms) = ranks_and_sms(group);
-            blocks_setting(&v, busiest, sms)
-        }
+/// The grid: the config's, else [`BLOCKS_ENV`]'s, else [`fused_grid`]'s.
+fn grid_setting<R: GpuRuntime>(group: &GroupView<R>, config: &FusedConfig) -> Result<u32> {
+    let (busiest, sms) = ranks_and_sms(group);
+    match (config.blocks, std::env::var(BLOCKS_ENV)) {
+        (Some(b), _) => blocks_setting(&b.to_string(), "blocks", busiest, sms),
+        (None, Ok(v)) => blocks_setting(&v, BLOCKS_ENV, busiest, sms),
+        (None, Err(_)) => Ok(fused_grid(group)),
     }
 }
 
-/// [`BLOCKS_ENV`]'s value `v` checked for `busiest` ranks on a device of `sms` SMs (CUs).
-pub(crate) fn blocks_setting(v: &str, busiest: u32, sms: u32) -> Result<u32> {
-    let most = (abi::MAX_BLOCKS as u32).min(2 * sms / busiest.max(1));
+/// A grid `v` (from `source`) checked for `busiest` ranks on a device of `sms` SMs (CUs): at
+/// most [`MAX_BLOCKS`], and at most two blocks per SM for those ranks together, which the
+/// launch bounds promise to fit (every rank's grid must co-reside for the polls).
+pub(crate) fn blocks_setting(v: &str, source: &str, busiest: u32, sms: u32) -> Result<u32> {
+    let most = MAX_BLOCKS.min(2 * sms / busiest.max(1));
     match v.trim().parse::<u32>() {
         Ok(g) if (1..=most).contains(&g) => Ok(g),
         _ => Err(Error::InvalidConfig(format!(
-            "{BLOCKS_ENV}={v:?}: want 1 to {most} ({busiest} ranks share a device of {sms} SMs; the fused kernels fit two blocks per SM, and every rank's grid must co-reside)"
+            "fused workspace: {source}={v:?}: want 1 to {most} ({busiest} ranks share a device of {sms} SMs; the fused kernels fit two blocks per SM, and every rank's grid must co-reside)"
         ))),
     }
 }

@@ -1115,20 +1115,45 @@ fn small_one_shot_calls_take_the_cluster_kernel_where_the_device_has_clusters() 
 }
 
 #[test]
-fn the_fused_blocks_knob_is_refused_past_co_residency() {
+fn the_fused_grid_is_refused_past_co_residency() {
     use crate::gpu::fused::blocks_setting;
     // 8 ranks on 132 SMs: two blocks per SM is 33 per rank.
-    assert_eq!(blocks_setting("32", 8, 132).unwrap(), 32);
-    assert_eq!(blocks_setting(" 24 ", 8, 132).unwrap(), 24);
-    assert!(blocks_setting("33", 8, 132).is_ok());
+    let env = "ALLREDUCE_FUSED_BLOCKS";
+    assert_eq!(blocks_setting("32", env, 8, 132).unwrap(), 32);
+    assert_eq!(blocks_setting(" 24 ", env, 8, 132).unwrap(), 24);
+    assert!(blocks_setting("33", env, 8, 132).is_ok());
     for bad in ["34", "0", "-1", "x", ""] {
-        let e = blocks_setting(bad, 8, 132).unwrap_err().to_string();
-        assert!(
-            e.contains("ALLREDUCE_FUSED_BLOCKS") && e.contains("1 to 33"),
-            "{bad}: {e}"
-        );
+        let e = blocks_setting(bad, env, 8, 132).unwrap_err().to_string();
+        assert!(e.contains(env) && e.contains("1 to 33"), "{bad}: {e}");
     }
     // One rank per GPU: the per-block state caps it.
-    assert_eq!(blocks_setting("64", 1, 132).unwrap(), 64);
-    assert!(blocks_setting("65", 1, 132).is_err());
+    assert_eq!(blocks_setting("64", env, 1, 132).unwrap(), 64);
+    assert!(blocks_setting("65", env, 1, 132).is_err());
+}
+
+#[test]
+fn a_workspace_launches_the_grid_its_config_names() {
+    take_launches();
+    // Four ranks on four mock devices of 20 units: 40 blocks at most.
+    let config = crate::FusedConfig::new(16, 1024, DType::BF16).blocks(12);
+    let (_comms, fused) = fused_group(vec![0, 1, 2, 3], &config);
+    assert!(fused.iter().all(|f| f.metadata().blocks == 12));
+    let warm = take_launches();
+    assert_eq!(warm.len(), 4 * 3);
+    // The two fused kernels take the grid; the unfused norm kernel's warm-up keeps its own.
+    for l in warm.iter().filter(|l| l.kernel.starts_with("ar_fused")) {
+        assert_eq!(l.grid, 12, "{}", l.kernel);
+    }
+    let comms = group(vec![0, 1, 2, 3]);
+    let too_many = crate::FusedConfig::new(16, 1024, DType::BF16).blocks(41);
+    let Err(e) = comms[0].create_fused_group(&too_many) else {
+        panic!("41 blocks on 20 units");
+    };
+    let e = e.to_string();
+    assert!(e.contains("blocks=\"41\"") && e.contains("1 to 40"), "{e}");
+    // The config's own bounds hold on every backend.
+    assert!(crate::FusedConfig::new(16, 1024, DType::BF16)
+        .blocks(65)
+        .validate()
+        .is_err());
 }
