@@ -3,8 +3,9 @@
 # "Open leads"), for the H200: build with scripts/build-gpu-bin.sh here, carry gpu-bin and
 # scripts, then on the GPU machine
 #   OUT=$OUT scripts/fused-sweep.sh
-# Writes $OUT/sweep.log (lines "== rep=N R=ranks cfg=NAME" before each bench run) and
-# $OUT/fused_wide.log (the full fused test list at the widest grid 8 ranks may take). Back
+# Writes $OUT/sweep.log (lines "== rep=N R=ranks cfg=NAME" before each bench run),
+# $OUT/fused_default.log and $OUT/fused_wide.log (the fused test list at the default grid
+# and at the widest one 8 ranks may take). About 6 minutes on the H200. Back
 # here: scripts/fused-table.py sweep.log (medians per configuration, as a markdown table).
 #  - grid: ALLREDUCE_FUSED_BLOCKS (default: SMs / ranks of a GPU, one block per SM in all;
 #    the kernels fit two), eager and graph;
@@ -29,7 +30,10 @@ for rep in 1 2 3; do
     ALLREDUCE_FUSED_BLOCKS=${c#G} bench "$r"
   done
 done
-# The widest grid must still pass everything (every rank's grid co-resident, 2 blocks per SM).
+# The test list at the default grid (it has its own cases at 12 blocks and at twice the
+# default), then everything at 32 blocks (8 ranks: two per SM, the tightest co-residency).
+timeout 300 $B/cuda_fused >"$OUT/fused_default.log" 2>&1
+echo "cuda_fused rc=$?" >>"$OUT/fused_default.log"
 ALLREDUCE_FUSED_BLOCKS=32 timeout 300 $B/cuda_fused >"$OUT/fused_wide.log" 2>&1
 echo "cuda_fused (32 blocks) rc=$?" >>"$OUT/fused_wide.log"
-tail -3 "$OUT/fused_wide.log"; grep -c "^== " "$L"; grep -v "rc=0" "$L" | grep "rc=" | head
+tail -3 "$OUT/fused_default.log" "$OUT/fused_wide.log"; grep -c "^== " "$L"; grep -v "rc=0" "$L" | grep "rc=" | head
