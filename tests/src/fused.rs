@@ -216,6 +216,17 @@ mod fused {
         None
     }
 
+    /// `world` ranks on device 0.
+    fn virtual_group(world: usize, max_bytes: usize, timeout: Duration) -> allreduce::Result<Vec<Communicator>> {
+        Communicator::new_group(
+            BackendKind::$kind,
+            GroupConfig::new(world)
+                .devices(vec![0; world])
+                .max_bytes(max_bytes)
+                .timeout(timeout),
+        )
+    }
+
     /// One group, one workspace (of `blocks` blocks per launch, or the default grid), every
     /// case in order. Returns the failures.
     fn run_group(
@@ -227,14 +238,7 @@ mod fused {
     ) -> Vec<String> {
         let max_tokens = cases.iter().map(|c| c.tokens).max().unwrap();
         let elems = max_tokens * hidden;
-        let comms = Communicator::new_group(
-            BackendKind::$kind,
-            GroupConfig::new(world)
-                .devices(vec![0; world])
-                .max_bytes(elems * dtype.size())
-                .timeout(Duration::from_secs(3)),
-        )
-        .expect("group");
+        let comms = virtual_group(world, elems * dtype.size(), Duration::from_secs(3)).expect("group");
         let mut config = FusedConfig::new(max_tokens, hidden, dtype);
         if let Some(b) = blocks {
             config = config.blocks(b);
@@ -266,18 +270,45 @@ mod fused {
         failures.into_iter().flatten().collect()
     }
 
+    /// Every token count with Auto, one-shot and two-shot; the pattern of the i-th token
+    /// count's k-th strategy is `FusionPattern::ALL[pattern(i, k) % 3]`, outputs alternate
+    /// between their own buffers and in place.
+    fn mixed_cases(tokens: &[usize], seed: usize, pattern: impl Fn(usize, usize) -> usize) -> Vec<Case> {
+        let mut cases = Vec::new();
+        for (i, &t) in tokens.iter().enumerate() {
+            let strategies = [Strategy::Auto, Strategy::OneShot, Strategy::TwoShot];
+            for (k, strategy) in strategies.into_iter().enumerate() {
+                cases.push(Case {
+                    tokens: t,
+                    pattern: FusionPattern::ALL[pattern(i, k) % 3],
+                    strategy,
+                    seed: seed + i,
+                    out: if (i + k) % 2 == 1 {
+                        Out::InPlace
+                    } else {
+                        Out::Separate
+                    },
+                });
+            }
+        }
+        cases
+    }
+
+    /// Print a group's outcome (the first failures in full) and add it to the totals.
+    fn tally(label: &str, cases: &[Case], f: Vec<String>, run: &mut usize, failures: &mut Vec<String>) {
+        println!("{label}: {} cases, {} failures", cases.len(), f.len());
+        for m in f.iter().take(5) {
+            println!("  FAIL {m}");
+        }
+        *run += cases.len();
+        failures.extend(f);
+    }
+
     /// Twice the default fused grid of `world` ranks on device 0, where the device allows it
     /// (at most 64, and two blocks per SM for all ranks together, which twice the default's
     /// one per SM is); None where it equals the default.
     fn wide_grid(world: usize, dtype: DType, hidden: usize) -> Option<u32> {
-        let comms = Communicator::new_group(
-            BackendKind::$kind,
-            GroupConfig::new(world)
-                .devices(vec![0; world])
-                .max_bytes(hidden * dtype.size())
-                .timeout(Duration::from_secs(3)),
-        )
-        .expect("group");
+        let comms = virtual_group(world, hidden * dtype.size(), Duration::from_secs(3)).expect("group");
         let ws = FusedWorkspace::create_group(&comms, FusedConfig::new(1, hidden, dtype))
             .expect("workspace");
         let d = ws[0].metadata().blocks;
@@ -690,14 +721,7 @@ mod fused {
 
     fn run_graphs(world: usize, k: usize) -> Result<(), String> {
         let (dtype, hidden) = (DType::BF16, 2048);
-        let comms = Communicator::new_group(
-            BackendKind::$kind,
-            GroupConfig::new(world)
-                .devices(vec![0; world])
-                .max_bytes(1 << 20)
-                .timeout(Duration::from_secs(3)),
-        )
-        .map_err(|e| e.to_string())?;
+        let comms = virtual_group(world, 1 << 20, Duration::from_secs(3)).map_err(|e| e.to_string())?;
         let ws = FusedWorkspace::create_group(&comms, FusedConfig::new(16, hidden, dtype))
             .map_err(|e| e.to_string())?;
         let refs: Vec<Vec<FusedOutputs>> = graph_calls(k)
@@ -749,14 +773,7 @@ mod fused {
         dtype: DType,
         timeout: Duration,
     ) -> Result<(Vec<Communicator>, Vec<FusedWorkspace>), String> {
-        let comms = Communicator::new_group(
-            BackendKind::$kind,
-            GroupConfig::new(2)
-                .devices(vec![0; 2])
-                .max_bytes(1 << 16)
-                .timeout(timeout),
-        )
-        .map_err(|e| e.to_string())?;
+        let comms = virtual_group(2, 1 << 16, timeout).map_err(|e| e.to_string())?;
         let ws = FusedWorkspace::create_group(&comms, FusedConfig::new(4, hidden, dtype))
             .map_err(|e| e.to_string())?;
         Ok((comms, ws))
@@ -931,52 +948,18 @@ mod fused {
                     }
                     let start = Instant::now();
                     let f = run_group(world, dtype, hidden, None, &cases);
-                    println!(
-                        "{world} ranks {dtype} hidden {hidden}: {} cases, {} failures ({:.1} s)",
-                        cases.len(),
-                        f.len(),
+                    let label = format!(
+                        "{world} ranks {dtype} hidden {hidden} ({:.1} s)",
                         start.elapsed().as_secs_f64()
                     );
-                    for m in f.iter().take(5) {
-                        println!("  FAIL {m}");
-                    }
-                    cases_run += cases.len();
-                    failures.extend(f);
+                    tally(&label, &cases, f, &mut cases_run, &mut failures);
                 }
             }
         }
         // 3 ranks: the generic kernels (the world read from the arguments, not compiled in).
-        {
-            let mut cases = Vec::new();
-            for (i, &t) in [1usize, 7, 128].iter().enumerate() {
-                let strategies = [Strategy::Auto, Strategy::OneShot, Strategy::TwoShot];
-                for (k, strategy) in strategies.into_iter().enumerate() {
-                    let pattern = FusionPattern::ALL[i % 3];
-                    cases.push(Case {
-                        tokens: t,
-                        pattern,
-                        strategy,
-                        seed: 40 + i,
-                        out: if (i + k) % 2 == 1 {
-                            Out::InPlace
-                        } else {
-                            Out::Separate
-                        },
-                    });
-                }
-            }
-            let f = run_group(3, DType::BF16, 4096, None, &cases);
-            println!(
-                "3 ranks bf16 hidden 4096: {} cases, {} failures",
-                cases.len(),
-                f.len()
-            );
-            for m in f.iter().take(5) {
-                println!("  FAIL {m}");
-            }
-            cases_run += cases.len();
-            failures.extend(f);
-        }
+        let cases = mixed_cases(&[1, 7, 128], 40, |i, _| i);
+        let f = run_group(3, DType::BF16, 4096, None, &cases);
+        tally("3 ranks bf16 hidden 4096", &cases, f, &mut cases_run, &mut failures);
         // Grids other than the default: one that is not a multiple of 8 (the cluster kernel
         // then takes smaller clusters, or none) and, where the device allows it, twice the
         // default (two blocks per SM for all ranks together: the tightest co-residency).
@@ -984,35 +967,10 @@ mod fused {
             let mut grids = vec![12u32];
             grids.extend(wide_grid(world, dtype, hidden));
             for blocks in grids {
-                let mut cases = Vec::new();
-                for (i, &t) in [1usize, 4, 8, 16, 33, 128].iter().enumerate() {
-                    let strategies = [Strategy::Auto, Strategy::OneShot, Strategy::TwoShot];
-                    for (k, strategy) in strategies.into_iter().enumerate() {
-                        let pattern = FusionPattern::ALL[(i + k) % 3];
-                        cases.push(Case {
-                            tokens: t,
-                            pattern,
-                            strategy,
-                            seed: 60 + i,
-                            out: if (i + k) % 2 == 1 {
-                                Out::InPlace
-                            } else {
-                                Out::Separate
-                            },
-                        });
-                    }
-                }
+                let cases = mixed_cases(&[1, 4, 8, 16, 33, 128], 60, |i, k| i + k);
                 let f = run_group(world, dtype, hidden, Some(blocks), &cases);
-                println!(
-                    "{world} ranks {dtype} hidden {hidden}, {blocks} blocks: {} cases, {} failures",
-                    cases.len(),
-                    f.len()
-                );
-                for m in f.iter().take(5) {
-                    println!("  FAIL {m}");
-                }
-                cases_run += cases.len();
-                failures.extend(f);
+                let label = format!("{world} ranks {dtype} hidden {hidden}, {blocks} blocks");
+                tally(&label, &cases, f, &mut cases_run, &mut failures);
             }
         }
         for &world in worlds {
