@@ -10,7 +10,8 @@
 #  - grid: ALLREDUCE_FUSED_BLOCKS (default: SMs / ranks of a GPU, one block per SM in all;
 #    the kernels fit two), eager and graph;
 #  - eager pace: the bench's last two columns, the host's enqueue time per call (fused,
-#    unfused), against the eager times.
+#    unfused), against the eager times;
+#  - other builds: EXTRA="gpu-bin-x ..." (carry them too), each bench at its default grid.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -23,12 +24,26 @@ bench() { # ranks
     --tokens 1,8,16,32,64,128,256 --fused-hidden 4096,8192 --timeout 5 >>"$L" 2>&1
   echo "rc=$?" >>"$L"
 }
+# Other builds (EXTRA="dir ..."; each dir holds an allreduce-bench, e.g. an experiment
+# branch's) run at their default grid, as cfg=<dir>.
 for rep in 1 2 3; do
   for cfg in 8:G16 8:G24 8:G32 4:G32 4:G48 4:G64; do
     r=${cfg%%:*} c=${cfg#*:}
     echo "== rep=$rep R=$r cfg=$c" >>"$L"
     ALLREDUCE_FUSED_BLOCKS=${c#G} bench "$r"
   done
+  for d in ${EXTRA:-}; do
+    for r in 8 4; do
+      echo "== rep=$rep R=$r cfg=$(basename "$d")" >>"$L"
+      B=$d bench "$r"
+    done
+  done
+done
+# An extra build's own fused tests, quick list (into the sweep log).
+for d in ${EXTRA:-}; do
+  [ -x "$d/cuda_fused" ] || continue
+  ALLREDUCE_FUSED_QUICK=1 timeout 200 "$d/cuda_fused" >>"$L" 2>&1
+  echo "$(basename "$d") cuda_fused quick rc=$?" >>"$L"
 done
 # The test list at the default grid (it has its own cases at 12 blocks and at twice the
 # default), then everything at 32 blocks (8 ranks: two per SM, the tightest co-residency).
