@@ -11,7 +11,9 @@
 #    the kernels fit two), eager and graph;
 #  - eager pace: the bench's last two columns, the host's enqueue time per call (fused,
 #    unfused), against the eager times;
-#  - other builds: EXTRA="gpu-bin-x ..." (carry them too), each bench at its default grid.
+#  - other builds: EXTRA="gpu-bin-x ..." (carry them too), each bench at its default grid;
+#    scripts/build-variant.sh REV gpu-bin-x builds one. Pending: exp/fused-one-block-per-sm
+#    (launch bounds of one block per SM: no register spills in the one-block fused kernels).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
