@@ -13,7 +13,9 @@
 #    unfused), against the eager times;
 #  - other builds: EXTRA="gpu-bin-x ..." (carry them too), each bench at its default grid;
 #    scripts/build-variant.sh REV gpu-bin-x builds one. Pending: exp/fused-one-block-per-sm
-#    (launch bounds of one block per SM: no register spills in the one-block fused kernels).
+#    (launch bounds of one block per SM: no register spills in the one-block fused kernels)
+#    and feat/fp8-static (the static-scale FP8 pattern: its quick fused test list covers the
+#    new pattern, and its bench shows whether the default pattern's kernels moved).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
