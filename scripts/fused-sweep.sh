@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The fused bench's open questions at 4 and 8 virtual ranks on one GPU (docs/benchmarks.md,
-# "Open leads"), for the H200: build with scripts/build-gpu-bin.sh here, carry gpu-bin and
-# scripts, then on the GPU machine
-#   OUT=$OUT scripts/fused-sweep.sh
+# "Open leads"), for the H200: build with scripts/build-gpu-bin.sh here (and the variants,
+# below), carry gpu-bin/allreduce-bench, gpu-bin/cuda_fused and each variant's folder (the
+# whole gpu-bin with two variants is over the 64 MiB a call carries), then on the GPU machine
+#   EXTRA="gpu-bin-lb1 gpu-bin-fp8" OUT=$OUT scripts/fused-sweep.sh
 # Writes $OUT/sweep.log (lines "== rep=N R=ranks cfg=NAME" before each bench run),
 # $OUT/fused_default.log and $OUT/fused_wide.log (the fused test list at the default grid
 # and at the widest one 8 ranks may take). About 6 minutes on the H200. Back
