@@ -67,4 +67,4 @@ timeout 300 $B/cuda_fused >"$OUT/fused_default.log" 2>&1
 echo "cuda_fused rc=$?" >>"$OUT/fused_default.log"
 ALLREDUCE_FUSED_BLOCKS=32 timeout 300 $B/cuda_fused >"$OUT/fused_wide.log" 2>&1
 echo "cuda_fused (32 blocks) rc=$?" >>"$OUT/fused_wide.log"
-tail -3 "$OUT/fused_default.log" "$OUT/fused_wide.log"; grep -c "^== " "$L"; grep -v "rc=0" "$L" | grep "rc=" | head
+tail -n 3 "$OUT/fused_default.log" "$OUT/fused_wide.log"; grep -c "^== " "$L"; grep -v "rc=0" "$L" | grep "rc=" | head
