@@ -217,7 +217,11 @@ mod fused {
     }
 
     /// `world` ranks on device 0.
-    fn virtual_group(world: usize, max_bytes: usize, timeout: Duration) -> allreduce::Result<Vec<Communicator>> {
+    fn virtual_group(
+        world: usize,
+        max_bytes: usize,
+        timeout: Duration,
+    ) -> allreduce::Result<Vec<Communicator>> {
         Communicator::new_group(
             BackendKind::$kind,
             GroupConfig::new(world)
@@ -238,7 +242,8 @@ mod fused {
     ) -> Vec<String> {
         let max_tokens = cases.iter().map(|c| c.tokens).max().unwrap();
         let elems = max_tokens * hidden;
-        let comms = virtual_group(world, elems * dtype.size(), Duration::from_secs(3)).expect("group");
+        let comms =
+            virtual_group(world, elems * dtype.size(), Duration::from_secs(3)).expect("group");
         let mut config = FusedConfig::new(max_tokens, hidden, dtype);
         if let Some(b) = blocks {
             config = config.blocks(b);
@@ -273,7 +278,11 @@ mod fused {
     /// Every token count with Auto, one-shot and two-shot; the pattern of the i-th token
     /// count's k-th strategy is `FusionPattern::ALL[pattern(i, k) % 3]`, outputs alternate
     /// between their own buffers and in place.
-    fn mixed_cases(tokens: &[usize], seed: usize, pattern: impl Fn(usize, usize) -> usize) -> Vec<Case> {
+    fn mixed_cases(
+        tokens: &[usize],
+        seed: usize,
+        pattern: impl Fn(usize, usize) -> usize,
+    ) -> Vec<Case> {
         let mut cases = Vec::new();
         for (i, &t) in tokens.iter().enumerate() {
             let strategies = [Strategy::Auto, Strategy::OneShot, Strategy::TwoShot];
@@ -295,7 +304,13 @@ mod fused {
     }
 
     /// Print a group's outcome (the first failures in full) and add it to the totals.
-    fn tally(label: &str, cases: &[Case], f: Vec<String>, run: &mut usize, failures: &mut Vec<String>) {
+    fn tally(
+        label: &str,
+        cases: &[Case],
+        f: Vec<String>,
+        run: &mut usize,
+        failures: &mut Vec<String>,
+    ) {
         println!("{label}: {} cases, {} failures", cases.len(), f.len());
         for m in f.iter().take(5) {
             println!("  FAIL {m}");
@@ -308,7 +323,8 @@ mod fused {
     /// (at most 64, and two blocks per SM for all ranks together, which twice the default's
     /// one per SM is); None where it equals the default.
     fn wide_grid(world: usize, dtype: DType, hidden: usize) -> Option<u32> {
-        let comms = virtual_group(world, hidden * dtype.size(), Duration::from_secs(3)).expect("group");
+        let comms =
+            virtual_group(world, hidden * dtype.size(), Duration::from_secs(3)).expect("group");
         let ws = FusedWorkspace::create_group(&comms, FusedConfig::new(1, hidden, dtype))
             .expect("workspace");
         let d = ws[0].metadata().blocks;
@@ -721,7 +737,8 @@ mod fused {
 
     fn run_graphs(world: usize, k: usize) -> Result<(), String> {
         let (dtype, hidden) = (DType::BF16, 2048);
-        let comms = virtual_group(world, 1 << 20, Duration::from_secs(3)).map_err(|e| e.to_string())?;
+        let comms =
+            virtual_group(world, 1 << 20, Duration::from_secs(3)).map_err(|e| e.to_string())?;
         let ws = FusedWorkspace::create_group(&comms, FusedConfig::new(16, hidden, dtype))
             .map_err(|e| e.to_string())?;
         let refs: Vec<Vec<FusedOutputs>> = graph_calls(k)
