@@ -37,10 +37,15 @@ bench() { # ranks [more bench arguments]
 # Other builds (EXTRA="dir ..."; each dir holds an allreduce-bench, e.g. an experiment
 # branch's) run at their default grid, as cfg=<dir>.
 for rep in $(seq 1 "${REPS:-3}"); do
-  for cfg in 8:G16 8:G24 8:G32 4:G32 4:G48 4:G64; do
+  [ "${BENCH:-1}" = 1 ] || break
+  # G<n>: ALLREDUCE_FUSED_BLOCKS=n; PDL: ALLREDUCE_FUSED_PDL=1 at the default grid.
+  for cfg in ${CFGS:-8:G16 8:G24 8:G32 8:PDL 4:G32 4:G48 4:G64 4:PDL}; do
     r=${cfg%%:*} c=${cfg#*:}
     echo "== rep=$rep R=$r cfg=$c" >>"$L"
-    ALLREDUCE_FUSED_BLOCKS=${c#G} bench "$r"
+    case $c in
+      G*) ALLREDUCE_FUSED_BLOCKS=${c#G} bench "$r" ;;
+      PDL) ALLREDUCE_FUSED_PDL=1 bench "$r" ;;
+    esac
   done
   for x in ${EXTRA:-}; do
     d=${x%%:*} more=; [ "$x" != "$d" ] && more=${x#*:}
@@ -50,8 +55,9 @@ for rep in $(seq 1 "${REPS:-3}"); do
     done
   done
 done
-# An extra build's own fused tests, quick list (into the sweep log).
+# TESTS=0: benches only; BENCH=0: tests only.
 [ "${TESTS:-1}" = 1 ] || exit 0
+# An extra build's own fused tests, quick list (into the sweep log).
 seen=
 for x in ${EXTRA:-}; do
   d=${x%%:*}
@@ -67,4 +73,6 @@ timeout 300 $B/cuda_fused >"$OUT/fused_default.log" 2>&1
 echo "cuda_fused rc=$?" >>"$OUT/fused_default.log"
 ALLREDUCE_FUSED_BLOCKS=32 timeout 300 $B/cuda_fused >"$OUT/fused_wide.log" 2>&1
 echo "cuda_fused (32 blocks) rc=$?" >>"$OUT/fused_wide.log"
-tail -n 3 "$OUT/fused_default.log" "$OUT/fused_wide.log"; grep -c "^== " "$L"; grep -v "rc=0" "$L" | grep "rc=" | head
+ALLREDUCE_FUSED_PDL=1 timeout 300 $B/cuda_fused >"$OUT/fused_pdl.log" 2>&1
+echo "cuda_fused (PDL) rc=$?" >>"$OUT/fused_pdl.log"
+tail -n 3 "$OUT/fused_default.log" "$OUT/fused_wide.log" "$OUT/fused_pdl.log"; grep -c "^== " "$L"; grep -v "rc=0" "$L" | grep "rc=" | head

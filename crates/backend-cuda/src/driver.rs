@@ -350,12 +350,40 @@ pub unsafe fn launch_cluster<A>(
     stream: CUstream,
     args: &A,
 ) -> Result<()> {
+    launch_ex(f, grid, cluster, false, block, stream, args)
+}
+
+/// [`launch`] through cuLaunchKernelEx: in clusters of `cluster` blocks where it is above 1,
+/// and with programmatic stream serialization where `pdl` (the kernel may be scheduled once
+/// the stream's previous kernel triggers, and waits for it with griddepcontrol.wait).
+///
+/// # Safety
+/// As [`launch`].
+pub unsafe fn launch_ex<A>(
+    f: CUfunction,
+    grid: u32,
+    cluster: u32,
+    pdl: bool,
+    block: u32,
+    stream: CUstream,
+    args: &A,
+) -> Result<()> {
     let mut params = [args as *const A as *mut c_void];
-    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    attr.value.clusterDim.x = cluster;
-    attr.value.clusterDim.y = 1;
-    attr.value.clusterDim.z = 1;
+    let mut attrs: [sys::CUlaunchAttribute; 2] = std::mem::zeroed();
+    let mut n = 0;
+    if cluster > 1 {
+        attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attrs[n].value.clusterDim.x = cluster;
+        attrs[n].value.clusterDim.y = 1;
+        attrs[n].value.clusterDim.z = 1;
+        n += 1;
+    }
+    if pdl {
+        attrs[n].id =
+            sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attrs[n].value.programmaticStreamSerializationAllowed = 1;
+        n += 1;
+    }
     let config = sys::CUlaunchConfig {
         gridDimX: grid,
         gridDimY: 1,
@@ -365,8 +393,8 @@ pub unsafe fn launch_cluster<A>(
         blockDimZ: 1,
         sharedMemBytes: 0,
         hStream: stream,
-        attrs: &mut attr,
-        numAttrs: 1,
+        attrs: attrs.as_mut_ptr(),
+        numAttrs: n as u32,
     };
     check(
         sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()),

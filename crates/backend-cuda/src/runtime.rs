@@ -120,6 +120,21 @@ impl GpuRuntime for CudaRuntime {
         driver::launch_cluster(f.0, grid, cluster, block, stream.as_raw() as _, args)
     }
 
+    fn has_pdl(dev: &driver::Device) -> bool {
+        dev.cc_major >= 9
+    }
+
+    unsafe fn launch_dependent<A>(
+        f: Function,
+        grid: u32,
+        cluster: u32,
+        block: u32,
+        stream: Stream,
+        args: &A,
+    ) -> Result<()> {
+        driver::launch_ex(f.0, grid, cluster, true, block, stream.as_raw() as _, args)
+    }
+
     fn synchronize_device(dev: &driver::Device) -> Result<()> {
         dev.bind()?;
         driver::context_synchronize()

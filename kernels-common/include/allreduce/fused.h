@@ -610,7 +610,12 @@ AR_DEVICE void begin(const FusedArgs& a, Call& c) {
   c.prev_self = s.prev_self != 0;
 }
 
+// The block's polls are over: the stream's next kernel, when launched with PDL, may now be
+// scheduled (it waits in pdl_wait() until this grid has completed). Not earlier: a waiting
+// grid holds its SM slots, and until every block of ours is past its polls a peer's grid
+// may still need slots to get its pushes out.
 AR_DEVICE void finish(const FusedArgs& a, const Call& c, bool twoshot, bool self_pushed) {
+  pdl_trigger();
   sync_block();  // every thread read the state in begin()
   if (thread_x() == 0) {
     BlockState s;
@@ -732,6 +737,7 @@ AR_DEVICE bool oneshot_exchange(const FusedArgs& a, Call& c, bool own) {
   // is a compiler barrier. (H200: 0.3-0.5 us less on two-shot calls of 64-128 tokens; within
   // noise on small one-shot calls, whose time is elsewhere.)
   uint4 x[kPushUnroll];
+  pdl_wait();  // launched with PDL: the previous kernel's writes (our input, the state)
   load_round<T>(a, first, nvec, stride, x);
   begin(a, c);
   const u64 desc = call_desc<T>(a, false);
@@ -808,6 +814,7 @@ __device__ void twoshot(const FusedArgs& a) {
   const u64 stride = sp.stride, first = sp.first;
   const u64 per = (a.tokens + world - 1) / world;
   uint4 x[kPushUnroll];
+  pdl_wait();  // as in oneshot_exchange
   load_round<T>(a, first, nvec, stride, x);  // before the state, as in oneshot
   Call c;
   begin(a, c);

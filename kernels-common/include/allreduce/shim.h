@@ -209,6 +209,20 @@ AR_DEVICE float max_nan(float a, float b) {
 #define AR_MAX_NAN 0
 #endif
 
+// Programmatic dependent launch (PTX griddepcontrol, sm_90+). A kernel launched with the
+// programmatic-serialization attribute may be scheduled before the stream's previous kernel
+// has finished: pdl_wait() holds it until that kernel has completed and its memory is
+// visible, so it must come before the first global access. pdl_trigger() lets the next
+// kernel of the stream be scheduled early; without the attribute both are no-ops, and on
+// HIP (no such launch) they compile to nothing.
+#if !AR_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+AR_DEVICE void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+AR_DEVICE void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+#else
+AR_DEVICE void pdl_wait() {}
+AR_DEVICE void pdl_trigger() {}
+#endif
+
 // AR_PACK_SAT: the target clamps two s32 to 4 or 8 unsigned bits and packs them above the low
 // bits of a third word in one instruction (PTX cvt.pack.sat, sm_72+): d = rest << 2k | sat(hi)
 // << k | sat(lo). The q4, q6 and adaptive encoders clamp and pack their codes with it

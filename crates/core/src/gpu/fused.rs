@@ -116,6 +116,9 @@ struct Shared<R: GpuRuntime> {
     /// The largest cluster the one-shot may split a row over ([`split_cluster`]); below 2
     /// where any rank's device has no clusters.
     max_cluster: u32,
+    /// Launch with PDL ([`GpuRuntime::launch_dependent`]): [`PDL_ENV`], where every rank's
+    /// device has it.
+    pdl: bool,
 }
 
 impl<R: GpuRuntime> Drop for Shared<R> {
@@ -194,6 +197,7 @@ pub fn create_group<R: GpuRuntime>(
     } else {
         1
     };
+    let pdl = pdl_setting()? && (0..world).all(|r| R::has_pdl(group.device(r)));
     tracing::debug!(
         backend = R::NAME,
         world,
@@ -203,11 +207,13 @@ pub fn create_group<R: GpuRuntime>(
         bytes_per_rank = meta[0].buffer_size,
         grid,
         max_cluster,
+        pdl,
         "fused workspace"
     );
     let shared = Arc::new(Shared {
         grid,
         max_cluster,
+        pdl,
         group,
         meta,
         lamport,
@@ -288,6 +294,24 @@ pub(crate) fn blocks_setting(v: &str, source: &str, busiest: u32, sms: u32) -> R
         _ => Err(Error::InvalidConfig(format!(
             "fused workspace: {source}={v:?}: want 1 to {most} ({busiest} ranks share a device of {sms} SMs; the fused kernels fit two blocks per SM, and every rank's grid must co-reside)"
         ))),
+    }
+}
+
+/// `ALLREDUCE_FUSED_PDL`: 1 to launch the fused kernels with programmatic dependent launch
+/// (each call's grid is scheduled while the stream's previous kernel finishes), 0 (default)
+/// for ordinary launches. A comparison knob while PDL is measured.
+pub const PDL_ENV: &str = "ALLREDUCE_FUSED_PDL";
+
+fn pdl_setting() -> Result<bool> {
+    match std::env::var(PDL_ENV) {
+        Err(_) => Ok(false),
+        Ok(v) => match v.trim() {
+            "0" => Ok(false),
+            "1" => Ok(true),
+            _ => Err(Error::InvalidConfig(format!(
+                "{PDL_ENV}={v:?}: want 0 or 1"
+            ))),
+        },
     }
 }
 
@@ -475,7 +499,11 @@ impl<R: GpuRuntime> FusedComm for GpuFused<R> {
         // alignment, overlap).
         unsafe {
             match split {
+                Some((f, c)) if s.pdl => {
+                    R::launch_dependent(f, s.grid, c, THREADS, call.stream, &args)
+                }
                 Some((f, c)) => R::launch_cluster(f, s.grid, c, THREADS, call.stream, &args),
+                None if s.pdl => R::launch_dependent(f, s.grid, 1, THREADS, call.stream, &args),
                 None => R::launch(f, s.grid, THREADS, call.stream, &args),
             }
         }

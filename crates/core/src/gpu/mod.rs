@@ -220,6 +220,35 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
         )))
     }
 
+    /// Whether `dev` runs programmatic dependent launches ([`GpuRuntime::launch_dependent`]:
+    /// CUDA sm_90 and later).
+    fn has_pdl(_dev: &Self::Device) -> bool {
+        false
+    }
+
+    /// As [`GpuRuntime::launch`] (in clusters of `cluster` blocks where `cluster` > 1, as
+    /// [`GpuRuntime::launch_cluster`]), and the kernel may be scheduled before the stream's
+    /// previous kernel has completed (programmatic dependent launch), once that kernel lets
+    /// it: the kernel must wait for it (`pdl_wait` in shim.h) before its first memory access.
+    /// Where [`GpuRuntime::has_pdl`] is false, an ordinary launch.
+    ///
+    /// # Safety
+    /// As [`GpuRuntime::launch`].
+    unsafe fn launch_dependent<A>(
+        f: Self::Function,
+        grid: u32,
+        cluster: u32,
+        block: u32,
+        stream: Stream,
+        args: &A,
+    ) -> Result<()> {
+        if cluster > 1 {
+            Self::launch_cluster(f, grid, cluster, block, stream, args)
+        } else {
+            Self::launch(f, grid, block, stream, args)
+        }
+    }
+
     /// Load the fused all-reduce + RMSNorm kernels (a second module, `fused.h`'s) for `dev`,
     /// which the caller has made current.
     fn load_fused_module(_dev: &Self::Device) -> Result<Self::Module> {
