@@ -237,7 +237,7 @@ mod fused {
         world: usize,
         dtype: DType,
         hidden: usize,
-        blocks: Option<u32>,
+        launch: Launch,
         cases: &[Case],
     ) -> Vec<String> {
         let max_tokens = cases.iter().map(|c| c.tokens).max().unwrap();
@@ -245,13 +245,17 @@ mod fused {
         let comms =
             virtual_group(world, elems * dtype.size(), Duration::from_secs(3)).expect("group");
         let mut config = FusedConfig::new(max_tokens, hidden, dtype);
-        if let Some(b) = blocks {
-            config = config.blocks(b);
+        match launch {
+            Launch::Default => {}
+            Launch::Blocks(b) => config = config.blocks(b),
+            Launch::NoPdl => config = config.pdl(false),
         }
         let ws = FusedWorkspace::create_group(&comms, config).expect("workspace");
         assert!(ws[0].is_fused());
-        if let Some(b) = blocks {
-            assert_eq!(ws[0].metadata().blocks, b);
+        match launch {
+            Launch::Default => {}
+            Launch::Blocks(b) => assert_eq!(ws[0].metadata().blocks, b),
+            Launch::NoPdl => assert!(!ws[0].metadata().pdl),
         }
         let barrier = Barrier::new(world);
         let expect: RwLock<Option<Expect>> = RwLock::new(None);
@@ -319,17 +323,13 @@ mod fused {
         failures.extend(f);
     }
 
-    /// Twice the default fused grid of `world` ranks on device 0, where the device allows it
-    /// (at most 64, and two blocks per SM for all ranks together, which twice the default's
-    /// one per SM is); None where it equals the default.
-    fn wide_grid(world: usize, dtype: DType, hidden: usize) -> Option<u32> {
-        let comms =
-            virtual_group(world, hidden * dtype.size(), Duration::from_secs(3)).expect("group");
-        let ws = FusedWorkspace::create_group(&comms, FusedConfig::new(1, hidden, dtype))
-            .expect("workspace");
-        let d = ws[0].metadata().blocks;
-        let wide = (2 * d).min(f::MAX_BLOCKS);
-        (wide > d).then_some(wide)
+    /// How a group's fused kernels are launched: the defaults (PDL where the device has it,
+    /// the default grid), another grid, or ordinary launches.
+    #[derive(Clone, Copy)]
+    enum Launch {
+        Default,
+        Blocks(u32),
+        NoPdl,
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -964,7 +964,7 @@ mod fused {
                         }
                     }
                     let start = Instant::now();
-                    let f = run_group(world, dtype, hidden, None, &cases);
+                    let f = run_group(world, dtype, hidden, Launch::Default, &cases);
                     let label = format!(
                         "{world} ranks {dtype} hidden {hidden} ({:.1} s)",
                         start.elapsed().as_secs_f64()
@@ -975,18 +975,21 @@ mod fused {
         }
         // 3 ranks: the generic kernels (the world read from the arguments, not compiled in).
         let cases = mixed_cases(&[1, 7, 128], 40, |i, _| i);
-        let f = run_group(3, DType::BF16, 4096, None, &cases);
+        let f = run_group(3, DType::BF16, 4096, Launch::Default, &cases);
         tally("3 ranks bf16 hidden 4096", &cases, f, &mut cases_run, &mut failures);
-        // Grids other than the default: one that is not a multiple of 8 (the cluster kernel
-        // then takes smaller clusters, or none) and, where the device allows it, twice the
-        // default (two blocks per SM for all ranks together: the tightest co-residency).
+        // Grids other than the default (12: clusters of 4 or 2, or none; 9: never a
+        // cluster), and ordinary launches where the default is PDL. (The widest grid a device
+        // allows, one block per SM for all ranks together, is the default at 8 ranks.)
         for (world, dtype, hidden) in [(8, DType::BF16, 8192), (2, DType::F16, 4096)] {
-            let mut grids = vec![12u32];
-            grids.extend(wide_grid(world, dtype, hidden));
-            for blocks in grids {
+            for launch in [Launch::Blocks(12), Launch::Blocks(9), Launch::NoPdl] {
                 let cases = mixed_cases(&[1, 4, 8, 16, 33, 128], 60, |i, k| i + k);
-                let f = run_group(world, dtype, hidden, Some(blocks), &cases);
-                let label = format!("{world} ranks {dtype} hidden {hidden}, {blocks} blocks");
+                let f = run_group(world, dtype, hidden, launch, &cases);
+                let how = match launch {
+                    Launch::Blocks(b) => format!("{b} blocks"),
+                    Launch::NoPdl => "no PDL".to_string(),
+                    Launch::Default => "defaults".to_string(),
+                };
+                let label = format!("{world} ranks {dtype} hidden {hidden}, {how}");
                 tally(&label, &cases, f, &mut cases_run, &mut failures);
             }
         }

@@ -239,9 +239,15 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
         )?;
         let ws = FusedWorkspace::create_group(&comms, FusedConfig::new(max_tokens, hidden, dtype))?;
         if let Some(w) = ws.first() {
+            let m = w.metadata();
             println!(
-                "# hidden {hidden}: {} blocks per fused launch",
-                w.metadata().blocks
+                "# hidden {hidden}: {} blocks per fused launch, {}",
+                m.blocks,
+                if m.pdl {
+                    "programmatic dependent launch"
+                } else {
+                    "ordinary launches"
+                }
             );
         }
         let barrier = Barrier::new(world);

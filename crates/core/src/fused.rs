@@ -104,10 +104,15 @@ pub struct FusedConfig {
     pub selection: Option<SelectionTable>,
     /// Blocks per fused kernel launch; `None`: `ALLREDUCE_FUSED_BLOCKS` if set, else one block
     /// per SM (CU) for all the ranks of the busiest device together. A GPU workspace refuses
-    /// more than two blocks per SM for those ranks together (the kernels' launch bounds: every
-    /// rank's grid must co-reside for the polls) or more than [`MAX_BLOCKS`]; the host backend
-    /// runs no kernel and ignores it.
+    /// more than that (the kernels fit two blocks per SM: one for the fused grids of all
+    /// ranks, one for the group's other collective a rank may have moved on to, which polls
+    /// too) or more than [`MAX_BLOCKS`]; the host backend runs no kernel and ignores it.
     pub blocks: Option<u32>,
+    /// Programmatic dependent launch (CUDA sm_90+): each fused kernel may be scheduled while
+    /// the stream's previous kernel finishes, and waits for it on the device. `None`:
+    /// `ALLREDUCE_FUSED_PDL` (0 or 1) if set, else on where every device has it. The host
+    /// backend and devices without it ignore it.
+    pub pdl: Option<bool>,
 }
 
 /// Most blocks per fused launch (the per-block call state holds 64).
@@ -126,11 +131,17 @@ impl FusedConfig {
             fp32_lamport: dtype == DType::F32,
             selection: None,
             blocks: None,
+            pdl: None,
         }
     }
 
     pub fn blocks(mut self, blocks: u32) -> Self {
         self.blocks = Some(blocks);
+        self
+    }
+
+    pub fn pdl(mut self, yes: bool) -> Self {
+        self.pdl = Some(yes);
         self
     }
 
@@ -222,6 +233,9 @@ pub struct FusedMetadata {
     /// Blocks per fused kernel launch (the same on every rank); 0 where no kernel runs (the
     /// host backend's composed call).
     pub blocks: u32,
+    /// The fused kernels are launched with programmatic dependent launch
+    /// ([`FusedConfig::pdl`]); false where no kernel runs.
+    pub pdl: bool,
 }
 
 /// Per-block state bytes (64 blocks x 16 bytes), mirrored by fused.h.
@@ -271,6 +285,7 @@ impl FusedMetadata {
             flag_size: FLAG_BYTES,
             buffer_size: 3 * lamport_comm_size + FLAG_BYTES,
             blocks: 0,
+            pdl: false,
         }
     }
 }

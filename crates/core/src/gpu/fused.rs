@@ -158,9 +158,11 @@ pub fn create_group<R: GpuRuntime>(
     config.validate()?;
     let world = group.world();
     let grid = grid_setting(&group, config)?;
+    let pdl = pdl_setting(config)? && (0..world).all(|r| R::has_pdl(group.device(r)));
     let meta: Vec<FusedMetadata> = (0..world)
         .map(|r| FusedMetadata {
             blocks: grid,
+            pdl,
             ..FusedMetadata::new(config, r, world)
         })
         .collect();
@@ -197,7 +199,6 @@ pub fn create_group<R: GpuRuntime>(
     } else {
         1
     };
-    let pdl = pdl_setting()? && (0..world).all(|r| R::has_pdl(group.device(r)));
     tracing::debug!(
         backend = R::NAME,
         world,
@@ -285,26 +286,33 @@ fn grid_setting<R: GpuRuntime>(group: &GroupView<R>, config: &FusedConfig) -> Re
 }
 
 /// A grid `v` (from `source`) checked for `busiest` ranks on a device of `sms` SMs (CUs): at
-/// most [`MAX_BLOCKS`], and at most two blocks per SM for those ranks together, which the
-/// launch bounds promise to fit (every rank's grid must co-reside for the polls).
+/// most [`MAX_BLOCKS`], and at most one block per SM for those ranks together. The launch
+/// bounds fit two per SM, but a rank that has finished its fused call may already run the
+/// group's next collective (an exact all-reduce: up to one block per SM too) while a peer's
+/// fused grid still waits for SMs, and both poll: past one per SM for the fused grids the
+/// two no longer co-reside, and the polls time out (H100, 8 ranks at 32 blocks,
+/// docs/benchmarks.md).
 pub(crate) fn blocks_setting(v: &str, source: &str, busiest: u32, sms: u32) -> Result<u32> {
-    let most = MAX_BLOCKS.min(2 * sms / busiest.max(1));
+    let most = MAX_BLOCKS.min(sms / busiest.max(1)).max(1);
     match v.trim().parse::<u32>() {
         Ok(g) if (1..=most).contains(&g) => Ok(g),
         _ => Err(Error::InvalidConfig(format!(
-            "fused workspace: {source}={v:?}: want 1 to {most} ({busiest} ranks share a device of {sms} SMs; the fused kernels fit two blocks per SM, and every rank's grid must co-reside)"
+            "fused workspace: {source}={v:?}: want 1 to {most} ({busiest} ranks share a device of {sms} SMs: their fused grids together may take one block per SM, and another collective of the group the other)"
         ))),
     }
 }
 
-/// `ALLREDUCE_FUSED_PDL`: 1 to launch the fused kernels with programmatic dependent launch
-/// (each call's grid is scheduled while the stream's previous kernel finishes), 0 (default)
-/// for ordinary launches. A comparison knob while PDL is measured.
+/// `ALLREDUCE_FUSED_PDL`: where the config names none ([`FusedConfig::pdl`]), 0 for ordinary
+/// launches of the fused kernels, 1 (the default) for programmatic dependent launch where
+/// every device has it. A comparison knob.
 pub const PDL_ENV: &str = "ALLREDUCE_FUSED_PDL";
 
-fn pdl_setting() -> Result<bool> {
+fn pdl_setting(config: &FusedConfig) -> Result<bool> {
+    if let Some(yes) = config.pdl {
+        return Ok(yes);
+    }
     match std::env::var(PDL_ENV) {
-        Err(_) => Ok(false),
+        Err(_) => Ok(true),
         Ok(v) => match v.trim() {
             "0" => Ok(false),
             "1" => Ok(true),

@@ -15,6 +15,8 @@ struct Launch {
     grid: u32,
     /// Blocks per cluster (`launch_cluster`), 0 for a plain launch.
     cluster: u32,
+    /// Launched as a programmatic dependent launch (`launch_dependent`).
+    pdl: bool,
     block: u32,
     stream: usize,
     /// The argument block when it is an `Args` (zeroed for other kernels' blocks).
@@ -109,6 +111,7 @@ fn fused_kernels() -> &'static [&'static str] {
 thread_local! {
     /// Whether the mock's devices run thread-block clusters (`has_clusters`).
     static CLUSTERS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    static PDL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// Fills asked of `alloc_filled`, with their sizes.
     static FILLS: RefCell<Vec<(usize, Fill)>> = const { RefCell::new(Vec::new()) };
 }
@@ -207,6 +210,7 @@ impl GpuRuntime for Mock {
                 kernel: f,
                 grid,
                 cluster: 0,
+                pdl: false,
                 block,
                 stream: stream.as_raw() as usize,
                 args,
@@ -229,6 +233,25 @@ impl GpuRuntime for Mock {
         assert_eq!(grid % cluster, 0, "clusters must tile the grid");
         Self::launch(f, grid, block, stream, args)?;
         LAUNCHES.with(|l| l.borrow_mut().last_mut().unwrap().cluster = cluster);
+        Ok(())
+    }
+    fn has_pdl(_dev: &MockDevice) -> bool {
+        PDL.with(|c| c.get())
+    }
+    unsafe fn launch_dependent<A>(
+        f: &'static str,
+        grid: u32,
+        cluster: u32,
+        block: u32,
+        stream: Stream,
+        args: &A,
+    ) -> Result<()> {
+        if cluster > 1 {
+            Self::launch_cluster(f, grid, cluster, block, stream, args)?;
+        } else {
+            Self::launch(f, grid, block, stream, args)?;
+        }
+        LAUNCHES.with(|l| l.borrow_mut().last_mut().unwrap().pdl = true);
         Ok(())
     }
     fn synchronize_device(_dev: &MockDevice) -> Result<()> {
@@ -1115,17 +1138,58 @@ fn small_one_shot_calls_take_the_cluster_kernel_where_the_device_has_clusters() 
 }
 
 #[test]
+fn fused_calls_launch_dependent_where_every_device_has_pdl() {
+    let hidden = 1024;
+    let tokens = 4;
+    let m = tokens * hidden;
+    let input = vec![0u16; m];
+    let mut out = vec![0u16; m];
+    let dev = Device::Rocm(0);
+    // One call on rank 0; (the workspace's pdl, the call's launch was dependent, any warm-up
+    // launch was).
+    let mut run = |config: crate::FusedConfig| {
+        let (_comms, fused) = fused_group(vec![0, 1], &config);
+        let warm = take_launches();
+        // SAFETY (views): live vectors, used only by the mock's records.
+        let args = crate::FusedArgs::new(FusionPattern::AllReduce, tokens, unsafe {
+            BufRef::from_raw(input.as_ptr() as usize, m, DType::BF16, dev)
+        })
+        .allreduce_out(unsafe { BufMut::from_raw(out.as_mut_ptr() as usize, m, DType::BF16, dev) })
+        .strategy(Strategy::OneShot);
+        let table = crate::fused::default_table();
+        let call =
+            crate::fused::prepare_fused(&args, fused[0].metadata(), &table, dev, 16).unwrap();
+        fused[0].run(&call).unwrap();
+        let l = take_launches().pop().expect("one launch");
+        (fused[0].metadata().pdl, l.pdl, warm.iter().any(|l| l.pdl))
+    };
+    PDL.with(|c| c.set(true));
+    let config = crate::FusedConfig::new(16, hidden, DType::BF16);
+    // The warm-up launches alone on the device: ordinary launches.
+    assert_eq!(run(config.clone()), (true, true, false));
+    assert_eq!(run(config.clone().pdl(false)), (false, false, false));
+    PDL.with(|c| c.set(false));
+    assert_eq!(run(config.clone()), (false, false, false));
+    assert_eq!(
+        run(config.pdl(true)),
+        (false, false, false),
+        "asked, but no device has it"
+    );
+}
+
+#[test]
 fn the_fused_grid_is_refused_past_co_residency() {
     use crate::gpu::fused::blocks_setting;
-    // 8 ranks on 132 SMs: two blocks per SM is 33 per rank.
+    // 8 ranks on 132 SMs: one block per SM for them together is 16 per rank.
     let env = "ALLREDUCE_FUSED_BLOCKS";
-    assert_eq!(blocks_setting("32", env, 8, 132).unwrap(), 32);
-    assert_eq!(blocks_setting(" 24 ", env, 8, 132).unwrap(), 24);
-    assert!(blocks_setting("33", env, 8, 132).is_ok());
-    for bad in ["34", "0", "-1", "x", ""] {
+    assert_eq!(blocks_setting("16", env, 8, 132).unwrap(), 16);
+    assert_eq!(blocks_setting(" 12 ", env, 8, 132).unwrap(), 12);
+    for bad in ["17", "32", "0", "-1", "x", ""] {
         let e = blocks_setting(bad, env, 8, 132).unwrap_err().to_string();
-        assert!(e.contains(env) && e.contains("1 to 33"), "{bad}: {e}");
+        assert!(e.contains(env) && e.contains("1 to 16"), "{bad}: {e}");
     }
+    // More ranks than SMs still leave one block each.
+    assert_eq!(blocks_setting("1", env, 8, 4).unwrap(), 1);
     // One rank per GPU: the per-block state caps it.
     assert_eq!(blocks_setting("64", env, 1, 132).unwrap(), 64);
     assert!(blocks_setting("65", env, 1, 132).is_err());
@@ -1134,7 +1198,7 @@ fn the_fused_grid_is_refused_past_co_residency() {
 #[test]
 fn a_workspace_launches_the_grid_its_config_names() {
     take_launches();
-    // Four ranks on four mock devices of 20 units: 40 blocks at most.
+    // Four ranks on four mock devices of 20 units: 20 blocks at most.
     let config = crate::FusedConfig::new(16, 1024, DType::BF16).blocks(12);
     let (_comms, fused) = fused_group(vec![0, 1, 2, 3], &config);
     assert!(fused.iter().all(|f| f.metadata().blocks == 12));
@@ -1145,12 +1209,12 @@ fn a_workspace_launches_the_grid_its_config_names() {
         assert_eq!(l.grid, 12, "{}", l.kernel);
     }
     let comms = group(vec![0, 1, 2, 3]);
-    let too_many = crate::FusedConfig::new(16, 1024, DType::BF16).blocks(41);
+    let too_many = crate::FusedConfig::new(16, 1024, DType::BF16).blocks(21);
     let Err(e) = comms[0].create_fused_group(&too_many) else {
-        panic!("41 blocks on 20 units");
+        panic!("21 blocks on 20 units");
     };
     let e = e.to_string();
-    assert!(e.contains("blocks=\"41\"") && e.contains("1 to 40"), "{e}");
+    assert!(e.contains("blocks=\"21\"") && e.contains("1 to 20"), "{e}");
     // The config's own bounds hold on every backend.
     assert!(crate::FusedConfig::new(16, 1024, DType::BF16)
         .blocks(65)
