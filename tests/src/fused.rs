@@ -34,6 +34,9 @@ mod fused {
     };
 
     const EPS: f32 = 1e-5;
+    /// The static FP8 pattern's scale: normalized values up to 448 x this (about 3.4) keep
+    /// unsaturated codes, larger ones saturate (the data has both).
+    const STATIC_SCALE: f32 = 0.0075;
 
     fn gpu_available() -> bool {
         $crate::gpu_present($($count)::+(), concat!($label, "_fused"))
@@ -101,6 +104,8 @@ mod fused {
         norm: Buffer,
         quant: Buffer,
         scale: Buffer,
+        /// `STATIC_SCALE`, for the static FP8 pattern (read by both pipelines).
+        static_scale: Buffer,
         // The unfused pipeline's outputs.
         u_ar: Buffer,
         u_res: Buffer,
@@ -127,6 +132,11 @@ mod fused {
                 norm: Buffer::zeroed(t, s)?,
                 quant: Buffer::zeroed(elems, s)?,
                 scale: Buffer::zeroed(tokens * 4, s)?,
+                static_scale: {
+                    let b = Buffer::zeroed(4, s)?;
+                    b.upload(&STATIC_SCALE.to_le_bytes(), s)?;
+                    b
+                },
                 u_ar: Buffer::zeroed(t, s)?,
                 u_res: Buffer::zeroed(t, s)?,
                 u_norm: Buffer::zeroed(t, s)?,
@@ -271,7 +281,7 @@ mod fused {
     }
 
     /// Every token count with Auto, one-shot and two-shot; the pattern of the i-th token
-    /// count's k-th strategy is `FusionPattern::ALL[pattern(i, k) % 3]`, outputs alternate
+    /// count's k-th strategy is `FusionPattern::ALL[pattern(i, k) % 4]`, outputs alternate
     /// between their own buffers and in place.
     fn mixed_cases(tokens: &[usize], seed: usize, pattern: impl Fn(usize, usize) -> usize) -> Vec<Case> {
         let mut cases = Vec::new();
@@ -280,7 +290,7 @@ mod fused {
             for (k, strategy) in strategies.into_iter().enumerate() {
                 cases.push(Case {
                     tokens: t,
-                    pattern: FusionPattern::ALL[pattern(i, k) % 3],
+                    pattern: FusionPattern::ALL[pattern(i, k) % FusionPattern::ALL.len()],
                     strategy,
                     seed: seed + i,
                     out: if (i + k) % 2 == 1 {
@@ -360,6 +370,8 @@ mod fused {
                     Some(gamma.as_slice()),
                     EPS,
                     case.pattern,
+                    Some(STATIC_SCALE)
+                        .filter(|_| case.pattern == FusionPattern::ResidualRmsNormFp8Static),
                 );
                 *expect.write().unwrap() = Some(Expect { reference });
             }
@@ -402,6 +414,12 @@ mod fused {
                         BufMut::from_raw(b.scale.addr(), case.tokens, DType::F32, dev),
                     );
                 }
+                if case.pattern == FusionPattern::ResidualRmsNormFp8Static {
+                    args = args.fp8_static(
+                        Fp8BufMut::from_raw(b.quant.addr(), n, dev),
+                        BufRef::from_raw(b.static_scale.addr(), 1, DType::F32, dev),
+                    );
+                }
                 // The unfused pipeline first (an in-place fused call overwrites the input):
                 // our exact all-reduce, then the residual + RMSNorm kernel.
                 let unfused = || -> allreduce::Result<()> {
@@ -411,7 +429,9 @@ mod fused {
                         &AllReduceOptions::default().stream(stream.handle()),
                     )?;
                     if case.pattern.has_norm() {
-                        let fp8 = case.pattern == FusionPattern::ResidualRmsNormFp8;
+                        let fp8 = case.pattern.has_fp8();
+                        let per_token = case.pattern == FusionPattern::ResidualRmsNormFp8;
+                        let fixed = case.pattern == FusionPattern::ResidualRmsNormFp8Static;
                         norm_kernel.launch(
                             dtype,
                             case.pattern,
@@ -421,7 +441,16 @@ mod fused {
                                 residual_out: b.u_res.addr() as u64,
                                 norm_out: b.u_norm.addr() as u64,
                                 quant_out: if fp8 { b.u_quant.addr() as u64 } else { 0 },
-                                scale_out: if fp8 { b.u_scale.addr() as u64 } else { 0 },
+                                scale_out: if per_token {
+                                    b.u_scale.addr() as u64
+                                } else {
+                                    0
+                                },
+                                scale_in: if fixed {
+                                    b.static_scale.addr() as u64
+                                } else {
+                                    0
+                                },
                                 gamma: b.gamma.addr() as u64,
                             },
                             case.tokens,
@@ -534,10 +563,39 @@ mod fused {
                     true,
                 ));
             }
+            if case.pattern == FusionPattern::ResidualRmsNormFp8Static {
+                let q = down(&b.quant, n, &stream);
+                let norm = down(&b.norm, tb, &stream);
+                fail(static_codes_check("fp8 static", dtype, &q, &norm));
+                fail(
+                    (q != down(&b.u_quant, n, &stream))
+                        .then(|| "fp8 static vs unfused: codes differ".to_string()),
+                );
+            }
             drop(guard);
             barrier.wait();
         }
         failures
+    }
+
+    /// Static FP8 codes against the call's own norm_out, bit for bit: `code = e4m3(norm *
+    /// (1 / STATIC_SCALE))` (norm_out itself is checked against the reference above, within
+    /// its tolerance).
+    fn static_codes_check(what: &str, dtype: DType, q: &[u8], norm: &[u8]) -> Option<String> {
+        let mul = 1.0 / STATIC_SCALE;
+        let bad: Vec<usize> = (0..q.len())
+            .filter(|&k| q[k] != allreduce::codec::f32_to_e4m3(dtype.load_f32(norm, k) * mul))
+            .collect();
+        if let Some(&k) = bad.first() {
+            return Some(format!(
+                "{what}: {} of {} codes differ from e4m3(norm_out / scale), first at {k}: {:#04x} for {}",
+                bad.len(),
+                q.len(),
+                q[k],
+                dtype.load_f32(norm, k)
+            ));
+        }
+        None
     }
 
     // ---- Graphs ------------------------------------------------------------------------------
@@ -744,6 +802,7 @@ mod fused {
                             Some(gamma.as_slice()),
                             EPS,
                             pattern,
+                            None, // graph_calls has no static FP8 call
                         )
                     })
                     .collect()
@@ -925,7 +984,8 @@ mod fused {
                     };
                     let mut cases = Vec::new();
                     for (i, &t) in tokens.iter().enumerate() {
-                        let pattern = FusionPattern::ALL[(i + hidden / 2048) % 3];
+                        let pattern =
+                            FusionPattern::ALL[(i + hidden / 2048) % FusionPattern::ALL.len()];
                         let strategies = [Strategy::Auto, Strategy::OneShot, Strategy::TwoShot];
                         for (k, strategy) in strategies.into_iter().enumerate() {
                             // The largest rows are slow to check on the host: Auto only.
