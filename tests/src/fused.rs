@@ -566,7 +566,7 @@ mod fused {
             if case.pattern == FusionPattern::ResidualRmsNormFp8Static {
                 let q = down(&b.quant, n, &stream);
                 let norm = down(&b.norm, tb, &stream);
-                fail(static_codes_check("fp8 static", dtype, &q, &norm));
+                fail(static_codes_check("fp8 static", dtype, &q, &norm, STATIC_SCALE));
                 fail(
                     (q != down(&b.u_quant, n, &stream))
                         .then(|| "fp8 static vs unfused: codes differ".to_string()),
@@ -579,10 +579,16 @@ mod fused {
     }
 
     /// Static FP8 codes against the call's own norm_out, bit for bit: `code = e4m3(norm *
-    /// (1 / STATIC_SCALE))` (norm_out itself is checked against the reference above, within
-    /// its tolerance).
-    fn static_codes_check(what: &str, dtype: DType, q: &[u8], norm: &[u8]) -> Option<String> {
-        let mul = 1.0 / STATIC_SCALE;
+    /// (1 / scale))` (norm_out itself is checked against the reference, within its
+    /// tolerance).
+    fn static_codes_check(
+        what: &str,
+        dtype: DType,
+        q: &[u8],
+        norm: &[u8],
+        scale: f32,
+    ) -> Option<String> {
+        let mul = 1.0 / scale;
         let bad: Vec<usize> = (0..q.len())
             .filter(|&k| q[k] != allreduce::codec::f32_to_e4m3(dtype.load_f32(norm, k) * mul))
             .collect();
@@ -609,8 +615,15 @@ mod fused {
             (1, Strategy::OneShot, FusionPattern::ResidualRmsNorm),
             (9, Strategy::TwoShot, FusionPattern::ResidualRmsNormFp8),
             (4, Strategy::Auto, FusionPattern::AllReduce),
+            (6, Strategy::OneShot, FusionPattern::ResidualRmsNormFp8Static),
         ];
         all[..k].to_vec()
+    }
+
+    /// The static FP8 scale of data set `d`: uploaded with the inputs before each replay, so
+    /// a replay that kept the scale of its capture would fail.
+    fn graph_scale(d: usize) -> f32 {
+        STATIC_SCALE * (1.0 + d as f32 / 4.0)
     }
 
     fn graph_rank(
@@ -690,6 +703,12 @@ mod fused {
                             BufMut::from_raw(b.scale.addr(), tokens, DType::F32, dev),
                         );
                     }
+                    if pattern == FusionPattern::ResidualRmsNormFp8Static {
+                        args = args.fp8_static(
+                            Fp8BufMut::from_raw(b.quant.addr(), n, dev),
+                            BufRef::from_raw(b.static_scale.addr(), 1, DType::F32, dev),
+                        );
+                    }
                     comm.all_reduce_fusion(ws, args)?;
                 }
             }
@@ -699,6 +718,9 @@ mod fused {
             for (c, b) in bufs.iter().enumerate() {
                 b.input
                     .upload(inputs[c][d].as_slice(), &stream)
+                    .map_err(e)?;
+                b.static_scale
+                    .upload(&graph_scale(d).to_le_bytes(), &stream)
                     .map_err(e)?;
             }
             Ok(())
@@ -747,6 +769,15 @@ mod fused {
                         &want.scale,
                         hidden,
                         false,
+                    );
+                }
+                if m.is_none() && pattern == FusionPattern::ResidualRmsNormFp8Static {
+                    m = static_codes_check(
+                        "fp8 static",
+                        dtype,
+                        &down(&b.quant, tokens * hidden, &stream),
+                        &down(&b.norm, tb, &stream),
+                        graph_scale(d),
                     );
                 }
                 if let Some(m) = m {
@@ -802,7 +833,8 @@ mod fused {
                             Some(gamma.as_slice()),
                             EPS,
                             pattern,
-                            None, // graph_calls has no static FP8 call
+                            Some(graph_scale(d))
+                                .filter(|_| pattern == FusionPattern::ResidualRmsNormFp8Static),
                         )
                     })
                     .collect()
@@ -1034,7 +1066,7 @@ mod fused {
             }
         }
         for &world in worlds {
-            for k in 1..=3 {
+            for k in 1..=4 {
                 let start = Instant::now();
                 match run_graphs(world, k) {
                     Ok(()) => println!(
