@@ -34,6 +34,9 @@ mod fused {
     };
 
     const EPS: f32 = 1e-5;
+    /// The static FP8 pattern's scale: normalized values up to 448 x this (about 3.4) keep
+    /// unsaturated codes, larger ones saturate (the data has both).
+    const STATIC_SCALE: f32 = 0.0075;
 
     fn gpu_available() -> bool {
         $crate::gpu_present($($count)::+(), concat!($label, "_fused"))
@@ -101,6 +104,8 @@ mod fused {
         norm: Buffer,
         quant: Buffer,
         scale: Buffer,
+        /// `STATIC_SCALE`, for the static FP8 pattern (read by both pipelines).
+        static_scale: Buffer,
         // The unfused pipeline's outputs.
         u_ar: Buffer,
         u_res: Buffer,
@@ -127,6 +132,11 @@ mod fused {
                 norm: Buffer::zeroed(t, s)?,
                 quant: Buffer::zeroed(elems, s)?,
                 scale: Buffer::zeroed(tokens * 4, s)?,
+                static_scale: {
+                    let b = Buffer::zeroed(4, s)?;
+                    b.upload(&STATIC_SCALE.to_le_bytes(), s)?;
+                    b
+                },
                 u_ar: Buffer::zeroed(t, s)?,
                 u_res: Buffer::zeroed(t, s)?,
                 u_norm: Buffer::zeroed(t, s)?,
@@ -280,7 +290,7 @@ mod fused {
     }
 
     /// Every token count with Auto, one-shot and two-shot; the pattern of the i-th token
-    /// count's k-th strategy is `FusionPattern::ALL[pattern(i, k) % 3]`, outputs alternate
+    /// count's k-th strategy is `FusionPattern::ALL[pattern(i, k) % 4]`, outputs alternate
     /// between their own buffers and in place.
     fn mixed_cases(
         tokens: &[usize],
@@ -293,7 +303,7 @@ mod fused {
             for (k, strategy) in strategies.into_iter().enumerate() {
                 cases.push(Case {
                     tokens: t,
-                    pattern: FusionPattern::ALL[pattern(i, k) % 3],
+                    pattern: FusionPattern::ALL[pattern(i, k) % FusionPattern::ALL.len()],
                     strategy,
                     seed: seed + i,
                     out: if (i + k) % 2 == 1 {
@@ -376,6 +386,8 @@ mod fused {
                     Some(gamma.as_slice()),
                     EPS,
                     case.pattern,
+                    Some(STATIC_SCALE)
+                        .filter(|_| case.pattern == FusionPattern::ResidualRmsNormFp8Static),
                 );
                 *expect.write().unwrap() = Some(Expect { reference });
             }
@@ -418,6 +430,12 @@ mod fused {
                         BufMut::from_raw(b.scale.addr(), case.tokens, DType::F32, dev),
                     );
                 }
+                if case.pattern == FusionPattern::ResidualRmsNormFp8Static {
+                    args = args.fp8_static(
+                        Fp8BufMut::from_raw(b.quant.addr(), n, dev),
+                        BufRef::from_raw(b.static_scale.addr(), 1, DType::F32, dev),
+                    );
+                }
                 // The unfused pipeline first (an in-place fused call overwrites the input):
                 // our exact all-reduce, then the residual + RMSNorm kernel.
                 let unfused = || -> allreduce::Result<()> {
@@ -427,7 +445,9 @@ mod fused {
                         &AllReduceOptions::default().stream(stream.handle()),
                     )?;
                     if case.pattern.has_norm() {
-                        let fp8 = case.pattern == FusionPattern::ResidualRmsNormFp8;
+                        let fp8 = case.pattern.has_fp8();
+                        let per_token = case.pattern == FusionPattern::ResidualRmsNormFp8;
+                        let fixed = case.pattern == FusionPattern::ResidualRmsNormFp8Static;
                         norm_kernel.launch(
                             dtype,
                             case.pattern,
@@ -437,7 +457,16 @@ mod fused {
                                 residual_out: b.u_res.addr() as u64,
                                 norm_out: b.u_norm.addr() as u64,
                                 quant_out: if fp8 { b.u_quant.addr() as u64 } else { 0 },
-                                scale_out: if fp8 { b.u_scale.addr() as u64 } else { 0 },
+                                scale_out: if per_token {
+                                    b.u_scale.addr() as u64
+                                } else {
+                                    0
+                                },
+                                scale_in: if fixed {
+                                    b.static_scale.addr() as u64
+                                } else {
+                                    0
+                                },
                                 gamma: b.gamma.addr() as u64,
                             },
                             case.tokens,
@@ -550,10 +579,45 @@ mod fused {
                     true,
                 ));
             }
+            if case.pattern == FusionPattern::ResidualRmsNormFp8Static {
+                let q = down(&b.quant, n, &stream);
+                let norm = down(&b.norm, tb, &stream);
+                fail(static_codes_check("fp8 static", dtype, &q, &norm, STATIC_SCALE));
+                fail(
+                    (q != down(&b.u_quant, n, &stream))
+                        .then(|| "fp8 static vs unfused: codes differ".to_string()),
+                );
+            }
             drop(guard);
             barrier.wait();
         }
         failures
+    }
+
+    /// Static FP8 codes against the call's own norm_out, bit for bit: `code = e4m3(norm *
+    /// (1 / scale))` (norm_out itself is checked against the reference, within its
+    /// tolerance).
+    fn static_codes_check(
+        what: &str,
+        dtype: DType,
+        q: &[u8],
+        norm: &[u8],
+        scale: f32,
+    ) -> Option<String> {
+        let mul = 1.0 / scale;
+        let bad: Vec<usize> = (0..q.len())
+            .filter(|&k| q[k] != allreduce::codec::f32_to_e4m3(dtype.load_f32(norm, k) * mul))
+            .collect();
+        if let Some(&k) = bad.first() {
+            return Some(format!(
+                "{what}: {} of {} codes differ from e4m3(norm_out / scale), first at {k}: {:#04x} for {}",
+                bad.len(),
+                q.len(),
+                q[k],
+                dtype.load_f32(norm, k)
+            ));
+        }
+        None
     }
 
     // ---- Graphs ------------------------------------------------------------------------------
@@ -567,8 +631,15 @@ mod fused {
             (1, Strategy::OneShot, FusionPattern::ResidualRmsNorm),
             (9, Strategy::TwoShot, FusionPattern::ResidualRmsNormFp8),
             (4, Strategy::Auto, FusionPattern::AllReduce),
+            (6, Strategy::OneShot, FusionPattern::ResidualRmsNormFp8Static),
         ];
         all[..k].to_vec()
+    }
+
+    /// The static FP8 scale of data set `d`: uploaded with the inputs before each replay, so
+    /// a replay that kept the scale of its capture would fail.
+    fn graph_scale(d: usize) -> f32 {
+        STATIC_SCALE * (1.0 + d as f32 / 4.0)
     }
 
     fn graph_rank(
@@ -648,6 +719,12 @@ mod fused {
                             BufMut::from_raw(b.scale.addr(), tokens, DType::F32, dev),
                         );
                     }
+                    if pattern == FusionPattern::ResidualRmsNormFp8Static {
+                        args = args.fp8_static(
+                            Fp8BufMut::from_raw(b.quant.addr(), n, dev),
+                            BufRef::from_raw(b.static_scale.addr(), 1, DType::F32, dev),
+                        );
+                    }
                     comm.all_reduce_fusion(ws, args)?;
                 }
             }
@@ -657,6 +734,9 @@ mod fused {
             for (c, b) in bufs.iter().enumerate() {
                 b.input
                     .upload(inputs[c][d].as_slice(), &stream)
+                    .map_err(e)?;
+                b.static_scale
+                    .upload(&graph_scale(d).to_le_bytes(), &stream)
                     .map_err(e)?;
             }
             Ok(())
@@ -705,6 +785,15 @@ mod fused {
                         &want.scale,
                         hidden,
                         false,
+                    );
+                }
+                if m.is_none() && pattern == FusionPattern::ResidualRmsNormFp8Static {
+                    m = static_codes_check(
+                        "fp8 static",
+                        dtype,
+                        &down(&b.quant, tokens * hidden, &stream),
+                        &down(&b.norm, tb, &stream),
+                        graph_scale(d),
                     );
                 }
                 if let Some(m) = m {
@@ -761,6 +850,8 @@ mod fused {
                             Some(gamma.as_slice()),
                             EPS,
                             pattern,
+                            Some(graph_scale(d))
+                                .filter(|_| pattern == FusionPattern::ResidualRmsNormFp8Static),
                         )
                     })
                     .collect()
@@ -942,7 +1033,8 @@ mod fused {
                     };
                     let mut cases = Vec::new();
                     for (i, &t) in tokens.iter().enumerate() {
-                        let pattern = FusionPattern::ALL[(i + hidden / 2048) % 3];
+                        let pattern =
+                            FusionPattern::ALL[(i + hidden / 2048) % FusionPattern::ALL.len()];
                         let strategies = [Strategy::Auto, Strategy::OneShot, Strategy::TwoShot];
                         for (k, strategy) in strategies.into_iter().enumerate() {
                             // The largest rows are slow to check on the host: Auto only.
@@ -994,7 +1086,7 @@ mod fused {
             }
         }
         for &world in worlds {
-            for k in 1..=3 {
+            for k in 1..=4 {
                 let start = Instant::now();
                 match run_graphs(world, k) {
                     Ok(()) => println!(

@@ -166,6 +166,7 @@ impl Communicator {
                     .stream(call.stream),
             )?;
             let bytes = |b: RawBuffer| std::slice::from_raw_parts(b.addr as *const u8, b.bytes());
+            let scale_in = call.scale_in.map(|b| *(b.addr as *const f32));
             let out = fused::epilogue(
                 bytes(target),
                 dtype,
@@ -175,6 +176,7 @@ impl Communicator {
                 call.gamma.map(bytes),
                 call.eps,
                 call.pattern,
+                scale_in,
             );
             let write = |b: Option<RawBuffer>, src: &[u8]| {
                 if let Some(b) = b {

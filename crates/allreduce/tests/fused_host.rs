@@ -19,6 +19,9 @@ fn data(dtype: DType, n: usize, seed: usize) -> HostBytes {
     b
 }
 
+/// The static FP8 pattern's scale: codes of values up to 448 x this are not saturated.
+const STATIC_SCALE: f32 = 0.0075;
+
 fn run(
     world: usize,
     tokens: usize,
@@ -44,6 +47,7 @@ fn run(
         Some(gamma.as_slice()),
         1e-5,
         pattern,
+        Some(STATIC_SCALE).filter(|_| pattern == FusionPattern::ResidualRmsNormFp8Static),
     );
     let got: Vec<FusedOutputs> = std::thread::scope(|s| {
         let hs: Vec<_> = comms
@@ -66,15 +70,26 @@ fn run(
                             .residual(residual.view(dtype), Some(res.view_mut(dtype)))
                             .rms_norm(gamma.view(dtype), 1e-5, Some(norm.view_mut(dtype)));
                     }
-                    if pattern == FusionPattern::ResidualRmsNormFp8 {
-                        args = args.fp8(
-                            Fp8BufMut::from_slice(&mut quant),
-                            BufMut::from_slice(&mut scale),
-                        );
+                    let static_scale = [STATIC_SCALE];
+                    match pattern {
+                        FusionPattern::ResidualRmsNormFp8 => {
+                            args = args.fp8(
+                                Fp8BufMut::from_slice(&mut quant),
+                                BufMut::from_slice(&mut scale),
+                            )
+                        }
+                        FusionPattern::ResidualRmsNormFp8Static => {
+                            args = args.fp8_static(
+                                Fp8BufMut::from_slice(&mut quant),
+                                BufRef::from_slice(&static_scale),
+                            )
+                        }
+                        _ => {}
                     }
                     c.all_reduce_fusion(w, args).unwrap();
                     let has = pattern.has_norm();
-                    let fp8 = pattern == FusionPattern::ResidualRmsNormFp8;
+                    let fp8 = pattern.has_fp8();
+                    let scales = pattern == FusionPattern::ResidualRmsNormFp8;
                     FusedOutputs {
                         allreduce: ar.as_slice().to_vec(),
                         residual: if has { res.as_slice().to_vec() } else { vec![] },
@@ -84,7 +99,7 @@ fn run(
                             vec![]
                         },
                         quant: if fp8 { quant } else { vec![] },
-                        scale: if fp8 { scale } else { vec![] },
+                        scale: if scales { scale } else { vec![] },
                     }
                 })
             })

@@ -15,8 +15,8 @@ use std::time::Instant;
 use allreduce::cuda::testing::{bind, Buffer, Graph, OwnedStream};
 use allreduce::cuda::{NormBuffers, RmsNormKernel};
 use allreduce::{
-    AllReduceOptions, BufMut, BufRef, Communicator, DType, Device, FusedArgs, FusedConfig,
-    FusedWorkspace, FusionPattern, GroupConfig, HostBytes, Strategy,
+    AllReduceOptions, BufMut, BufRef, Communicator, DType, Device, Fp8BufMut, FusedArgs,
+    FusedConfig, FusedWorkspace, FusionPattern, GroupConfig, HostBytes, Strategy,
 };
 
 use crate::cli::Args;
@@ -41,6 +41,10 @@ struct Bufs {
     res_out: Buffer,
     norm: Buffer,
     ar: Buffer,
+    /// FP8 codes, per-token scales, the static scale (FP8 patterns).
+    quant: Buffer,
+    scales: Buffer,
+    static_scale: Buffer,
 }
 
 fn fill(dtype: DType, n: usize, seed: usize) -> HostBytes {
@@ -59,6 +63,7 @@ fn rank_loop(
     dtype: DType,
     hidden: usize,
     tokens: &[usize],
+    pattern: FusionPattern,
     barrier: &Barrier,
 ) -> Result<Times, String> {
     let e = |e: allreduce::Error| e.to_string();
@@ -79,7 +84,15 @@ fn rank_loop(
         res_out: Buffer::zeroed(bytes, &stream).map_err(e)?,
         norm: Buffer::zeroed(bytes, &stream).map_err(e)?,
         ar: Buffer::zeroed(bytes, &stream).map_err(e)?,
+        quant: Buffer::zeroed(max, &stream).map_err(e)?,
+        scales: Buffer::zeroed(4 * (max / hidden), &stream).map_err(e)?,
+        static_scale: Buffer::from_host(&0.01f32.to_le_bytes(), &stream).map_err(e)?,
     };
+    // FP8 patterns write codes (and scales) instead of norm_out, in both pipelines, as an
+    // FP8 model's next GEMM reads them.
+    let fp8 = pattern.has_fp8();
+    let per_token = pattern == FusionPattern::ResidualRmsNormFp8;
+    let fixed = pattern == FusionPattern::ResidualRmsNormFp8Static;
     stream.synchronize().map_err(e)?;
     barrier.wait();
     let mut out = Vec::new();
@@ -89,22 +102,32 @@ fn rank_loop(
         // SAFETY (both closures): prefixes of this rank's live buffers, 16-byte aligned.
         let fused_with = |strategy: Strategy| -> allreduce::Result<Strategy> {
             unsafe {
-                let args = FusedArgs::new(
-                    FusionPattern::ResidualRmsNorm,
-                    t,
-                    BufRef::from_raw(b.input.addr(), n, dtype, dev),
-                )
-                .residual(
-                    BufRef::from_raw(b.residual.addr(), n, dtype, dev),
-                    Some(BufMut::from_raw(b.res_out.addr(), n, dtype, dev)),
-                )
-                .rms_norm(
-                    BufRef::from_raw(b.gamma.addr(), hidden, dtype, dev),
-                    EPS,
-                    Some(BufMut::from_raw(b.norm.addr(), n, dtype, dev)),
-                )
-                .strategy(strategy)
-                .stream(stream.handle());
+                let mut args =
+                    FusedArgs::new(pattern, t, BufRef::from_raw(b.input.addr(), n, dtype, dev))
+                        .residual(
+                            BufRef::from_raw(b.residual.addr(), n, dtype, dev),
+                            Some(BufMut::from_raw(b.res_out.addr(), n, dtype, dev)),
+                        )
+                        .rms_norm(
+                            BufRef::from_raw(b.gamma.addr(), hidden, dtype, dev),
+                            EPS,
+                            (!fp8).then(|| BufMut::from_raw(b.norm.addr(), n, dtype, dev)),
+                        )
+                        .strategy(strategy)
+                        .stream(stream.handle());
+                let quant = || Fp8BufMut::from_raw(b.quant.addr(), n, dev);
+                if per_token {
+                    args = args.fp8(
+                        quant(),
+                        BufMut::from_raw(b.scales.addr(), t, DType::F32, dev),
+                    );
+                }
+                if fixed {
+                    args = args.fp8_static(
+                        quant(),
+                        BufRef::from_raw(b.static_scale.addr(), 1, DType::F32, dev),
+                    );
+                }
                 comm.all_reduce_fusion(ws, args)
             }
         };
@@ -116,16 +139,19 @@ fn rank_loop(
                     BufMut::from_raw(b.ar.addr(), n, dtype, dev),
                     &AllReduceOptions::default().stream(stream.handle()),
                 )?;
+                let addr = |b: &Buffer, yes: bool| if yes { b.addr() as u64 } else { 0 };
                 kernel.launch(
                     dtype,
-                    FusionPattern::ResidualRmsNorm,
+                    pattern,
                     &NormBuffers {
                         input: b.ar.addr() as u64,
                         residual_in: b.residual.addr() as u64,
                         residual_out: b.res_out.addr() as u64,
-                        norm_out: b.norm.addr() as u64,
+                        norm_out: addr(&b.norm, !fp8),
+                        quant_out: addr(&b.quant, fp8),
+                        scale_out: addr(&b.scales, per_token),
+                        scale_in: addr(&b.static_scale, fixed),
                         gamma: b.gamma.addr() as u64,
-                        ..Default::default()
                     },
                     t,
                     hidden,
@@ -206,12 +232,13 @@ fn rank_loop(
 
 pub fn run(args: &Args) -> Result<(), BoxError> {
     let dtype = args.dtype;
+    let pattern = args.fused_pattern;
     let world = args.ranks;
     let max_tokens = args.tokens.iter().copied().max().unwrap_or(1);
     println!(
         "# allreduce-bench --fused: {world} ranks (virtual, one GPU unless the group says \
-         otherwise), {dtype}, residual + RMSNorm; us per call, slowest rank; unfused = \
-         all_reduce(Auto) + residual/RMSNorm kernel"
+         otherwise), {dtype}, {pattern}; us per call, slowest rank; unfused = \
+         all_reduce(Auto) + residual/RMSNorm kernel (same pattern)"
     );
     println!(
         "# {:>6} {:>6} {:>8} | {:>9} {:>9} {:>6} | {:>9} {:>9} {:>6} | {:>9} {:>9} | {:>9} {:>9}",
@@ -258,7 +285,7 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
                 .map(|(c, w)| {
                     let barrier = &barrier;
                     let tokens = &args.tokens;
-                    s.spawn(move || rank_loop(c, w, dtype, hidden, tokens, barrier))
+                    s.spawn(move || rank_loop(c, w, dtype, hidden, tokens, pattern, barrier))
                 })
                 .collect();
             hs.into_iter()

@@ -48,13 +48,22 @@ pub enum FusionPattern {
     /// As `ResidualRmsNorm`, plus the normalized rows quantized to FP8 E4M3 with one f32 scale
     /// per token (`quant_out`, `scale_out` required; `norm_out` optional).
     ResidualRmsNormFp8,
+    /// As `ResidualRmsNorm`, plus the normalized rows quantized to FP8 E4M3 at the caller's
+    /// one static scale, read from device memory at run time (`quant_out` and `scale_in`
+    /// required; `norm_out` optional): `code = e4m3(norm * (1 / scale))`, saturating at
+    /// +-448, as TensorRT-LLM's and FlashInfer's `kARResidualRMSNormFP8Quant` and vLLM's
+    /// `static_scaled_fp8_quant`. The scale should be positive and finite; others follow
+    /// IEEE arithmetic (1 / 0 is infinity: every nonzero code saturates).
+    ResidualRmsNormFp8Static,
 }
 
 impl FusionPattern {
-    pub const ALL: [FusionPattern; 3] = [
+    /// In code order.
+    pub const ALL: [FusionPattern; 4] = [
         FusionPattern::AllReduce,
         FusionPattern::ResidualRmsNorm,
         FusionPattern::ResidualRmsNormFp8,
+        FusionPattern::ResidualRmsNormFp8Static,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -62,6 +71,7 @@ impl FusionPattern {
             FusionPattern::AllReduce => "allreduce",
             FusionPattern::ResidualRmsNorm => "residual_rmsnorm",
             FusionPattern::ResidualRmsNormFp8 => "residual_rmsnorm_fp8",
+            FusionPattern::ResidualRmsNormFp8Static => "residual_rmsnorm_fp8_static",
         }
     }
 
@@ -76,7 +86,16 @@ impl FusionPattern {
             FusionPattern::AllReduce => 0,
             FusionPattern::ResidualRmsNorm => 1,
             FusionPattern::ResidualRmsNormFp8 => 2,
+            FusionPattern::ResidualRmsNormFp8Static => 3,
         }
+    }
+
+    /// Whether the pattern writes FP8 codes (`quant_out`).
+    pub const fn has_fp8(self) -> bool {
+        matches!(
+            self,
+            FusionPattern::ResidualRmsNormFp8 | FusionPattern::ResidualRmsNormFp8Static
+        )
     }
 }
 
@@ -377,6 +396,10 @@ pub struct FusedArgs<'a> {
     pub quant_out: Option<Fp8BufMut<'a>>,
     /// One f32 per token: the dequantization scale (`value = code * scale`).
     pub scale_out: Option<BufMut<'a>>,
+    /// One f32, the static dequantization scale (`ResidualRmsNormFp8Static`), on the
+    /// communicator's device; read when the call runs, so a captured graph sees its value at
+    /// each replay.
+    pub scale_in: Option<BufRef<'a>>,
     /// `hidden` elements of the workspace's dtype.
     pub gamma: Option<BufRef<'a>>,
     pub eps: f32,
@@ -397,6 +420,7 @@ impl<'a> FusedArgs<'a> {
             norm_out: None,
             quant_out: None,
             scale_out: None,
+            scale_in: None,
             gamma: None,
             eps: 1e-6,
             strategy: Strategy::Auto,
@@ -421,6 +445,12 @@ impl<'a> FusedArgs<'a> {
     pub fn fp8(mut self, quant_out: Fp8BufMut<'a>, scale_out: BufMut<'a>) -> Self {
         self.quant_out = Some(quant_out);
         self.scale_out = Some(scale_out);
+        self
+    }
+    /// FP8 codes at a static scale (`ResidualRmsNormFp8Static`): `scale` holds one f32.
+    pub fn fp8_static(mut self, quant_out: Fp8BufMut<'a>, scale: BufRef<'a>) -> Self {
+        self.quant_out = Some(quant_out);
+        self.scale_in = Some(scale);
         self
     }
     pub fn strategy(mut self, s: Strategy) -> Self {
@@ -448,6 +478,7 @@ pub struct FusedCall {
     /// Address and byte length.
     pub quant_out: Option<(usize, usize)>,
     pub scale_out: Option<RawBuffer>,
+    pub scale_in: Option<RawBuffer>,
     pub gamma: Option<RawBuffer>,
     pub eps: f32,
     pub strategy: Strategy,
@@ -523,6 +554,32 @@ pub fn prepare_fused(
         .as_ref()
         .map(|b| check("scale_out", b.raw(), tokens, DType::F32))
         .transpose()?;
+    // One f32, read by every block: f32 alignment is enough.
+    let scale_in = match &args.scale_in {
+        None => None,
+        Some(b) => {
+            let b = b.raw();
+            if b.dtype != DType::F32 || b.len != 1 {
+                return Err(Error::InvalidArgument(format!(
+                    "scale_in must be one f32, not {} x {}",
+                    b.len, b.dtype
+                )));
+            }
+            if b.device != device {
+                return Err(Error::WrongDevice {
+                    buffer: b.device,
+                    comm: device,
+                });
+            }
+            if b.addr % 4 != 0 {
+                return Err(Error::Misaligned {
+                    addr: b.addr,
+                    align: 4,
+                });
+            }
+            Some(b)
+        }
+    };
     let quant_out = match &args.quant_out {
         None => None,
         Some(q) => {
@@ -567,6 +624,26 @@ pub fn prepare_fused(
             need("quant_out", quant_out.is_some())?;
             need("scale_out", scale_out.is_some())?;
         }
+        FusionPattern::ResidualRmsNormFp8Static => {
+            need("residual_in", residual_in.is_some())?;
+            need("gamma", gamma.is_some())?;
+            need("quant_out", quant_out.is_some())?;
+            need("scale_in", scale_in.is_some())?;
+        }
+    }
+    // What a pattern does not use is refused rather than ignored: a caller who passes it
+    // expects it to be read or written.
+    if args.pattern != FusionPattern::ResidualRmsNormFp8 && scale_out.is_some() {
+        return Err(Error::InvalidArgument(format!(
+            "pattern {} writes no scale_out",
+            args.pattern
+        )));
+    }
+    if args.pattern != FusionPattern::ResidualRmsNormFp8Static && scale_in.is_some() {
+        return Err(Error::InvalidArgument(format!(
+            "pattern {} reads no scale_in",
+            args.pattern
+        )));
     }
     if !args.pattern.has_norm()
         && (residual_out.is_some() || norm_out.is_some() || quant_out.is_some())
@@ -575,7 +652,7 @@ pub fn prepare_fused(
             "pattern allreduce writes only allreduce_out".into(),
         ));
     }
-    if args.pattern != FusionPattern::ResidualRmsNormFp8 && quant_out.is_some() {
+    if !args.pattern.has_fp8() && quant_out.is_some() {
         return Err(Error::InvalidArgument(format!(
             "pattern {} writes no quant_out",
             args.pattern
@@ -593,7 +670,7 @@ pub fn prepare_fused(
     // peers before any rank can finish that row, and the residual row is read and written by
     // the same threads.
     let same = |a: RawBuffer, b: Option<RawBuffer>| b.is_some_and(|b| b == a);
-    let reads = [Some(input), residual_in, gamma];
+    let reads = [Some(input), residual_in, gamma, scale_in];
     let writes = [
         allreduce_out,
         residual_out,
@@ -660,6 +737,7 @@ pub fn prepare_fused(
         norm_out,
         quant_out,
         scale_out,
+        scale_in,
         gamma,
         eps: args.eps,
         strategy,
@@ -720,6 +798,7 @@ pub fn reference(
     gamma: Option<&[u8]>,
     eps: f32,
     pattern: FusionPattern,
+    scale_in: Option<f32>,
 ) -> FusedOutputs {
     let n = tokens * hidden;
     let mut sum = vec![0u8; n * dtype.size()];
@@ -730,11 +809,15 @@ pub fn reference(
         }
         dtype.store_f32(&mut sum, i, acc);
     }
-    epilogue(&sum, dtype, tokens, hidden, residual, gamma, eps, pattern)
+    epilogue(
+        &sum, dtype, tokens, hidden, residual, gamma, eps, pattern, scale_in,
+    )
 }
 
 /// Everything after the all-reduce, from its rounded output `summed`: what the host backend
-/// runs after its exact all-reduce, and what the GPU kernels compute per row.
+/// runs after its exact all-reduce, and what the GPU kernels compute per row. `scale_in`:
+/// the static FP8 scale of `ResidualRmsNormFp8Static` (the codes are taken at `1 / scale_in`,
+/// one IEEE division, as in the kernels).
 #[allow(clippy::too_many_arguments)]
 pub fn epilogue(
     summed: &[u8],
@@ -745,6 +828,7 @@ pub fn epilogue(
     gamma: Option<&[u8]>,
     eps: f32,
     pattern: FusionPattern,
+    scale_in: Option<f32>,
 ) -> FusedOutputs {
     let n = tokens * hidden;
     let size = dtype.size();
@@ -785,9 +869,14 @@ pub fn epilogue(
             dtype.store_f32(&mut out.norm, k, (r * inv) * dtype.load_f32(gamma, i));
             amax = amax.max(dtype.load_f32(&out.norm, k).abs());
         }
-        if pattern == FusionPattern::ResidualRmsNormFp8 {
-            let (scale, mul) = fp8_scale(amax);
-            out.scale.push(scale);
+        if pattern.has_fp8() {
+            let mul = if pattern == FusionPattern::ResidualRmsNormFp8Static {
+                1.0 / scale_in.expect("validated: scale_in")
+            } else {
+                let (scale, mul) = fp8_scale(amax);
+                out.scale.push(scale);
+                mul
+            };
             for i in 0..hidden {
                 let k = t * hidden + i;
                 out.quant

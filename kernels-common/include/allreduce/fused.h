@@ -52,7 +52,7 @@ namespace fused {
 
 constexpr int kMaxVecs = 4;  // 16-byte vectors of one row per thread: a row is held in registers
 constexpr int kPushUnroll = 4;  // input vectors each thread loads before pushing them
-constexpr uint32_t kPatternAllReduce = 0, kPatternNorm = 1, kPatternNormFp8 = 2;
+constexpr uint32_t kPatternAllReduce = 0, kPatternNorm = 1, kPatternNormFp8 = 2, kPatternNormFp8Static = 3;
 
 // One block's call state; kMaxBlocks of them per rank (the workspace's "flag" region).
 struct BlockState {
@@ -74,7 +74,7 @@ struct FusedArgs {
   void* residual_out;
   void* norm_out;
   uint8_t* quant_out;
-  float* scale_out;
+  float* scale;            // pattern 2: per-token scales written; 3: the caller's static scale, read
   const void* gamma;       // hidden T
   char* lamport[kMaxWorld];  // every rank's Lamport base, rank order
   char* ws[kMaxWorld];       // every rank's exact-kernel workspace (its Header holds the abort word)
@@ -429,7 +429,7 @@ AR_DEVICE bool tags_agree(const FusedArgs& a, uint32_t calls, uint32_t buffer, u
 
 // ---- The row epilogue: residual add, RMSNorm, FP8 ----------------------------------------------
 
-// A row's FP8 scale (what scale_out holds) and the factor its codes are taken at, from the
+// A row's FP8 scale (what the per-token scales hold) and the factor its codes are taken at, from the
 // row's largest magnitude m.
 AR_DEVICE void fp8_scale(float m, float& scale, float& mul) {
   const bool usable = m > 0.0f && m <= 3.4028234e38f;
@@ -554,6 +554,15 @@ AR_DEVICE void epilogue(const FusedArgs& a, const Batch& bt, uint4 (&row)[kMaxVe
 #pragma unroll
     for (int k = 0; k < E; ++k) amax[i] = max_f(amax[i], x[k] < 0.0f ? -x[k] : x[k]);
   }
+  if (a.pattern == kPatternNormFp8Static) {
+    // The caller's scale, read at run time (a graph replays with its current value); one
+    // IEEE division, as TensorRT-LLM's 1.f / *scale_factor and fused::epilogue.
+    const float mul = div_rn(1.0f, *a.scale);
+#pragma unroll
+    for (int i = 0; i < kMaxVecs; ++i)
+      if (valid[i]) store_e4m3<T>(a.quant_out, (u64)bt.token(i) * bt.row_vecs + bt.vec(i), row[i], mul);
+    return;
+  }
   if (a.pattern != kPatternNormFp8) return;
 
   block_reduce<true>(amax, scratch);
@@ -567,7 +576,7 @@ AR_DEVICE void epilogue(const FusedArgs& a, const Batch& bt, uint4 (&row)[kMaxVe
     float scale, mul;
     fp8_scale(m, scale, mul);
     store_e4m3<T>(a.quant_out, (u64)bt.token(i) * bt.row_vecs + bt.vec(i), row[i], mul);
-    if (bt.vec(i) == 0) a.scale_out[bt.token(i)] = scale;
+    if (bt.vec(i) == 0) a.scale[bt.token(i)] = scale;
   }
 }
 
@@ -1043,6 +1052,10 @@ __device__ void oneshot_split(const FusedArgs& a) {
 #pragma unroll
       for (int k = 0; k < E; ++k) amax = max_f(amax, x[k] < 0.0f ? -x[k] : x[k]);
     }
+    if (a.pattern == kPatternNormFp8Static) {
+      if (valid) store_e4m3<T>(a.quant_out, v, x4, div_rn(1.0f, *a.scale));  // as epilogue()
+      continue;
+    }
     if (a.pattern != kPatternNormFp8) continue;
 
     const float wmax = warp_reduce<true>(amax);
@@ -1059,7 +1072,7 @@ __device__ void oneshot_split(const FusedArgs& a) {
     float scale, mul;
     fp8_scale(m, scale, mul);
     store_e4m3<T>(a.quant_out, v, x4, mul);
-    if (j == 0) a.scale_out[t] = scale;
+    if (j == 0) a.scale[t] = scale;
   }
   if (sync_block_or(!ok)) return;
   finish(a, c, false, true);

@@ -190,6 +190,7 @@ fn reference_matches_an_unfused_pipeline_by_value() {
         Some(&bg),
         1e-6,
         FusionPattern::ResidualRmsNormFp8,
+        None,
     );
     assert_eq!(
         dtype.load_f32(&out.allreduce, 5).to_bits(),
@@ -231,4 +232,110 @@ fn fp8_scale_handles_zero_rows() {
     assert_eq!(fp8_scale(0.0), (1.0, 1.0));
     assert_eq!(fp8_scale(448.0), (1.0, 1.0));
     assert_eq!(fp8_scale(2.0), (2.0 / 448.0, 224.0));
+}
+
+#[test]
+fn static_fp8_takes_the_callers_scale() {
+    let (dtype, tokens, hidden) = (DType::BF16, 3, 16);
+    let x: Vec<f32> = (0..tokens * hidden)
+        .map(|i| (i % 7) as f32 - 3.0 + (i / 7) as f32 * 0.1)
+        .collect();
+    let zero = vec![0f32; tokens * hidden];
+    let res: Vec<f32> = (0..tokens * hidden)
+        .map(|i| (i % 5) as f32 * 0.25)
+        .collect();
+    let gamma: Vec<f32> = (0..hidden).map(|i| 0.5 + i as f32 / 16.0).collect();
+    let (b0, b1, br, bg) = (
+        bytes(dtype, &x),
+        bytes(dtype, &zero),
+        bytes(dtype, &res),
+        bytes(dtype, &gamma),
+    );
+    let run = |pattern, scale| {
+        reference(
+            &[&b0, &b1],
+            dtype,
+            tokens,
+            hidden,
+            Some(&br),
+            Some(&bg),
+            1e-6,
+            pattern,
+            scale,
+        )
+    };
+    let plain = run(FusionPattern::ResidualRmsNorm, None);
+    for scale in [0.01f32, 0.003, 1.0 / 3.0] {
+        let out = run(FusionPattern::ResidualRmsNormFp8Static, Some(scale));
+        // Everything before the codes is the plain pattern's; no per-token scales.
+        assert_eq!(
+            (&out.allreduce, &out.residual, &out.norm),
+            (&plain.allreduce, &plain.residual, &plain.norm)
+        );
+        assert!(out.scale.is_empty());
+        let mul = 1.0 / scale;
+        for (k, &q) in out.quant.iter().enumerate() {
+            let v = dtype.load_f32(&out.norm, k);
+            assert_eq!(q, crate::codec::f32_to_e4m3(v * mul), "{scale} {k}");
+        }
+    }
+    // A scale small enough to saturate: every code of a nonzero value is +-448.
+    let out = run(FusionPattern::ResidualRmsNormFp8Static, Some(1e-6));
+    for (k, &q) in out.quant.iter().enumerate() {
+        if dtype.load_f32(&out.norm, k) != 0.0 {
+            assert_eq!(q & 0x7f, 0x7e, "{k}");
+        }
+    }
+}
+
+#[test]
+fn static_fp8_arguments_are_checked() {
+    let m = meta(4, 64, DType::F16, 2);
+    let t = default_table();
+    let input = HostBytes::zeroed(4 * 64 * 2);
+    let residual = HostBytes::zeroed(4 * 64 * 2);
+    let gamma = HostBytes::zeroed(64 * 2);
+    let mut quant = vec![0u8; 4 * 64];
+    let scale = [0.5f32, 0.25];
+    let mut scales = [0f32; 4];
+    let base = |p| {
+        FusedArgs::new(p, 4, input.view(DType::F16))
+            .residual(residual.view(DType::F16), None)
+            .rms_norm(gamma.view(DType::F16), 1e-6, None)
+    };
+    // Valid: one f32.
+    let args = base(FusionPattern::ResidualRmsNormFp8Static).fp8_static(
+        Fp8BufMut::from_slice(&mut quant),
+        BufRef::from_slice(&scale[..1]),
+    );
+    let call = prepare_fused(&args, &m, &t, Device::Host, 16).unwrap();
+    assert_eq!(call.scale_in.map(|b| b.len), Some(1));
+    assert!(call.scale_out.is_none());
+    // Two f32 is not a scale.
+    let args = base(FusionPattern::ResidualRmsNormFp8Static).fp8_static(
+        Fp8BufMut::from_slice(&mut quant),
+        BufRef::from_slice(&scale[..]),
+    );
+    let e = prepare_fused(&args, &m, &t, Device::Host, 16).unwrap_err();
+    assert!(e.to_string().contains("one f32"), "{e}");
+    // The pattern needs it.
+    let mut args = base(FusionPattern::ResidualRmsNormFp8Static);
+    args.quant_out = Some(Fp8BufMut::from_slice(&mut quant));
+    let e = prepare_fused(&args, &m, &t, Device::Host, 16).unwrap_err();
+    assert!(e.to_string().contains("needs scale_in"), "{e}");
+    // Other patterns refuse it, and the static pattern refuses per-token scales.
+    let mut args = base(FusionPattern::ResidualRmsNormFp8).fp8(
+        Fp8BufMut::from_slice(&mut quant),
+        BufMut::from_slice(&mut scales),
+    );
+    args.scale_in = Some(BufRef::from_slice(&scale[..1]));
+    let e = prepare_fused(&args, &m, &t, Device::Host, 16).unwrap_err();
+    assert!(e.to_string().contains("reads no scale_in"), "{e}");
+    let mut args = base(FusionPattern::ResidualRmsNormFp8Static).fp8_static(
+        Fp8BufMut::from_slice(&mut quant),
+        BufRef::from_slice(&scale[..1]),
+    );
+    args.scale_out = Some(BufMut::from_slice(&mut scales));
+    let e = prepare_fused(&args, &m, &t, Device::Host, 16).unwrap_err();
+    assert!(e.to_string().contains("writes no scale_out"), "{e}");
 }

@@ -132,7 +132,8 @@ pub struct FusedArgs {
     pub residual_out: u64,
     pub norm_out: u64,
     pub quant_out: u64,
-    pub scale_out: u64,
+    /// Per-token scales out (pattern 2), or the caller's static scale, read (pattern 3).
+    pub scale: u64,
     pub gamma: u64,
     pub lamport: [u64; MAX_WORLD],
     pub ws: [u64; MAX_WORLD],

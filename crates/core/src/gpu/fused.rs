@@ -413,7 +413,7 @@ impl<R: GpuRuntime> Shared<R> {
             residual_out: 0,
             norm_out: 0,
             quant_out: 0,
-            scale_out: 0,
+            scale: 0,
             gamma: 0,
             lamport,
             ws: self.group.workspaces(),
@@ -499,7 +499,8 @@ impl<R: GpuRuntime> FusedComm for GpuFused<R> {
         args.residual_out = addr(call.residual_out);
         args.norm_out = addr(call.norm_out);
         args.quant_out = call.quant_out.map_or(0, |(a, _)| a as u64);
-        args.scale_out = addr(call.scale_out);
+        // One field for both: per-token scales out, or the static scale in.
+        args.scale = addr(call.scale_out.or(call.scale_in));
         args.gamma = addr(call.gamma);
         R::bind(s.group.device(self.rank))?;
         // SAFETY: FusedArgs mirrors the kernel's parameter; the workspaces live as long as
@@ -533,6 +534,8 @@ pub struct NormBuffers {
     pub norm_out: u64,
     pub quant_out: u64,
     pub scale_out: u64,
+    /// The static FP8 scale (one f32), for `ResidualRmsNormFp8Static`.
+    pub scale_in: u64,
     pub gamma: u64,
 }
 
@@ -555,7 +558,8 @@ impl<R: GpuRuntime> RmsNormKernel<R> {
     ///
     /// # Safety
     /// Every non-zero address must hold `tokens x hidden` elements of `dtype` (gamma:
-    /// `hidden`; quant_out: bytes; scale_out: `tokens` f32), 16-byte aligned, valid until the
+    /// `hidden`; quant_out: bytes; scale_out: `tokens` f32; scale_in: one f32, 4-byte
+    /// aligned), 16-byte aligned, valid until the
     /// kernel has run on `stream`.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn launch(
@@ -604,7 +608,11 @@ pub fn norm_args(
         residual_out: bufs.residual_out,
         norm_out: bufs.norm_out,
         quant_out: bufs.quant_out,
-        scale_out: bufs.scale_out,
+        scale: if pattern == FusionPattern::ResidualRmsNormFp8Static {
+            bufs.scale_in
+        } else {
+            bufs.scale_out
+        },
         gamma: bufs.gamma,
         lamport: [0; MAX_WORLD],
         ws: [0; MAX_WORLD],

@@ -928,7 +928,7 @@ fn fused_calls_launch_the_chosen_kernel_with_every_ranks_buffers() {
     assert_eq!(a.residual_out, res_out.as_ptr() as u64);
     assert_eq!(a.norm_out, norm_out.as_ptr() as u64);
     assert_eq!(a.gamma, gamma.as_ptr() as u64);
-    assert_eq!((a.allreduce_out, a.quant_out, a.scale_out), (0, 0, 0));
+    assert_eq!((a.allreduce_out, a.quant_out, a.scale), (0, 0, 0));
     // Every rank's Lamport buffer in rank order, this rank's state and Control.
     assert_eq!(&a.lamport[..4], &lamports[..]);
     assert!(a.lamport[4..].iter().all(|&p| p == 0));
