@@ -1,4 +1,4 @@
 //! The host side of the kernels' ABI (`kernels-common/include/allreduce/abi.h`): one copy for
-//! every vendor, in `allreduce_core::gpu::abi`.
+//! every vendor, in `allreduce_gpu::abi`.
 
-pub use allreduce_core::gpu::abi::*;
+pub use allreduce_gpu::abi::*;

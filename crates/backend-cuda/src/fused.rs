@@ -1,9 +1,9 @@
 //! The fused all-reduce + residual + RMSNorm (+ FP8) on CUDA: the kernels of
 //! `kernels-cuda/fused.cu`, embedded as a second fatbin. Workspaces, kernel choice, launch
-//! arguments and warm-up are `allreduce_core::gpu::fused`, shared with the ROCm backend;
+//! arguments and warm-up are `allreduce_gpu::fused`, shared with the ROCm backend;
 //! `runtime.rs` gives it the module and the -0.0-filled memory.
 
-use allreduce_core::gpu::fused as generic;
+use allreduce_gpu::fused as generic;
 
 use crate::runtime::CudaRuntime;
 

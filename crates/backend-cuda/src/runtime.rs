@@ -1,12 +1,12 @@
 //! The CUDA driver as a [`GpuRuntime`]: the group logic (workspaces, flags, strategy choice,
-//! warm-up, how device-side errors become `Error`s) is `allreduce_core::gpu`, shared with the
+//! warm-up, how device-side errors become `Error`s) is `allreduce_gpu`, shared with the
 //! ROCm backend; this file is only the dozen device operations it needs, over [`driver`] and
 //! [`nccl`]. So every test that runs here on the H200 also runs the ROCm backend's group logic.
 
 use std::ffi::CStr;
 
-use allreduce_core::gpu::{Fill, GpuBackend, GpuComm, GpuRuntime};
 use allreduce_core::{Call, Device, Error, Link, Result, Stream};
+use allreduce_gpu::{Fill, GpuBackend, GpuComm, GpuRuntime};
 use cudarc::driver::sys;
 
 use crate::driver::{self, check, CUfunction};
@@ -200,10 +200,10 @@ impl GpuRuntime for CudaRuntime {
     }
 
     fn create_fused_group(
-        group: allreduce_core::gpu::GroupView<CudaRuntime>,
+        group: allreduce_gpu::GroupView<CudaRuntime>,
         config: &allreduce_core::FusedConfig,
     ) -> Result<Option<Vec<Box<dyn allreduce_core::FusedComm>>>> {
-        allreduce_core::gpu::fused::create_group(group, config).map(Some)
+        allreduce_gpu::fused::create_group(group, config).map(Some)
     }
 
     const FUSED_WORLDS: &'static [usize] = &[2, 4, 8];

@@ -92,7 +92,7 @@ mod tests {
             assert_eq!(&image[..4], b"\x7fELF", "{arch}");
             // The generic instance every world can fall back to, and each one Hip::FUSED_WORLDS
             // promises (the names the generic host code asks for).
-            let worlds = <crate::Hip as allreduce_core::gpu::GpuRuntime>::FUSED_WORLDS;
+            let worlds = <crate::Hip as allreduce_gpu::GpuRuntime>::FUSED_WORLDS;
             // And no instance the host would never ask for.
             for w in (1..=8).filter(|w| !worlds.contains(w)) {
                 let k = format!("ar_fused_oneshot_f32_w{w}");
@@ -102,7 +102,7 @@ mod tests {
                 );
             }
             for w in [0].iter().chain(worlds) {
-                let names = allreduce_core::gpu::fused::kernel_names::<crate::Hip>(*w);
+                let names = allreduce_gpu::fused::kernel_names::<crate::Hip>(*w);
                 for k in names.iter().flatten() {
                     assert!(
                         image.windows(k.len()).any(|w| w == k.as_bytes()),

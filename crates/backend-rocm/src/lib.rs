@@ -3,10 +3,10 @@
 //! Layers, as in cudarc: [`hip`] and [`rccl`] are the vendor libraries, each a `sys` function
 //! table opened at run time with libloading (probing the usual sonames; no ROCm is needed to
 //! build, and without one every entry point returns `Error::LibraryUnavailable` naming the
-//! files tried) and a thin `result` layer. [`Hip`] implements `allreduce_core::gpu::GpuRuntime`
+//! files tried) and a thin `result` layer. [`Hip`] implements `allreduce_gpu::GpuRuntime`
 //! over them, so the group logic ([`Rocm`] = `GpuBackend<Hip>`) is the code every GPU backend
 //! shares: workspace layout, flag protocol, strategy choice, launch arguments, and the fused
-//! all-reduce + RMSNorm (`allreduce_core::gpu::fused`, fused.hip's kernels). [`kernels`]
+//! all-reduce + RMSNorm (`allreduce_gpu::fused`, fused.hip's kernels). [`kernels`]
 //! holds the code objects build.rs compiled from `kernels-hip/` when it found a HIP compiler;
 //! [`select`] is the default `Auto` table (vLLM's ROCm thresholds).
 //!
@@ -20,7 +20,7 @@ mod runtime;
 pub mod select;
 pub mod testing;
 
-use allreduce_core::gpu::{GpuBackend, GpuComm};
+use allreduce_gpu::{GpuBackend, GpuComm};
 
 pub use runtime::{
     device_count, init, queue_shortfall, Hip, HipDevice, HipFunction, HipHostMapped, HipMemory,
@@ -32,7 +32,7 @@ pub type Rocm = GpuBackend<Hip>;
 /// One rank of a ROCm group.
 pub type RocmComm = GpuComm<Hip>;
 
-pub use allreduce_core::gpu::fused::NormBuffers;
+pub use allreduce_gpu::fused::NormBuffers;
 /// The unfused baseline's second kernel (residual add + RMSNorm, + FP8 codes) from fused.hip,
 /// for tests and the bench: `RmsNormKernel::load(&device)`.
-pub type RmsNormKernel = allreduce_core::gpu::fused::RmsNormKernel<Hip>;
+pub type RmsNormKernel = allreduce_gpu::fused::RmsNormKernel<Hip>;

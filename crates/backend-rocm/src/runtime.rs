@@ -1,5 +1,5 @@
 //! [`Hip`]: the HIP runtime as a [`GpuRuntime`], so the ROCm backend runs the group logic the
-//! GPU backends share (`allreduce_core::gpu`): the same workspace layout, flag protocol,
+//! GPU backends share (`allreduce_gpu`): the same workspace layout, flag protocol,
 //! strategy choice and launch arguments as the CUDA backend, over HIP calls.
 //!
 //! What differs from CUDA, and why:
@@ -25,8 +25,8 @@
 use std::ffi::{c_void, CStr};
 use std::sync::OnceLock;
 
-use allreduce_core::gpu::{abi::THREADS, Fill, GpuRuntime};
 use allreduce_core::{Call, Device, Error, GroupConfig, Result, SelectionTable, Stream};
+use allreduce_gpu::{abi::THREADS, Fill, GpuRuntime};
 
 use crate::hip::result::{self as hip, device, memory, module};
 use crate::hip::sys;
@@ -480,10 +480,10 @@ impl GpuRuntime for Hip {
     }
 
     fn create_fused_group(
-        group: allreduce_core::gpu::GroupView<Hip>,
+        group: allreduce_gpu::GroupView<Hip>,
         config: &allreduce_core::FusedConfig,
     ) -> Result<Option<Vec<Box<dyn allreduce_core::FusedComm>>>> {
-        allreduce_core::gpu::fused::create_group(group, config).map(Some)
+        allreduce_gpu::fused::create_group(group, config).map(Some)
     }
 
     /// None: fused.hip compiles only the generic instance (`_w0`), since per-world ones would

@@ -13,7 +13,7 @@ use allreduce_core::{Result, Stream};
 use crate::hip::result::{device, graph, memory, stream};
 use crate::hip::sys;
 use crate::runtime::{self, Hip, HipDevice};
-use allreduce_core::gpu::GpuRuntime;
+use allreduce_gpu::GpuRuntime;
 
 /// Open device `ordinal` and make it current on this thread.
 pub fn bind(ordinal: u32) -> Result<HipDevice> {

@@ -12,12 +12,12 @@ use std::process::Command;
 use std::ffi::{c_char, c_void, CStr};
 
 use allreduce_backend_rocm::{hip, kernels, select, Hip, IpcMapping, Rocm};
-use allreduce_core::gpu::abi::{Args, Desc, FusedArgs};
-use allreduce_core::gpu::GpuRuntime;
 use allreduce_core::{
     prepare, AllReduceOptions, Backend, BackendComm, BufMut, BufRef, DType, Device, Error,
     FusedConfig, FusionPattern, GroupConfig, Precision, Strategy, Stream,
 };
+use allreduce_gpu::abi::{Args, Desc, FusedArgs};
+use allreduce_gpu::GpuRuntime;
 
 /// The stub's record of what the backend did (its `stub_*` functions).
 struct Probe(libloading::Library);

@@ -1,5 +1,6 @@
-//! Types, errors, the backend contract, reference codecs and strategy selection shared by
-//! every `allreduce` backend.
+//! The specification every `allreduce` backend implements: types, errors, per-call
+//! validation, the reference codecs, buffer layout and strategy selection. No device code:
+//! the GPU engine that runs this specification on NVIDIA and AMD is `allreduce-gpu`.
 //!
 //! Users depend on the `allreduce` facade crate; this crate is what backends are written
 //! against. Its pieces:
@@ -11,7 +12,6 @@
 //! | [`buffer`]  | device-neutral buffer views (address + length + dtype + device), `Stream` |
 //! | [`backend`] | `Backend`/`BackendComm` traits, `GroupConfig`, per-call validation     |
 //! | [`codec`]   | the reference codecs GPU kernels must match bit for bit                |
-//! | [`gpu`]     | `GpuRuntime` (what a vendor runtime provides) and the group logic every GPU backend shares |
 //! | [`layout`]  | how buffers are cut into per-rank shards                               |
 //! | [`hierarchical`] | the two-NUMA-group quantized all-reduce: groups, shards, reference |
 //! | [`select`]  | the table behind `Strategy::Auto`                                      |
@@ -23,7 +23,6 @@ pub mod codec;
 pub mod dtype;
 pub mod error;
 pub mod fused;
-pub mod gpu;
 pub mod hierarchical;
 pub mod layout;
 pub mod op;

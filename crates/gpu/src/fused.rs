@@ -15,10 +15,10 @@
 use std::ffi::CString;
 use std::sync::Arc;
 
-use super::abi::{FusedArgs, MAX_WORLD, THREADS};
-use super::{Fill, GpuRuntime, GroupView};
-use crate::fused::MAX_BLOCKS;
-use crate::{
+use crate::abi::{FusedArgs, MAX_WORLD, THREADS};
+use crate::{Fill, GpuRuntime, GroupView};
+use allreduce_core::fused::MAX_BLOCKS;
+use allreduce_core::{
     DType, Error, FusedCall, FusedComm, FusedConfig, FusedMetadata, FusionPattern, Result, Rule,
     SelectionTable, Strategy, Stream,
 };
@@ -432,7 +432,7 @@ impl<R: GpuRuntime> Shared<R> {
     }
 }
 
-fn addr(b: Option<crate::RawBuffer>) -> u64 {
+fn addr(b: Option<allreduce_core::RawBuffer>) -> u64 {
     b.map_or(0, |b| b.addr as u64)
 }
 
@@ -441,7 +441,7 @@ impl<R: GpuRuntime> FusedComm for GpuFused<R> {
         &self.shared.meta[self.rank]
     }
 
-    /// [`crate::fused::default_table`] with one rule in front: one-shot as long as its
+    /// [`allreduce_core::fused::default_table`] with one rule in front: one-shot as long as its
     /// cluster kernel takes the call (every row its own cluster, [`split_cluster`]), where it
     /// beat the two-shot at every size measured (H200, 2/4/8 virtual ranks: at 8 ranks x
     /// hidden 8192 x 8 tokens, 128 KiB, 17.9 against 19.4 us, beyond the byte rule's 64 KiB).
@@ -451,7 +451,7 @@ impl<R: GpuRuntime> FusedComm for GpuFused<R> {
         let rows = (1..=s.grid as usize / 2)
             .rev()
             .find(|&t| split_cluster(s.grid, s.max_cluster, t, m.hidden, m.dtype).is_some())?;
-        let mut table = crate::fused::default_table();
+        let mut table = allreduce_core::fused::default_table();
         table.rules.insert(
             0,
             Rule {
@@ -594,11 +594,13 @@ pub fn norm_args(
     hidden: usize,
     eps: f32,
 ) -> Result<FusedArgs> {
-    if hidden % (16 / dtype.size()) != 0 || hidden * dtype.size() > crate::fused::MAX_HIDDEN_BYTES {
+    if hidden % (16 / dtype.size()) != 0
+        || hidden * dtype.size() > allreduce_core::fused::MAX_HIDDEN_BYTES
+    {
         return Err(Error::InvalidArgument(format!(
             "hidden {hidden} {dtype} is not a whole number of 16-byte vectors of at most {} \
              bytes",
-            crate::fused::MAX_HIDDEN_BYTES
+            allreduce_core::fused::MAX_HIDDEN_BYTES
         )));
     }
     Ok(FusedArgs {

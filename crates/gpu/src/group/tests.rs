@@ -6,8 +6,8 @@ use std::cell::RefCell;
 use std::ffi::CStr;
 
 use super::*;
-use crate::gpu::{Fill, GpuRuntime};
-use crate::{AllReduceOptions, BufMut, BufRef, Device, FusionPattern};
+use crate::{Fill, GpuRuntime};
+use allreduce_core::{AllReduceOptions, BufMut, BufRef, Device, FusionPattern};
 
 #[derive(Clone, Debug)]
 struct Launch {
@@ -271,9 +271,9 @@ impl GpuRuntime for Mock {
     }
     fn create_fused_group(
         group: GroupView<Mock>,
-        config: &crate::FusedConfig,
-    ) -> Result<Option<Vec<Box<dyn crate::FusedComm>>>> {
-        crate::gpu::fused::create_group(group, config).map(Some)
+        config: &allreduce_core::FusedConfig,
+    ) -> Result<Option<Vec<Box<dyn allreduce_core::FusedComm>>>> {
+        crate::fused::create_group(group, config).map(Some)
     }
     const FUSED_WORLDS: &'static [usize] = &[2, 4, 8];
     fn load_fused_module(_dev: &MockDevice) -> Result<()> {
@@ -397,7 +397,7 @@ fn a_call_launches_its_kernel_with_every_workspace_and_a_descriptor() {
     let opts = AllReduceOptions::default()
         .strategy(Strategy::TwoShot)
         .stream(stream);
-    let call = crate::prepare(
+    let call = allreduce_core::prepare(
         Some(i),
         &o,
         &opts,
@@ -634,7 +634,7 @@ fn quantized_slots_fit_every_admitted_call() {
 fn no_peer_access_leaves_only_the_vendor_library() {
     let config = GroupConfig::new(2)
         .devices(vec![0, 1])
-        .topology(crate::Topology::parse("none", 2).unwrap());
+        .topology(allreduce_core::Topology::parse("none", 2).unwrap());
     let comms = GpuBackend::<Mock>::create_group(&config).expect("builds without peer access");
     for s in [Strategy::OneShot, Strategy::TwoShot] {
         let why = comms[0]
@@ -655,7 +655,7 @@ fn no_peer_access_leaves_only_the_vendor_library() {
 
     let pcie = GroupConfig::new(4)
         .devices(vec![0, 1, 2, 3])
-        .topology(crate::Topology::parse("pcie:2x2", 4).unwrap());
+        .topology(allreduce_core::Topology::parse("pcie:2x2", 4).unwrap());
     let comms = GpuBackend::<Mock>::create_group(&pcie).unwrap();
     assert!(comms[2].topology().pcie_only());
     assert_eq!(
@@ -690,7 +690,7 @@ fn a_call_larger_than_the_workspace_runs_in_pieces() {
     let opts = AllReduceOptions::default()
         .strategy(Strategy::QuantizedTwoShot)
         .precision(Precision::Lossy(Codec::Int4));
-    let call = crate::prepare(
+    let call = allreduce_core::prepare(
         Some(i),
         &o,
         &opts,
@@ -807,8 +807,8 @@ fn ranks_built_one_per_process_map_each_other() {
         }
         assert_ne!(own, 0);
         let t = c.topology();
-        assert_eq!(t.links[0][1], crate::Link::SameDevice);
-        assert_eq!(t.links[0][2], crate::Link::Pcie);
+        assert_eq!(t.links[0][1], allreduce_core::Link::SameDevice);
+        assert_eq!(t.links[0][2], allreduce_core::Link::Pcie);
         let v = c
             .strategy_available(Strategy::Vendor, DType::F16, Precision::Exact)
             .unwrap_err();
@@ -824,8 +824,8 @@ fn ranks_built_one_per_process_map_each_other() {
 
 fn fused_group(
     devices: Vec<u32>,
-    config: &crate::FusedConfig,
-) -> (Vec<GpuComm<Mock>>, Vec<Box<dyn crate::FusedComm>>) {
+    config: &allreduce_core::FusedConfig,
+) -> (Vec<GpuComm<Mock>>, Vec<Box<dyn allreduce_core::FusedComm>>) {
     let comms = group(devices);
     // Only the fused group's own launches from here on.
     take_launches();
@@ -840,7 +840,7 @@ fn fused_group(
 fn fused_workspaces_are_sized_filled_and_warmed_per_rank() {
     take_launches();
     FILLS.with(|f| f.borrow_mut().clear());
-    let config = crate::FusedConfig::new(16, 1024, DType::BF16);
+    let config = allreduce_core::FusedConfig::new(16, 1024, DType::BF16);
     let (comms, fused) = fused_group(vec![0, 1, 2, 3], &config);
     assert_eq!(fused.len(), 4);
     // (world + 1) slots of 16 x 1024 bf16, and the 128 bytes of call tags.
@@ -886,7 +886,7 @@ fn fused_workspaces_are_sized_filled_and_warmed_per_rank() {
 
 #[test]
 fn fused_calls_launch_the_chosen_kernel_with_every_ranks_buffers() {
-    let config = crate::FusedConfig::new(16, 1024, DType::BF16);
+    let config = allreduce_core::FusedConfig::new(16, 1024, DType::BF16);
     let (comms, fused) = fused_group(vec![0, 1, 2, 3], &config);
     let warm = take_launches();
     let lamports: Vec<u64> = warm
@@ -904,13 +904,14 @@ fn fused_calls_launch_the_chosen_kernel_with_every_ranks_buffers() {
     let view_mut = |v: &mut [u16]| unsafe {
         BufMut::from_raw(v.as_mut_ptr() as usize, v.len(), DType::BF16, dev)
     };
-    let args = crate::FusedArgs::new(FusionPattern::ResidualRmsNorm, 8, view(&input))
+    let args = allreduce_core::FusedArgs::new(FusionPattern::ResidualRmsNorm, 8, view(&input))
         .residual(view(&res_in), Some(view_mut(&mut res_out)))
         .rms_norm(view(&gamma), 1e-5, Some(view_mut(&mut norm_out)))
         .strategy(Strategy::TwoShot)
         .stream(Stream::from_raw(0x77 as *mut c_void));
-    let table = crate::fused::default_table();
-    let call = crate::fused::prepare_fused(&args, fused[2].metadata(), &table, dev, 16).unwrap();
+    let table = allreduce_core::fused::default_table();
+    let call =
+        allreduce_core::fused::prepare_fused(&args, fused[2].metadata(), &table, dev, 16).unwrap();
     fused[2].run(&call).unwrap();
     let l = take_launches().pop().expect("one launch");
     assert_eq!(
@@ -942,9 +943,10 @@ fn fused_calls_launch_the_chosen_kernel_with_every_ranks_buffers() {
 
     // Beyond the workspace: refused on the host, nothing launched.
     let (big, mut big_out) = (vec![0u16; 17 * 1024], vec![0u16; 17 * 1024]);
-    let args = crate::FusedArgs::new(FusionPattern::AllReduce, 17, view(&big))
+    let args = allreduce_core::FusedArgs::new(FusionPattern::AllReduce, 17, view(&big))
         .allreduce_out(view_mut(&mut big_out));
-    let e = crate::fused::prepare_fused(&args, fused[2].metadata(), &table, dev, 16).unwrap_err();
+    let e = allreduce_core::fused::prepare_fused(&args, fused[2].metadata(), &table, dev, 16)
+        .unwrap_err();
     assert!(
         matches!(
             e,
@@ -971,7 +973,7 @@ fn fused_worlds_without_an_instance_use_the_generic_kernels_and_f32_lamport_word
     take_launches();
     FILLS.with(|f| f.borrow_mut().clear());
     // Three ranks, two on device 0: the generic instance, and 20 units split two ways.
-    let config = crate::FusedConfig::new(4, 256, DType::F32);
+    let config = allreduce_core::FusedConfig::new(4, 256, DType::F32);
     let (_comms, fused) = fused_group(vec![0, 0, 1], &config);
     let comm_bytes = 4 * 4 * 256 * 4 + 128;
     let fills = FILLS.with(|f| std::mem::take(&mut *f.borrow_mut()));
@@ -1007,7 +1009,7 @@ fn fused_worlds_without_an_instance_use_the_generic_kernels_and_f32_lamport_word
 
 #[test]
 fn the_unfused_norm_kernel_checks_rows_and_clamps_its_grid() {
-    use crate::gpu::fused::{NormBuffers, RmsNormKernel};
+    use crate::fused::{NormBuffers, RmsNormKernel};
     take_launches();
     let k = RmsNormKernel::<Mock>::from_module(()).unwrap();
     let bufs = NormBuffers {
@@ -1070,7 +1072,7 @@ fn the_unfused_norm_kernel_checks_rows_and_clamps_its_grid() {
 fn small_one_shot_calls_take_the_cluster_kernel_where_the_device_has_clusters() {
     CLUSTERS.with(|c| c.set(true));
     let hidden = 8192;
-    let config = crate::FusedConfig::new(64, hidden, DType::BF16);
+    let config = allreduce_core::FusedConfig::new(64, hidden, DType::BF16);
     // Two ranks on two devices of 20 compute units: 16 blocks per launch.
     let (_comms, fused) = fused_group(vec![0, 1], &config);
     let warm = take_launches();
@@ -1084,7 +1086,7 @@ fn small_one_shot_calls_take_the_cluster_kernel_where_the_device_has_clusters() 
     let (input, res_in) = (vec![0u16; n], vec![0u16; n]);
     let (mut res_out, mut norm_out, gamma) = (vec![0u16; n], vec![0u16; n], vec![0u16; hidden]);
     let dev = Device::Rocm(0);
-    let table = crate::fused::default_table();
+    let table = allreduce_core::fused::default_table();
     // Hidden 8192 bf16 is two 512-vector slots: clusters of 8 up to 2 rows (2 x 8 <= 16),
     // 4 for 3-4 rows, 2 for 5-8, then the one-block one-shot; two-shot never splits.
     for (tokens, strategy, want) in [
@@ -1103,12 +1105,14 @@ fn small_one_shot_calls_take_the_cluster_kernel_where_the_device_has_clusters() 
         let view_mut = |v: &mut [u16]| unsafe {
             BufMut::from_raw(v.as_mut_ptr() as usize, m, DType::BF16, dev)
         };
-        let args = crate::FusedArgs::new(FusionPattern::ResidualRmsNorm, tokens, view(&input))
-            .residual(view(&res_in), Some(view_mut(&mut res_out)))
-            .rms_norm(view(&gamma), 1e-6, Some(view_mut(&mut norm_out)))
-            .strategy(strategy);
+        let args =
+            allreduce_core::FusedArgs::new(FusionPattern::ResidualRmsNorm, tokens, view(&input))
+                .residual(view(&res_in), Some(view_mut(&mut res_out)))
+                .rms_norm(view(&gamma), 1e-6, Some(view_mut(&mut norm_out)))
+                .strategy(strategy);
         let call =
-            crate::fused::prepare_fused(&args, fused[0].metadata(), &table, dev, 16).unwrap();
+            allreduce_core::fused::prepare_fused(&args, fused[0].metadata(), &table, dev, 16)
+                .unwrap();
         fused[0].run(&call).unwrap();
         let l = take_launches().pop().expect("one launch");
         let got = (l.cluster != 0).then_some(l.cluster);
@@ -1128,7 +1132,10 @@ fn small_one_shot_calls_take_the_cluster_kernel_where_the_device_has_clusters() 
         (r.world, r.max_bytes, r.strategy),
         ((2, 2), 8 * hidden * 2, Strategy::OneShot)
     );
-    assert_eq!(&t.rules[1..], &crate::fused::default_table().rules[..]);
+    assert_eq!(
+        &t.rules[1..],
+        &allreduce_core::fused::default_table().rules[..]
+    );
     CLUSTERS.with(|c| c.set(false));
     let (_comms, fused) = fused_group(vec![0, 1], &config);
     assert!(
@@ -1147,24 +1154,25 @@ fn fused_calls_launch_dependent_where_every_device_has_pdl() {
     let dev = Device::Rocm(0);
     // One call on rank 0; (the workspace's pdl, the call's launch was dependent, any warm-up
     // launch was).
-    let mut run = |config: crate::FusedConfig| {
+    let mut run = |config: allreduce_core::FusedConfig| {
         let (_comms, fused) = fused_group(vec![0, 1], &config);
         let warm = take_launches();
         // SAFETY (views): live vectors, used only by the mock's records.
-        let args = crate::FusedArgs::new(FusionPattern::AllReduce, tokens, unsafe {
+        let args = allreduce_core::FusedArgs::new(FusionPattern::AllReduce, tokens, unsafe {
             BufRef::from_raw(input.as_ptr() as usize, m, DType::BF16, dev)
         })
         .allreduce_out(unsafe { BufMut::from_raw(out.as_mut_ptr() as usize, m, DType::BF16, dev) })
         .strategy(Strategy::OneShot);
-        let table = crate::fused::default_table();
+        let table = allreduce_core::fused::default_table();
         let call =
-            crate::fused::prepare_fused(&args, fused[0].metadata(), &table, dev, 16).unwrap();
+            allreduce_core::fused::prepare_fused(&args, fused[0].metadata(), &table, dev, 16)
+                .unwrap();
         fused[0].run(&call).unwrap();
         let l = take_launches().pop().expect("one launch");
         (fused[0].metadata().pdl, l.pdl, warm.iter().any(|l| l.pdl))
     };
     PDL.with(|c| c.set(true));
-    let config = crate::FusedConfig::new(16, hidden, DType::BF16);
+    let config = allreduce_core::FusedConfig::new(16, hidden, DType::BF16);
     // The warm-up launches alone on the device: ordinary launches.
     assert_eq!(run(config.clone()), (true, true, false));
     assert_eq!(run(config.clone().pdl(false)), (false, false, false));
@@ -1179,7 +1187,7 @@ fn fused_calls_launch_dependent_where_every_device_has_pdl() {
 
 #[test]
 fn the_fused_grid_is_refused_past_co_residency() {
-    use crate::gpu::fused::blocks_setting;
+    use crate::fused::blocks_setting;
     // 8 ranks on 132 SMs: one block per SM for them together is 16 per rank.
     let env = "ALLREDUCE_FUSED_BLOCKS";
     assert_eq!(blocks_setting("16", env, 8, 132).unwrap(), 16);
@@ -1199,7 +1207,7 @@ fn the_fused_grid_is_refused_past_co_residency() {
 fn a_workspace_launches_the_grid_its_config_names() {
     take_launches();
     // Four ranks on four mock devices of 20 units: 20 blocks at most.
-    let config = crate::FusedConfig::new(16, 1024, DType::BF16).blocks(12);
+    let config = allreduce_core::FusedConfig::new(16, 1024, DType::BF16).blocks(12);
     let (_comms, fused) = fused_group(vec![0, 1, 2, 3], &config);
     assert!(fused.iter().all(|f| f.metadata().blocks == 12));
     let warm = take_launches();
@@ -1209,14 +1217,14 @@ fn a_workspace_launches_the_grid_its_config_names() {
         assert_eq!(l.grid, 12, "{}", l.kernel);
     }
     let comms = group(vec![0, 1, 2, 3]);
-    let too_many = crate::FusedConfig::new(16, 1024, DType::BF16).blocks(21);
+    let too_many = allreduce_core::FusedConfig::new(16, 1024, DType::BF16).blocks(21);
     let Err(e) = comms[0].create_fused_group(&too_many) else {
         panic!("21 blocks on 20 units");
     };
     let e = e.to_string();
     assert!(e.contains("blocks=\"21\"") && e.contains("1 to 20"), "{e}");
     // The config's own bounds hold on every backend.
-    assert!(crate::FusedConfig::new(16, 1024, DType::BF16)
+    assert!(allreduce_core::FusedConfig::new(16, 1024, DType::BF16)
         .blocks(65)
         .validate()
         .is_err());

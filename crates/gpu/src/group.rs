@@ -15,9 +15,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::abi::{self, Args, Control, Desc, MAX_BLOCKS, MAX_WORLD, THREADS};
-use super::GpuRuntime;
-use crate::{
+use crate::abi::{self, Args, Control, Desc, MAX_BLOCKS, MAX_WORLD, THREADS};
+use crate::GpuRuntime;
+use allreduce_core::{
     Backend, BackendComm, Bootstrap, Call, Codec, DType, Error, GroupConfig, Limits, Precision,
     Result, SelectionTable, Strategy, Stream,
 };
@@ -156,7 +156,7 @@ const QUANT_SLACK: usize = 64 * MAX_WORLD + 256;
 /// Whether the quantized kernel's slots for `n` elements fit a staging buffer:
 /// `world * encoded_len(shard)` bytes (kernels-common quantized.h).
 pub(crate) fn quantized_fits(codec: Codec, n: usize, world: usize, stage: usize) -> bool {
-    let shard = crate::layout::shard_len(n, world, crate::layout::QUANT_GRANULE);
+    let shard = allreduce_core::layout::shard_len(n, world, allreduce_core::layout::QUANT_GRANULE);
     world * codec.encoded_len(shard) <= stage
 }
 
@@ -200,7 +200,7 @@ struct Group<R: GpuRuntime> {
     world: usize,
     /// Index into `devices` of each rank.
     rank_device: Vec<usize>,
-    topology: crate::Topology,
+    topology: allreduce_core::Topology,
     /// The ranks this process drives: all of them in an in-process group, one in a group of
     /// one process per rank ([`GpuBackend::create_rank`]).
     local: Vec<usize>,
@@ -242,7 +242,8 @@ impl<R: GpuRuntime> Group<R> {
         // enabled wherever there is some; without it the custom kernels are unavailable (they
         // read and write peers' memory) and only the vendor library runs: the group still
         // builds.
-        let mut device_links = vec![vec![crate::Link::SameDevice; devices.len()]; devices.len()];
+        let mut device_links =
+            vec![vec![allreduce_core::Link::SameDevice; devices.len()]; devices.len()];
         for (i, a) in devices.iter().enumerate() {
             for (j, b) in devices.iter().enumerate() {
                 if i != j {
@@ -255,7 +256,7 @@ impl<R: GpuRuntime> Group<R> {
         }
         let topology = match &config.topology {
             Some(t) => t.clone(),
-            None => crate::Topology {
+            None => allreduce_core::Topology {
                 links: rank_device
                     .iter()
                     .map(|&a| rank_device.iter().map(|&b| device_links[a][b]).collect())
@@ -456,15 +457,15 @@ impl<R: GpuRuntime> Group<R> {
         // mappings above just proved.
         let topology = match &config.topology {
             Some(t) => t.clone(),
-            None => crate::Topology {
+            None => allreduce_core::Topology {
                 links: (0..world)
                     .map(|a| {
                         (0..world)
                             .map(|b| {
                                 if rank_device_all[a] == rank_device_all[b] {
-                                    crate::Link::SameDevice
+                                    allreduce_core::Link::SameDevice
                                 } else {
-                                    crate::Link::Pcie
+                                    allreduce_core::Link::Pcie
                                 }
                             })
                             .collect()
@@ -585,7 +586,7 @@ impl<R: GpuRuntime> Group<R> {
     /// Elements per piece of a call larger than the workspace: `max_bytes` worth, rounded down
     /// to whole 32-element codec blocks (also 16-byte aligned for every dtype).
     fn piece_len(&self, dtype: DType) -> usize {
-        crate::layout::piece_len(self.max_bytes, dtype)
+        allreduce_core::layout::piece_len(self.max_bytes, dtype)
     }
 
     fn control(&self, rank: usize) -> &R::HostMapped {
@@ -807,7 +808,7 @@ impl<R: GpuRuntime> GpuComm<R> {
     }
 
     /// How the group's GPUs are connected (probed at creation, or forced by the config).
-    pub fn topology(&self) -> &crate::Topology {
+    pub fn topology(&self) -> &allreduce_core::Topology {
         &self.group.topology
     }
 
@@ -871,8 +872,11 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
             Strategy::HierarchicalQuantized => no_peers(strategy)
                 .and_then(|_| codec_kernels())
                 .and_then(|_| {
-                    crate::hierarchical::group_size(Some(&self.group.topology), self.group.world)
-                        .map(|_| ())
+                    allreduce_core::hierarchical::group_size(
+                        Some(&self.group.topology),
+                        self.group.world,
+                    )
+                    .map(|_| ())
                 }),
             Strategy::Vendor => self.group.vendor.as_ref().map(|_| ()).map_err(Clone::clone),
             Strategy::Auto => Err("Auto is resolved before the backend is called".into()),
@@ -895,7 +899,7 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
                 } else {
                     (
                         kernels.hierarchical.as_ref(),
-                        crate::hierarchical::group_size(Some(&g.topology), g.world),
+                        allreduce_core::hierarchical::group_size(Some(&g.topology), g.world),
                     )
                 };
                 let (Some(table), Precision::Lossy(codec), Some(d), Ok(owners)) = (
@@ -1011,14 +1015,14 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
         }
     }
 
-    fn topology(&self) -> Option<&crate::Topology> {
+    fn topology(&self) -> Option<&allreduce_core::Topology> {
         Some(&self.group.topology)
     }
 
     fn create_fused_group(
         &self,
-        config: &crate::FusedConfig,
-    ) -> Result<Option<Vec<Box<dyn crate::FusedComm>>>> {
+        config: &allreduce_core::FusedConfig,
+    ) -> Result<Option<Vec<Box<dyn allreduce_core::FusedComm>>>> {
         let view = GroupView(self.group.clone());
         if !view.in_process() {
             return Err(Error::InvalidConfig(
@@ -1069,9 +1073,9 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
                 detail: format!(
                     "rank {} called with {}, rank {} with {}; the group must be rebuilt",
                     self.rank,
-                    crate::fused::describe_desc(c.mine),
+                    allreduce_core::fused::describe_desc(c.mine),
                     c.rank,
-                    crate::fused::describe_desc(c.theirs)
+                    allreduce_core::fused::describe_desc(c.theirs)
                 ),
             });
         }
@@ -1098,9 +1102,9 @@ fn aborted_reason(c: &Control) -> String {
         format!(
             "fused call {}: a rank called with {} and rank {} with {}",
             c.epoch,
-            crate::fused::describe_desc(c.mine),
+            allreduce_core::fused::describe_desc(c.mine),
             c.rank,
-            crate::fused::describe_desc(c.theirs)
+            allreduce_core::fused::describe_desc(c.theirs)
         )
     } else {
         format!(

@@ -3,8 +3,8 @@
 //! sizes); change both or neither.
 //!
 //! A verbatim copy of `crates/backend-cuda/src/abi.rs`, made while another change was in
-//! flight there; that file becomes `pub use allreduce_core::gpu::abi::*;` when the CUDA
-//! backend moves onto [`crate::gpu::GpuRuntime`] (docs/decisions.md, "ROCm backend").
+//! flight there; that file becomes `pub use allreduce_gpu::abi::*;` when the CUDA
+//! backend moves onto [`crate::GpuRuntime`] (docs/decisions.md, "ROCm backend").
 
 use std::ffi::c_void;
 
@@ -158,4 +158,4 @@ const _: () = assert!(std::mem::offset_of!(FusedArgs, comm_bytes) == 208);
 const _: () = assert!(std::mem::offset_of!(FusedArgs, tokens) == 232);
 const _: () = assert!(std::mem::offset_of!(FusedArgs, pattern) == 248);
 // `ar::fused::BlockState` is 16 bytes, one per block of at most MAX_BLOCKS.
-const _: () = assert!(crate::fused::FLAG_BYTES == MAX_BLOCKS * 16);
+const _: () = assert!(allreduce_core::fused::FLAG_BYTES == MAX_BLOCKS * 16);

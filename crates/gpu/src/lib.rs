@@ -6,7 +6,7 @@
 //! library), and the group logic itself, [`GpuBackend`]/[`GpuComm`], which is written once
 //! against the trait: the workspace layout ([`abi`]), the flag protocol's launch arguments,
 //! the warm-up, strategy choice, the call descriptors ranks compare in the kernel, and how a
-//! device-side timeout or mismatch becomes an [`Error`](crate::Error).
+//! device-side timeout or mismatch becomes an [`Error`](allreduce_core::Error).
 //!
 //! Both GPU backends are built this way: `Cuda = GpuBackend<CudaRuntime>` (allreduce-backend-cuda)
 //! and `Rocm = GpuBackend<Hip>` (allreduce-backend-rocm). The fused all-reduce + RMSNorm's
@@ -17,7 +17,7 @@
 
 use std::ffi::CStr;
 
-use crate::{Call, Device, GroupConfig, Result, SelectionTable, Stream};
+use allreduce_core::{Call, Device, GroupConfig, Result, SelectionTable, Stream};
 
 pub mod abi;
 pub mod fused;
@@ -133,11 +133,11 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
 
     /// How `dev` reaches `peer`'s memory (two distinct devices). The default knows only
     /// whether there is peer access at all, and calls it PCIe.
-    fn link(dev: &Self::Device, peer: &Self::Device) -> Result<crate::Link> {
+    fn link(dev: &Self::Device, peer: &Self::Device) -> Result<allreduce_core::Link> {
         Ok(if Self::can_access_peer(dev, peer)? {
-            crate::Link::Pcie
+            allreduce_core::Link::Pcie
         } else {
-            crate::Link::None
+            allreduce_core::Link::None
         })
     }
 
@@ -162,7 +162,7 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
     /// A vendor-library group id (`ncclGetUniqueId`), made by rank 0 of a multi-process group
     /// and sent to the others over the bootstrap.
     fn vendor_unique_id() -> Result<Vec<u8>> {
-        Err(crate::Error::InvalidConfig(format!(
+        Err(allreduce_core::Error::InvalidConfig(format!(
             "the {} backend has no multi-process vendor library",
             Self::NAME
         )))
@@ -175,7 +175,7 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
         _rank: usize,
         _world: usize,
     ) -> Result<Self::Vendor> {
-        Err(crate::Error::InvalidConfig(format!(
+        Err(allreduce_core::Error::InvalidConfig(format!(
             "the {} backend has no multi-process vendor library",
             Self::NAME
         )))
@@ -187,8 +187,8 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
     /// returns [`fused::create_group`]'s.
     fn create_fused_group(
         _group: GroupView<Self>,
-        _config: &crate::FusedConfig,
-    ) -> Result<Option<Vec<Box<dyn crate::FusedComm>>>> {
+        _config: &allreduce_core::FusedConfig,
+    ) -> Result<Option<Vec<Box<dyn allreduce_core::FusedComm>>>> {
         Ok(None)
     }
 
@@ -214,7 +214,7 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
         _stream: Stream,
         _args: &A,
     ) -> Result<()> {
-        Err(crate::Error::InvalidConfig(format!(
+        Err(allreduce_core::Error::InvalidConfig(format!(
             "the {} backend has no thread-block clusters",
             Self::NAME
         )))
@@ -252,7 +252,7 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
     /// Load the fused all-reduce + RMSNorm kernels (a second module, `fused.h`'s) for `dev`,
     /// which the caller has made current.
     fn load_fused_module(_dev: &Self::Device) -> Result<Self::Module> {
-        Err(crate::Error::InvalidConfig(format!(
+        Err(allreduce_core::Error::InvalidConfig(format!(
             "the {} backend has no fused kernels",
             Self::NAME
         )))
@@ -263,7 +263,7 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
     /// fused kernels' Lamport buffers, whose "not written yet" is -0.0. Runs with `dev`
     /// current (the caller bound it); complete on return.
     fn alloc_filled(_dev: &Self::Device, _bytes: usize, _fill: Fill) -> Result<Self::Memory> {
-        Err(crate::Error::InvalidConfig(format!(
+        Err(allreduce_core::Error::InvalidConfig(format!(
             "the {} backend has no fused kernels",
             Self::NAME
         )))
@@ -272,7 +272,7 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
     /// A handle another process can open to map `mem` (CUDA/HIP IPC handles), for groups
     /// that span processes. Not needed by in-process groups, which share one address space.
     fn export_memory(_mem: &Self::Memory) -> Result<Vec<u8>> {
-        Err(crate::Error::InvalidConfig(format!(
+        Err(allreduce_core::Error::InvalidConfig(format!(
             "the {} backend cannot export memory to other processes yet",
             Self::NAME
         )))
@@ -284,7 +284,7 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
     /// # Safety
     /// `handle` must come from a live allocation of another process of the same group.
     unsafe fn import_memory(_dev: &Self::Device, _handle: &[u8]) -> Result<u64> {
-        Err(crate::Error::InvalidConfig(format!(
+        Err(allreduce_core::Error::InvalidConfig(format!(
             "the {} backend cannot import memory from other processes yet",
             Self::NAME
         )))
