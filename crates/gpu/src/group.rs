@@ -274,61 +274,36 @@ impl<R: GpuRuntime> Group<R> {
             &rank_device,
         );
 
-        let max_bytes = abi::round_max_bytes(config.max_bytes);
-        let stage = stage_bytes(max_bytes);
-        let mut kernels = Vec::new();
-        for d in &devices {
-            R::bind(d)?;
-            kernels.push(Some(Kernels::load(d)?));
-        }
-        let mut workspaces = Vec::new();
-        let mut controls = Vec::new();
-        let mut peers = [0u64; MAX_WORLD];
-        for (rank, &d) in rank_device.iter().enumerate() {
-            let dev = &devices[d];
-            R::bind(dev)?;
-            let ws = R::alloc_workspace(dev, abi::workspace_bytes(stage))?;
-            peers[rank] = R::memory_addr(&ws);
-            workspaces.push(Some(ws));
-            controls.push(Some(R::alloc_host_mapped(dev, size_of::<Control>())?));
-        }
+        let mut group = Group::assemble(
+            ordinals.len(),
+            devices,
+            rank_device,
+            (0..ordinals.len()).collect(),
+            topology,
+            grid,
+            config,
+        )?;
         tracing::debug!(
             backend = R::NAME,
             ranks = ordinals.len(),
-            devices = devices.len(),
+            devices = group.devices.len(),
             grid,
-            max_bytes,
+            max_bytes = group.max_bytes,
             "gpu group"
         );
-        let vendor = match R::vendor_unavailable(ordinals) {
+        group.vendor = match R::vendor_unavailable(ordinals) {
             Some(why) => Err(why),
             None => {
-                let per_rank: Vec<&R::Device> = rank_device.iter().map(|&d| &devices[d]).collect();
+                let per_rank: Vec<&R::Device> = (group.rank_device.iter())
+                    .map(|&d| &group.devices[d])
+                    .collect();
                 R::vendor_init(&per_rank)
                     .map_err(|e| format!("vendor library initialisation failed: {e}"))
             }
         };
-        if let Err(why) = &vendor {
+        if let Err(why) = &group.vendor {
             tracing::debug!(reason = %why, "no vendor library for this group");
         }
-        let group = Group {
-            world: ordinals.len(),
-            topology,
-            local: (0..ordinals.len()).collect(),
-            imported: Vec::new(),
-            rank_device,
-            devices,
-            kernels,
-            workspaces,
-            controls,
-            peers,
-            vendor,
-            grid,
-            max_bytes,
-            stage_bytes: stage,
-            timeout: config.timeout,
-            cast_bf16_to_f16: config.cast_bf16_to_f16,
-        };
         group.warm_up()?;
         Ok(group)
     }
@@ -389,26 +364,51 @@ impl<R: GpuRuntime> Group<R> {
         let shares_gpu = ids.len() < world;
         let rank_device_all = rank_device;
 
-        R::bind(&dev)?;
-        let kernels = Kernels::load(&dev)?;
-        let stage = stage_bytes(max_bytes);
-        let ws = R::alloc_workspace(&dev, abi::workspace_bytes(stage))?;
-        let control = R::alloc_host_mapped(&dev, size_of::<Control>())?;
-        let handle = R::export_memory(&ws)?;
+        // Across processes the links are not probed (a process sees only its own GPU): equal
+        // device ids share a GPU, the others are taken to have peer access, which the IPC
+        // mappings below prove.
+        let topology = match &config.topology {
+            Some(t) => t.clone(),
+            None => allreduce_core::Topology {
+                links: (0..world)
+                    .map(|a| {
+                        (0..world)
+                            .map(|b| {
+                                if rank_device_all[a] == rank_device_all[b] {
+                                    allreduce_core::Link::SameDevice
+                                } else {
+                                    allreduce_core::Link::Pcie
+                                }
+                            })
+                            .collect()
+                    })
+                    .collect(),
+                numa: vec![None; world],
+                forced: false,
+            },
+        };
+        let mut group = Group::assemble(
+            world,
+            vec![dev],
+            vec![0; world],
+            vec![rank],
+            topology,
+            grid,
+            config,
+        )?;
+        let dev = &group.devices[0];
+        let handle = R::export_memory(group.workspaces[rank].as_ref().expect("ours"))?;
         let handles = boot.all_gather(&handle)?;
-        let mut peers = [0u64; MAX_WORLD];
-        let mut imported = Vec::new();
         let mut failed = None;
         for (r, h) in handles.iter().enumerate() {
             if r == rank {
-                peers[r] = R::memory_addr(&ws);
                 continue;
             }
             // SAFETY: a handle of rank r's live workspace, exported above by that rank.
-            match unsafe { R::import_memory(&dev, h) } {
+            match unsafe { R::import_memory(dev, h) } {
                 Ok(addr) => {
-                    peers[r] = addr;
-                    imported.push(addr);
+                    group.peers[r] = addr;
+                    group.imported.push(addr);
                 }
                 Err(e) => {
                     failed = Some(e);
@@ -436,63 +436,19 @@ impl<R: GpuRuntime> Group<R> {
             _ => Vec::new(),
         };
         let vendor_id = boot.broadcast(0, &vendor_id)?;
-        let vendor = if vendor_id.is_empty() {
+        group.vendor = if vendor_id.is_empty() {
             Err(unavailable.unwrap_or_else(|| match unable {
                 Some(r) => format!("rank {r} cannot load the vendor library"),
                 None => "rank 0 could not create a vendor group id".into(),
             }))
         } else {
-            R::bind(&dev)?;
-            R::vendor_init_rank(&dev, &vendor_id, rank, world)
+            let dev = &group.devices[0];
+            R::bind(dev)?;
+            R::vendor_init_rank(dev, &vendor_id, rank, world)
                 .map(|c| vec![c])
                 .map_err(|e| format!("vendor library initialisation failed: {e}"))
         };
 
-        let mut workspaces: Vec<Option<R::Memory>> = (0..world).map(|_| None).collect();
-        let mut controls: Vec<Option<R::HostMapped>> = (0..world).map(|_| None).collect();
-        workspaces[rank] = Some(ws);
-        controls[rank] = Some(control);
-        // Across processes the links are not probed (a process sees only its own GPU): equal
-        // device ids share a GPU, the others are taken to have peer access, which the IPC
-        // mappings above just proved.
-        let topology = match &config.topology {
-            Some(t) => t.clone(),
-            None => allreduce_core::Topology {
-                links: (0..world)
-                    .map(|a| {
-                        (0..world)
-                            .map(|b| {
-                                if rank_device_all[a] == rank_device_all[b] {
-                                    allreduce_core::Link::SameDevice
-                                } else {
-                                    allreduce_core::Link::Pcie
-                                }
-                            })
-                            .collect()
-                    })
-                    .collect(),
-                numa: vec![None; world],
-                forced: false,
-            },
-        };
-        let group = Group {
-            world,
-            topology,
-            local: vec![rank],
-            imported,
-            rank_device: vec![0; world],
-            devices: vec![dev],
-            kernels: vec![Some(kernels)],
-            workspaces,
-            controls,
-            peers,
-            vendor,
-            grid,
-            max_bytes,
-            stage_bytes: stage,
-            timeout: config.timeout,
-            cast_bf16_to_f16: config.cast_bf16_to_f16,
-        };
         let warm = match failed {
             Some(e) => Err(e),
             None => group.warm_up(),
@@ -515,6 +471,55 @@ impl<R: GpuRuntime> Group<R> {
             shares_gpu,
             "gpu rank ready"
         );
+        Ok(group)
+    }
+
+    /// The construction both constructors share once they know where every rank runs: the
+    /// kernels loaded on each device this process drives, a workspace and a Control for each
+    /// of its ranks (their addresses in `peers`), and the group's fixed launch parameters.
+    /// Peers of other processes, the vendor library and the warm-up are the caller's. A
+    /// failure part way frees what was made (Drop copes with a partial group).
+    fn assemble(
+        world: usize,
+        devices: Vec<R::Device>,
+        rank_device: Vec<usize>,
+        local: Vec<usize>,
+        topology: allreduce_core::Topology,
+        grid: u32,
+        config: &GroupConfig,
+    ) -> Result<Self> {
+        let max_bytes = abi::round_max_bytes(config.max_bytes);
+        let stage = stage_bytes(max_bytes);
+        let mut group = Group {
+            world,
+            rank_device,
+            topology,
+            local,
+            imported: Vec::new(),
+            devices,
+            kernels: Vec::new(),
+            workspaces: (0..world).map(|_| None).collect(),
+            controls: (0..world).map(|_| None).collect(),
+            peers: [0; MAX_WORLD],
+            vendor: Err("the vendor library is not initialised yet".into()),
+            grid,
+            max_bytes,
+            stage_bytes: stage,
+            timeout: config.timeout,
+            cast_bf16_to_f16: config.cast_bf16_to_f16,
+        };
+        for d in &group.devices {
+            R::bind(d)?;
+            group.kernels.push(Some(Kernels::load(d)?));
+        }
+        for &rank in &group.local {
+            let dev = &group.devices[group.rank_device[rank]];
+            R::bind(dev)?;
+            let ws = R::alloc_workspace(dev, abi::workspace_bytes(stage))?;
+            group.peers[rank] = R::memory_addr(&ws);
+            group.workspaces[rank] = Some(ws);
+            group.controls[rank] = Some(R::alloc_host_mapped(dev, size_of::<Control>())?);
+        }
         Ok(group)
     }
 
