@@ -1,0 +1,80 @@
+//! Compiles the shims in shim/ against the peers' headers that scripts/peers/fetch.sh put in
+//! .peers/ at the workspace root, with the same pinned nvcc as our kernels, and links them with
+//! the CUDA runtime (static, from that nvcc's release). Without .peers/ nothing is compiled and
+//! every baseline reports, as an error value, how to fetch it.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use allreduce_build_support::{find_nvcc, ARCHS_ENV};
+
+fn main() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let peers = root.join(".peers");
+    println!(
+        "cargo:rerun-if-changed={}",
+        peers.join("VERSIONS").display()
+    );
+    println!("cargo:rerun-if-changed=shim");
+    println!("cargo:rerun-if-env-changed={ARCHS_ENV}");
+    println!("cargo::rustc-check-cfg=cfg(peers_built)");
+    let Ok(versions) = std::fs::read_to_string(peers.join("VERSIONS")) else {
+        return; // lib.rs's unavailable() says how to fetch them
+    };
+    let nvcc = find_nvcc().unwrap_or_else(|e| panic!("allreduce-peers needs nvcc: {e}"));
+    let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
+    let archs = std::env::var(ARCHS_ENV).unwrap_or_else(|_| "sm_90".into());
+    let mut objects = Vec::new();
+    for shim in ["vllm"] {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("shim/{shim}.cu"));
+        let obj = out.join(format!("{shim}.o"));
+        let mut cmd = Command::new(&nvcc);
+        cmd.args(["-c", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-w"])
+            .arg("-I")
+            .arg(peers.join("include"))
+            .arg("-I")
+            .arg(peers.join("cccl"));
+        for arch in archs.split([',', ' ']).filter(|a| !a.is_empty()) {
+            let n = arch.trim_start_matches("sm_");
+            cmd.arg(format!("-gencode=arch=compute_{n},code=sm_{n}"));
+        }
+        let status = cmd.arg(&src).arg("-o").arg(&obj).status();
+        match status {
+            Ok(s) if s.success() => objects.push(obj),
+            other => panic!(
+                "allreduce-peers: nvcc failed on {}: {other:?}",
+                src.display()
+            ),
+        }
+    }
+    let lib = out.join("libpeers_shim.a");
+    let _ = std::fs::remove_file(&lib);
+    let ok = Command::new("ar")
+        .arg("rcs")
+        .arg(&lib)
+        .args(&objects)
+        .status();
+    assert!(
+        matches!(ok, Ok(s) if s.success()),
+        "allreduce-peers: ar failed: {ok:?}"
+    );
+    // libcudart_static.a sits in the lib/ beside nvcc's bin/ in the pip wheels and toolkits.
+    let cudart = nvcc.parent().and_then(Path::parent).map(|p| p.join("lib"));
+    let cudart = cudart
+        .into_iter()
+        .chain([PathBuf::from("/usr/local/cuda/lib64")])
+        .find(|d| d.join("libcudart_static.a").exists())
+        .expect("allreduce-peers: no libcudart_static.a beside nvcc");
+    println!("cargo:rustc-link-search=native={}", out.display());
+    println!("cargo:rustc-link-search=native={}", cudart.display());
+    println!("cargo:rustc-link-lib=static=peers_shim");
+    println!("cargo:rustc-link-lib=static=cudart_static");
+    for l in ["stdc++", "dl", "rt", "pthread"] {
+        println!("cargo:rustc-link-lib=dylib={l}");
+    }
+    println!(
+        "cargo:rustc-env=ALLREDUCE_PEERS_VERSIONS={}",
+        versions.trim()
+    );
+    println!("cargo:rustc-cfg=peers_built");
+}

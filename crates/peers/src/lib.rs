@@ -1,0 +1,340 @@
+//! The peers' all-reduce kernels, driven from Rust so the bench can time them beside ours with
+//! the same buffers, streams and method.
+//!
+//! Their code is not in this repository: `scripts/peers/fetch.sh` downloads it, pinned, into
+//! `.peers/`, and the build compiles a thin shim of ours (shim/) against it. Without that
+//! folder the crate still builds, and every constructor returns an error that says so.
+//!
+//! - [`Vllm`]: vLLM's custom all-reduce (`vllm::CustomAllreduce`, one-stage and two-stage
+//!   kernels, its own switch rule and its 36-block limit), as FlashInfer ships it.
+
+use std::ffi::c_void;
+
+use allreduce_core::DType;
+
+/// The pinned packages the peers were built from, or `None` when they were not fetched.
+pub fn versions() -> Option<&'static str> {
+    option_env!("ALLREDUCE_PEERS_VERSIONS")
+}
+
+/// Why the peers are unavailable in this build.
+pub fn unavailable() -> Option<String> {
+    if cfg!(peers_built) {
+        None
+    } else {
+        Some("the peer baselines were not built: run scripts/peers/fetch.sh, then rebuild".into())
+    }
+}
+
+#[cfg(peers_built)]
+mod ffi {
+    use std::ffi::c_void;
+    extern "C" {
+        pub fn peers_vllm_signal_bytes() -> usize;
+        pub fn peers_vllm_max_blocks() -> i32;
+        pub fn peers_vllm_create(
+            signals: *mut *mut c_void,
+            rank_data: *mut c_void,
+            rank_data_bytes: usize,
+            rank: i32,
+            world: i32,
+            full_nvlink: i32,
+            out: *mut *mut c_void,
+            err: *mut u8,
+            len: usize,
+        ) -> i32;
+        pub fn peers_vllm_destroy(h: *mut c_void);
+        pub fn peers_vllm_register(
+            h: *mut c_void,
+            ptrs: *mut *mut c_void,
+            err: *mut u8,
+            len: usize,
+        ) -> i32;
+        pub fn peers_vllm_register_graph(
+            h: *mut c_void,
+            ptrs: *mut *mut c_void,
+            buffers: i32,
+            err: *mut u8,
+            len: usize,
+        ) -> i32;
+        pub fn peers_vllm_all_reduce(
+            h: *mut c_void,
+            stream: *mut c_void,
+            dtype: i32,
+            input: *mut c_void,
+            output: *mut c_void,
+            n: i32,
+            block_limit: i32,
+            threads: i32,
+            err: *mut u8,
+            len: usize,
+        ) -> i32;
+        pub fn peers_vllm_all_reduce_staged(
+            h: *mut c_void,
+            stream: *mut c_void,
+            dtype: i32,
+            input: *const c_void,
+            staging: *mut c_void,
+            output: *mut c_void,
+            n: i32,
+            block_limit: i32,
+            threads: i32,
+            err: *mut u8,
+            len: usize,
+        ) -> i32;
+    }
+}
+
+/// Runs a shim call with a message buffer; its -1 becomes the message.
+#[cfg(peers_built)]
+fn call(what: &str, f: impl FnOnce(*mut u8, usize) -> i32) -> Result<(), String> {
+    let mut err = [0u8; 512];
+    if f(err.as_mut_ptr(), err.len()) == 0 {
+        return Ok(());
+    }
+    let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());
+    Err(format!(
+        "{what}: {}",
+        String::from_utf8_lossy(&err[..end]).trim()
+    ))
+}
+
+fn dtype_code(d: DType) -> i32 {
+    match d {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::BF16 => 2,
+    }
+}
+
+/// One rank of vLLM's custom all-reduce.
+///
+/// Memory is the caller's, as in vLLM: a zeroed meta buffer per rank ([`Vllm::meta_bytes`]:
+/// the signal block, then the two-stage kernel's scratch), a device buffer for the registered
+/// pointer tables, and inputs registered with every rank's copy before they are used.
+pub struct Vllm {
+    #[cfg_attr(not(peers_built), allow(dead_code))]
+    handle: *mut c_void,
+    world: usize,
+}
+
+// SAFETY: the handle is used by one rank's thread at a time (the bench's contract); the C++
+// object holds only host maps and device pointers.
+unsafe impl Send for Vllm {}
+
+impl Vllm {
+    /// Threads per block vLLM launches with, and its block-count cap (36).
+    pub const THREADS: u32 = 512;
+
+    pub fn max_blocks() -> u32 {
+        #[cfg(peers_built)]
+        // SAFETY: a constant.
+        return unsafe { ffi::peers_vllm_max_blocks() } as u32;
+        #[cfg(not(peers_built))]
+        36
+    }
+
+    /// Bytes of one rank's meta buffer for inputs of up to `max_bytes`.
+    pub fn meta_bytes(max_bytes: usize) -> usize {
+        #[cfg(peers_built)]
+        // SAFETY: a constant.
+        let signal = unsafe { ffi::peers_vllm_signal_bytes() };
+        #[cfg(not(peers_built))]
+        let signal = 0;
+        signal + max_bytes
+    }
+
+    /// Rank `rank` of `world` (2, 4, 6 or 8: vLLM's instances) over every rank's meta buffer.
+    ///
+    /// # Safety
+    /// `meta[r]` are zeroed device buffers of [`Vllm::meta_bytes`] that live as long as the
+    /// communicator; `rank_data` is device memory of `rank_data_bytes`, also that long.
+    pub unsafe fn new(
+        meta: &[u64],
+        rank_data: u64,
+        rank_data_bytes: usize,
+        rank: usize,
+        full_nvlink: bool,
+    ) -> Result<Self, String> {
+        if let Some(why) = unavailable() {
+            return Err(why);
+        }
+        if !matches!(meta.len(), 2 | 4 | 6 | 8) || rank >= meta.len() {
+            return Err(format!(
+                "vLLM's custom all-reduce runs 2, 4, 6 or 8 ranks; rank {rank} of {} asked",
+                meta.len()
+            ));
+        }
+        #[cfg(peers_built)]
+        {
+            let mut ptrs: Vec<*mut c_void> = meta.iter().map(|&p| p as *mut c_void).collect();
+            let mut handle = std::ptr::null_mut();
+            call("vllm::CustomAllreduce", |e, l| {
+                ffi::peers_vllm_create(
+                    ptrs.as_mut_ptr(),
+                    rank_data as *mut c_void,
+                    rank_data_bytes,
+                    rank as i32,
+                    meta.len() as i32,
+                    i32::from(full_nvlink),
+                    &mut handle,
+                    e,
+                    l,
+                )
+            })?;
+            return Ok(Vllm {
+                handle,
+                world: meta.len(),
+            });
+        }
+        #[allow(unreachable_code)]
+        {
+            let _ = (rank_data, rank_data_bytes, full_nvlink);
+            unreachable!("unavailable() covers builds without the shim")
+        }
+    }
+
+    /// Registers one input buffer: `ptrs[r]` is rank r's copy (vLLM's `register_buffer`).
+    ///
+    /// # Safety
+    /// The buffers are device memory that outlives the calls that use them.
+    pub unsafe fn register(&mut self, ptrs: &[u64]) -> Result<(), String> {
+        self.check_len(ptrs.len(), 1)?;
+        #[cfg(peers_built)]
+        {
+            let mut p: Vec<*mut c_void> = ptrs.iter().map(|&x| x as *mut c_void).collect();
+            return call("register_buffer", |e, l| {
+                ffi::peers_vllm_register(self.handle, p.as_mut_ptr(), e, l)
+            });
+        }
+        #[allow(unreachable_code)]
+        Ok(())
+    }
+
+    /// After a graph capture: every rank's copy of each captured input, in call order
+    /// (`ptrs[i * world + r]`), as vLLM's `register_graph_buffers` fills them.
+    ///
+    /// # Safety
+    /// As [`Vllm::register`].
+    pub unsafe fn register_graph(&mut self, ptrs: &[u64]) -> Result<(), String> {
+        let buffers = ptrs.len() / self.world.max(1);
+        self.check_len(ptrs.len(), buffers)?;
+        #[cfg(peers_built)]
+        {
+            let mut p: Vec<*mut c_void> = ptrs.iter().map(|&x| x as *mut c_void).collect();
+            return call("register_graph_buffers", |e, l| {
+                ffi::peers_vllm_register_graph(self.handle, p.as_mut_ptr(), buffers as i32, e, l)
+            });
+        }
+        #[allow(unreachable_code)]
+        Ok(())
+    }
+
+    /// Enqueues an all-reduce of `n` elements of the registered `input` into `output` on
+    /// `stream` (a `CUstream`), with vLLM's own choice of kernel. With `staging`, vLLM's eager
+    /// path instead: `input` is any buffer, copied into the registered `staging` first.
+    ///
+    /// # Safety
+    /// `input`/`staging`/`output` are device buffers of `n` elements of `dtype` on the
+    /// current device; every rank makes the same calls.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn all_reduce(
+        &self,
+        stream: u64,
+        dtype: DType,
+        input: u64,
+        staging: Option<u64>,
+        output: u64,
+        n: usize,
+        block_limit: u32,
+    ) -> Result<(), String> {
+        let n = i32::try_from(n).map_err(|_| format!("{n} elements: vLLM counts in int"))?;
+        let d = dtype_code(dtype);
+        #[cfg(peers_built)]
+        {
+            let (s, o) = (stream as *mut c_void, output as *mut c_void);
+            let (b, t) = (block_limit as i32, Self::THREADS as i32);
+            return call("vllm all_reduce", |e, l| match staging {
+                None => ffi::peers_vllm_all_reduce(
+                    self.handle,
+                    s,
+                    d,
+                    input as *mut c_void,
+                    o,
+                    n,
+                    b,
+                    t,
+                    e,
+                    l,
+                ),
+                Some(st) => ffi::peers_vllm_all_reduce_staged(
+                    self.handle,
+                    s,
+                    d,
+                    input as *const c_void,
+                    st as *mut c_void,
+                    o,
+                    n,
+                    b,
+                    t,
+                    e,
+                    l,
+                ),
+            });
+        }
+        #[allow(unreachable_code)]
+        {
+            let _ = (stream, input, staging, output, n, block_limit, d);
+            Err(unavailable().unwrap_or_default())
+        }
+    }
+
+    fn check_len(&self, got: usize, buffers: usize) -> Result<(), String> {
+        if buffers == 0 || got != buffers * self.world {
+            return Err(format!(
+                "{got} pointers for {} ranks: want one per rank per buffer",
+                self.world
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Vllm {
+    fn drop(&mut self) {
+        #[cfg(peers_built)]
+        // SAFETY: created by peers_vllm_create, dropped once.
+        unsafe {
+            ffi::peers_vllm_destroy(self.handle)
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_the_shim_every_constructor_says_how_to_get_it() {
+        if unavailable().is_none() {
+            eprintln!("skipped: the peers are built here (.peers/ present)");
+            return;
+        }
+        // SAFETY: refused before any pointer is used.
+        let e = unsafe { Vllm::new(&[1, 2], 3, 4, 0, true) }.err().unwrap();
+        assert!(e.contains("scripts/peers/fetch.sh"), "{e}");
+    }
+
+    #[test]
+    fn vllm_refuses_world_sizes_it_has_no_kernels_for() {
+        for (meta, rank) in [(vec![1u64; 3], 0), (vec![1; 2], 2), (vec![1; 9], 0)] {
+            // SAFETY: refused before any pointer is used.
+            let e = unsafe { Vllm::new(&meta, 0, 0, rank, true) }.err().unwrap();
+            assert!(
+                e.contains("2, 4, 6 or 8") || e.contains("fetch.sh"),
+                "{}: {e}",
+                meta.len()
+            );
+        }
+    }
+}
