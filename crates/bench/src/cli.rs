@@ -153,6 +153,12 @@ pub struct Args {
     #[arg(long)]
     pub fused: bool,
 
+    /// CUDA with the `peers` feature: instead of the sweep, time our exact all-reduce against
+    /// the peers' kernels (vLLM's custom all-reduce) on the same buffers in the same run, eager
+    /// and in CUDA graphs, over the sweep's sizes (-b/-e/-f, -d, --ranks); out of place
+    #[arg(long)]
+    pub peers: bool,
+
     /// --fused: token counts (rows), comma-separated
     #[arg(
         long,

@@ -13,6 +13,8 @@ mod plot;
 mod report;
 mod runner;
 mod tune;
+#[cfg(feature = "peers")]
+mod versus;
 
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
@@ -56,6 +58,9 @@ fn describe(row: &RowSpec) -> String {
 }
 
 fn run(args: &Args) -> Result<ExitCode, BoxError> {
+    if args.peers {
+        return run_peers(args);
+    }
     if args.fused {
         return run_fused(args);
     }
@@ -371,4 +376,19 @@ fn run_fused(args: &Args) -> Result<ExitCode, BoxError> {
 #[cfg(not(feature = "cuda"))]
 fn run_fused(_: &Args) -> Result<ExitCode, BoxError> {
     Err("--fused needs a build with --features cuda".into())
+}
+
+/// `--peers`: ours against the peers' kernels, same run, same buffers.
+#[cfg(feature = "peers")]
+fn run_peers(args: &Args) -> Result<ExitCode, BoxError> {
+    if args.backend != allreduce::BackendKind::Cuda {
+        return Err("--peers times the CUDA kernels: use it with --backend cuda".into());
+    }
+    versus::run(args)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(not(feature = "peers"))]
+fn run_peers(_: &Args) -> Result<ExitCode, BoxError> {
+    Err("--peers needs a build with --features peers (after scripts/peers/fetch.sh)".into())
 }

@@ -198,7 +198,7 @@ impl Vllm {
     ///
     /// # Safety
     /// The buffers are device memory that outlives the calls that use them.
-    pub unsafe fn register(&mut self, ptrs: &[u64]) -> Result<(), String> {
+    pub unsafe fn register(&self, ptrs: &[u64]) -> Result<(), String> {
         self.check_len(ptrs.len(), 1)?;
         #[cfg(peers_built)]
         {
@@ -216,7 +216,7 @@ impl Vllm {
     ///
     /// # Safety
     /// As [`Vllm::register`].
-    pub unsafe fn register_graph(&mut self, ptrs: &[u64]) -> Result<(), String> {
+    pub unsafe fn register_graph(&self, ptrs: &[u64]) -> Result<(), String> {
         let buffers = ptrs.len() / self.world.max(1);
         self.check_len(ptrs.len(), buffers)?;
         #[cfg(peers_built)]

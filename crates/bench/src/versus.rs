@@ -1,0 +1,514 @@
+//! `--peers` (CUDA): our exact all-reduce against the peers' kernels on the same GPU, in the
+//! same run, on the same buffers, inputs, streams and method: vLLM's custom all-reduce
+//! (crates/peers; its code fetched, pinned, by scripts/peers/fetch.sh).
+//!
+//! Per size, every rank thread runs warm-up calls of each contender, then alternately a timed
+//! loop of each, twice, and keeps its faster loop; the row's time is the slowest rank's. Eager:
+//! one launch per call. Graph: `GRAPH_CALLS` calls captured into a CUDA graph and replayed.
+//! Contenders:
+//! - ours: `Communicator::all_reduce` with `Auto`, and one-shot / two-shot forced;
+//! - vLLM as its engine runs it eagerly: the input copied into its registered buffer, then its
+//!   kernel (vLLM's `all_reduce(..., reg_buffer)`);
+//! - vLLM on a registered input (no copy: what its graph mode does, and any caller that
+//!   allocates from its buffers);
+//! - in graphs, vLLM's captured calls on inputs registered after capture, as vLLM does.
+//!
+//! Every rank's grid gets the same share of the GPU: vLLM's block limit is our grid
+//! (min(36, SMs / ranks on the GPU)), so all grids co-reside. Every contender's output is
+//! checked against the exact sum of the integer inputs; a wrong one is reported, not timed.
+//! vLLM's kernels have no deadline: a watchdog ends the process if a row stops progressing.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Barrier, Mutex};
+use std::time::{Duration, Instant};
+
+use allreduce::{
+    AllReduceOptions, BufMut, BufRef, Communicator, DType, Device, GroupConfig, HostBytes, Strategy,
+};
+use allreduce_peers::Vllm;
+
+use crate::cli::Args;
+use crate::data::{DataSet, Inputs};
+use allreduce::cuda::testing::{bind, Buffer, Graph, OwnedStream};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+const GRAPH_CALLS: usize = 20;
+const GRAPH_REPLAYS: usize = 10;
+/// vLLM's rank-data buffer (its Python layer allocates 8 MiB).
+const RANK_DATA_BYTES: usize = 8 << 20;
+/// A row that makes no progress for this long has hung (vLLM waits without a deadline).
+const WATCHDOG: Duration = Duration::from_secs(60);
+
+/// The contenders, in the order of a row's columns.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Who {
+    Auto,
+    OneShot,
+    TwoShot,
+    /// vLLM's eager call: copy into its registered buffer, then its kernel.
+    Vllm,
+    /// vLLM's kernel on a registered input.
+    VllmRegistered,
+}
+
+const EAGER: [Who; 5] = [
+    Who::Auto,
+    Who::OneShot,
+    Who::TwoShot,
+    Who::Vllm,
+    Who::VllmRegistered,
+];
+/// In graphs: ours (Auto) and vLLM's captured calls (registered after capture).
+const GRAPH: [Who; 2] = [Who::Auto, Who::VllmRegistered];
+
+/// One rank's results for one size: eager and graph seconds per call per contender
+/// (NaN: not run), and each contender's wrong elements.
+#[derive(Clone, Debug, Default)]
+struct RowTimes {
+    eager: [f64; 5],
+    graph: [f64; 2],
+    wrong: [usize; 5],
+    graph_wrong: [usize; 2],
+    ran: Option<Strategy>,
+}
+
+struct Bufs {
+    /// This rank's input for the largest size (the integer pattern), registered with vLLM.
+    input: Buffer,
+    /// vLLM's registered buffer its eager calls copy into.
+    staging: Buffer,
+    output: Buffer,
+    meta: Buffer,
+    rank_data: Buffer,
+}
+
+/// Addresses every rank must know of every other: (meta, staging, input).
+type Shared = Mutex<Vec<(u64, u64, u64)>>;
+
+#[allow(clippy::too_many_arguments)]
+fn rank_loop(
+    comm: &Communicator,
+    dtype: DType,
+    sizes: &[usize],
+    block_limit: u32,
+    barrier: &Barrier,
+    shared: &Shared,
+    heartbeat: &AtomicU64,
+    expected: &[f32],
+    wrongs: &Mutex<Vec<[usize; 5]>>,
+) -> Result<Vec<RowTimes>, String> {
+    let e = |e: allreduce::Error| e.to_string();
+    let rank = comm.rank();
+
+    let Device::Cuda(ordinal) = comm.device() else {
+        return Err("not a CUDA rank".into());
+    };
+    let dev = comm.device();
+    let _ctx = bind(ordinal).map_err(e)?;
+    let stream = OwnedStream::new().map_err(e)?;
+    stream.warm().map_err(e)?;
+    let max = sizes.iter().copied().max().unwrap_or(0);
+    let host = Inputs::new(DataSet::Ints, dtype, max).fill(rank);
+    // Every buffer before any rank's first call (virtual ranks: an allocation that waits for
+    // the device while a peer's kernel waits for us never ends).
+    let b = Bufs {
+        input: Buffer::from_host(host.as_slice(), &stream).map_err(e)?,
+        staging: Buffer::zeroed(max.max(16), &stream).map_err(e)?,
+        output: Buffer::zeroed(max.max(16), &stream).map_err(e)?,
+        meta: Buffer::zeroed(Vllm::meta_bytes(max), &stream).map_err(e)?,
+        rank_data: Buffer::zeroed(RANK_DATA_BYTES, &stream).map_err(e)?,
+    };
+    stream.synchronize().map_err(e)?;
+    shared.lock().unwrap()[rank] = (
+        b.meta.addr() as u64,
+        b.staging.addr() as u64,
+        b.input.addr() as u64,
+    );
+    barrier.wait();
+    let peers: Vec<(u64, u64, u64)> = shared.lock().unwrap().clone();
+    let metas: Vec<u64> = peers.iter().map(|p| p.0).collect();
+    let stagings: Vec<u64> = peers.iter().map(|p| p.1).collect();
+    let inputs: Vec<u64> = peers.iter().map(|p| p.2).collect();
+    // SAFETY: the meta and rank-data buffers are zeroed, sized as vLLM asks, and outlive it.
+    let vllm = unsafe {
+        Vllm::new(
+            &metas,
+            b.rank_data.addr() as u64,
+            RANK_DATA_BYTES,
+            rank,
+            true,
+        )
+    };
+    if let Ok(v) = &vllm {
+        // SAFETY: every rank's buffers live until the end of this function.
+        unsafe {
+            v.register(&stagings)?;
+            v.register(&inputs)?;
+        }
+    }
+    // Other ranks may still be registering (host work, no kernels): start together.
+    barrier.wait();
+    let mut rows = Vec::with_capacity(sizes.len());
+    for &bytes in sizes {
+        let n = bytes / dtype.size();
+        let mut row = RowTimes {
+            eager: [f64::NAN; 5],
+            graph: [f64::NAN; 2],
+            ..Default::default()
+        };
+        let opts = |s: Strategy| {
+            AllReduceOptions::default()
+                .strategy(s)
+                .stream(stream.handle())
+        };
+        let ran = std::cell::Cell::new(None);
+        let call = |who: Who| -> Result<(), String> {
+            let ours = |s: Strategy| {
+                // SAFETY: prefixes of this rank's live buffers, 16-byte aligned.
+                unsafe {
+                    comm.all_reduce(
+                        BufRef::from_raw(b.input.addr(), n, dtype, dev),
+                        BufMut::from_raw(b.output.addr(), n, dtype, dev),
+                        &opts(s),
+                    )
+                }
+                .map(|r| ran.set(Some(r)))
+                .map_err(e)
+            };
+            let v = || vllm.as_ref().map_err(|e| e.clone());
+            // SAFETY: vLLM's buffers are registered, live, and hold n elements.
+            match who {
+                Who::Auto => ours(Strategy::Auto),
+                Who::OneShot => ours(Strategy::OneShot),
+                Who::TwoShot => ours(Strategy::TwoShot),
+                Who::Vllm => unsafe {
+                    v()?.all_reduce(
+                        stream.handle().as_raw() as u64,
+                        dtype,
+                        b.input.addr() as u64,
+                        Some(b.staging.addr() as u64),
+                        b.output.addr() as u64,
+                        n,
+                        block_limit,
+                    )
+                },
+                Who::VllmRegistered => unsafe {
+                    v()?.all_reduce(
+                        stream.handle().as_raw() as u64,
+                        dtype,
+                        b.input.addr() as u64,
+                        None,
+                        b.output.addr() as u64,
+                        n,
+                        block_limit,
+                    )
+                },
+            }
+        };
+        // Which contenders run at this size: vLLM needs a whole number of 16-byte vectors
+        // and at least one; every rank decides the same.
+        let vllm_ok = vllm.is_ok() && n > 0 && bytes % 16 == 0;
+        let runs = |w: Who| match w {
+            Who::Vllm | Who::VllmRegistered => vllm_ok,
+            _ => n > 0,
+        };
+        // Correctness first, each contender on a zeroed output: a wrong peer is not timed.
+        let expected = &expected[..n];
+        let mut out = HostBytes::zeroed(bytes);
+        let zeros = vec![0u8; b.output.len()];
+        for (i, &w) in EAGER.iter().enumerate() {
+            if !runs(w) {
+                continue;
+            }
+            b.output.upload(&zeros, &stream).map_err(e)?;
+            barrier.wait();
+            call(w)?;
+            stream.synchronize().map_err(e)?;
+            b.output.download(out.as_mut_slice(), &stream).map_err(e)?;
+            row.wrong[i] = count_wrong(dtype, out.as_slice(), expected);
+            if w == Who::Auto {
+                row.ran = ran.get();
+            }
+            heartbeat.fetch_add(1, Ordering::Relaxed);
+        }
+        // Every rank must time the same contenders: a contender wrong on any rank is not timed.
+        wrongs.lock().unwrap()[rank] = row.wrong;
+        barrier.wait();
+        row.wrong = wrongs.lock().unwrap().iter().fold([0; 5], |mut acc, w| {
+            for (a, x) in acc.iter_mut().zip(w) {
+                *a += x;
+            }
+            acc
+        });
+        barrier.wait();
+        let timed: Vec<bool> = EAGER
+            .iter()
+            .enumerate()
+            .map(|(i, &w)| runs(w) && row.wrong[i] == 0)
+            .collect();
+        let time = |f: &dyn Fn() -> Result<(), String>, calls: usize| -> Result<f64, String> {
+            barrier.wait();
+            let start = Instant::now();
+            for _ in 0..calls {
+                f()?;
+            }
+            stream.synchronize().map_err(e)?;
+            heartbeat.fetch_add(1, Ordering::Relaxed);
+            Ok(start.elapsed().as_secs_f64() / calls as f64)
+        };
+        // Warm-up, then the same count on every rank: a fixed ladder by size.
+        let iters = iters_for(bytes);
+        for (i, &w) in EAGER.iter().enumerate() {
+            if timed[i] {
+                time(&|| call(w), 5)?;
+            }
+        }
+        for _ in 0..2 {
+            for (i, &w) in EAGER.iter().enumerate() {
+                if timed[i] {
+                    let t = time(&|| call(w), iters)?;
+                    row.eager[i] = if row.eager[i].is_nan() {
+                        t
+                    } else {
+                        row.eager[i].min(t)
+                    };
+                }
+            }
+        }
+        // Graphs.
+        for (g, &w) in GRAPH.iter().enumerate() {
+            let i = EAGER.iter().position(|&x| x == w).expect("listed");
+            if !timed[i] {
+                continue;
+            }
+            barrier.wait();
+            let graph = Graph::capture(&stream, || {
+                (0..GRAPH_CALLS).try_for_each(|_| call(w).map_err(allreduce::Error::InvalidConfig))
+            })
+            .map_err(e)?;
+            if w == Who::VllmRegistered {
+                let ptrs: Vec<u64> = (0..GRAPH_CALLS)
+                    .flat_map(|_| inputs.iter().copied())
+                    .collect();
+                // SAFETY: every rank's input lives until the end of this function; no kernel
+                // runs between the capture and this (captures launch nothing).
+                unsafe {
+                    vllm.as_ref()
+                        .map_err(|e| e.clone())?
+                        .register_graph(&ptrs)?
+                };
+            }
+            barrier.wait();
+            graph.launch(&stream).map_err(e)?;
+            stream.synchronize().map_err(e)?;
+            // The replays' output, checked like the eager calls' (counted, not used to skip).
+            b.output.download(out.as_mut_slice(), &stream).map_err(e)?;
+            row.graph_wrong[g] = count_wrong(dtype, out.as_slice(), expected);
+            for _ in 0..2 {
+                let t =
+                    time(&|| graph.launch(&stream).map_err(e), GRAPH_REPLAYS)? / GRAPH_CALLS as f64;
+                row.graph[g] = if row.graph[g].is_nan() {
+                    t
+                } else {
+                    row.graph[g].min(t)
+                };
+            }
+        }
+        barrier.wait();
+        rows.push(row);
+    }
+    barrier.wait();
+    Ok(rows)
+}
+
+/// Timed calls per loop: about 32 MiB of traffic per rank, 20 to 500 calls.
+fn iters_for(bytes: usize) -> usize {
+    ((32usize << 20) / bytes.max(1)).clamp(20, 500)
+}
+
+/// Elements of `out` (dtype bytes) that differ from the exact sum.
+fn count_wrong(dtype: DType, out: &[u8], expected: &[f32]) -> usize {
+    (0..expected.len())
+        .filter(|&i| dtype.load_f32(out, i) != expected[i])
+        .count()
+}
+
+fn us(s: f64) -> String {
+    if s.is_nan() {
+        "-".into()
+    } else {
+        format!("{:.2}", s * 1e6)
+    }
+}
+
+pub fn run(args: &Args) -> Result<(), BoxError> {
+    let dtype = args.dtype;
+    let world = args.ranks;
+    let sizes: Vec<usize> =
+        crate::cli::sweep_sizes(args.minbytes, args.maxbytes, args.stepfactor, dtype.size());
+    let max = sizes.iter().copied().max().unwrap_or(0);
+    let comms = Communicator::new_group(
+        args.backend,
+        GroupConfig::new(world)
+            .devices(args.devices.clone())
+            .max_bytes(max.max(1))
+            .timeout(Duration::from_secs_f64(args.timeout)),
+    )?;
+    // Our grid on this group (min(36, SMs / ranks of the busiest GPU)): vLLM gets the same
+    // share of the GPU, so every rank's grid co-resides.
+    let busiest = comms
+        .iter()
+        .map(|c| comms.iter().filter(|d| d.device() == c.device()).count())
+        .max()
+        .unwrap_or(1) as u32;
+    let allreduce::Device::Cuda(first) = comms[0].device() else {
+        return Err("--peers runs on the CUDA backend".into());
+    };
+    let sms = bind(first)?.sm_count;
+    let block_limit = (sms / busiest).clamp(1, Vllm::max_blocks());
+    println!(
+        "# allreduce-bench --peers: {world} ranks (virtual, one GPU unless --devices says \
+         otherwise), {dtype}, out of place, integer inputs; us per call, slowest rank; \
+         every grid {block_limit} blocks"
+    );
+    match allreduce_peers::versions() {
+        Some(v) => println!("# peers: vLLM custom all-reduce from {v}"),
+        None => println!(
+            "# peers: not built ({})",
+            allreduce_peers::unavailable().unwrap_or_default()
+        ),
+    }
+    println!(
+        "# {:>10} {:>8} | {:>8} {:>8} {:>8} | {:>8} {:>8} | {:>7} | {:>8} {:>8} {:>7} | #wrong (auto 1s 2s vllm reg; graphs auto vllm)",
+        "bytes",
+        "auto ran",
+        "auto",
+        "1shot",
+        "2shot",
+        "vllm",
+        "vllm reg",
+        "ratio",
+        "graph",
+        "vllm",
+        "ratio"
+    );
+    // The exact sum of the integer inputs, once for every rank to check against.
+    let expected: Vec<f32> = (0..max / dtype.size())
+        .map(|i| {
+            (0..world)
+                .map(|r| f64::from(crate::data::int_pattern(r, i)))
+                .sum::<f64>() as f32
+        })
+        .collect();
+    let barrier = Barrier::new(world);
+    let shared: Shared = Mutex::new(vec![(0, 0, 0); world]);
+    let heartbeat = AtomicU64::new(0);
+    let wrongs = Mutex::new(vec![[0usize; 5]; world]);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let results: Vec<Result<Vec<RowTimes>, String>> = std::thread::scope(|s| {
+        // vLLM's kernels wait for their peers without a deadline: a row that stops
+        // progressing ends the process with a message instead of hanging it.
+        s.spawn(|| {
+            let mut last = (heartbeat.load(Ordering::Relaxed), Instant::now());
+            while !done.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(200));
+                let beat = heartbeat.load(Ordering::Relaxed);
+                if beat != last.0 {
+                    last = (beat, Instant::now());
+                } else if last.1.elapsed() > WATCHDOG {
+                    eprintln!("allreduce-bench --peers: no progress for {WATCHDOG:?} (a peer kernel without a deadline hung?): exiting");
+                    std::process::exit(3);
+                }
+            }
+        });
+        let hs: Vec<_> = comms
+            .iter()
+            .map(|c| {
+                let (barrier, shared, heartbeat, sizes, expected, wrongs) = (
+                    &barrier,
+                    &shared,
+                    &heartbeat,
+                    &sizes,
+                    &expected[..],
+                    &wrongs,
+                );
+                s.spawn(move || {
+                    rank_loop(
+                        c,
+                        dtype,
+                        sizes,
+                        block_limit,
+                        barrier,
+                        shared,
+                        heartbeat,
+                        expected,
+                        wrongs,
+                    )
+                })
+            })
+            .collect();
+        let r = hs
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("a rank thread panicked".into()))
+            })
+            .collect();
+        done.store(true, Ordering::Relaxed);
+        r
+    });
+    let mut per_rank = Vec::with_capacity(world);
+    for r in results {
+        per_rank.push(r?);
+    }
+    for (k, &bytes) in sizes.iter().enumerate() {
+        let slowest = |f: &dyn Fn(&RowTimes) -> f64| {
+            per_rank.iter().map(|r| f(&r[k])).fold(f64::NAN, |a, b| {
+                if a.is_nan() || b > a {
+                    b
+                } else {
+                    a
+                }
+            })
+        };
+        let eager: Vec<f64> = (0..5).map(|i| slowest(&|r| r.eager[i])).collect();
+        let graph: Vec<f64> = (0..2).map(|i| slowest(&|r| r.graph[i])).collect();
+        // Summed over ranks already (the ranks agreed on them), graphs summed here.
+        let mut wrong: Vec<usize> = per_rank[0][k].wrong.to_vec();
+        wrong.extend((0..2).map(|g| per_rank.iter().map(|r| r[k].graph_wrong[g]).sum::<usize>()));
+        let peer = eager[3].min(eager[4]);
+        let peer = if eager[3].is_nan() {
+            eager[4]
+        } else if eager[4].is_nan() {
+            eager[3]
+        } else {
+            peer
+        };
+        let ratio = |a: f64, b: f64| {
+            if a.is_nan() || b.is_nan() {
+                "-".to_string()
+            } else {
+                format!("{:.3}", a / b)
+            }
+        };
+        println!(
+            "  {:>10} {:>8} | {:>8} {:>8} {:>8} | {:>8} {:>8} | {:>7} | {:>8} {:>8} {:>7} | {:?}",
+            bytes,
+            per_rank[0][k]
+                .ran
+                .map_or("-".to_string(), |s| s.to_string()),
+            us(eager[0]),
+            us(eager[1]),
+            us(eager[2]),
+            us(eager[3]),
+            us(eager[4]),
+            ratio(eager[0], peer),
+            us(graph[0]),
+            us(graph[1]),
+            ratio(graph[0], graph[1]),
+            wrong
+        );
+    }
+    Ok(())
+}
