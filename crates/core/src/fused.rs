@@ -320,7 +320,7 @@ impl FusedMetadata {
 /// cluster blocks puts a rule in front of these ([`FusedComm::default_table`]). Virtual ranks
 /// share one GPU's memory, which charges one-shot `world` times its real per-GPU traffic, so
 /// on distinct GPUs the crossover is expected higher (TensorRT-LLM keeps one-shot up to 128
-/// tokens); the multi-GPU table is issue 9's to measure.
+/// tokens); the multi-GPU table waits for a multi-GPU machine to measure it on.
 pub fn default_table() -> SelectionTable {
     const KIB: usize = 1 << 10;
     let rule = |world: (usize, usize), max_bytes, strategy| Rule {
