@@ -655,7 +655,7 @@ AR_DEVICE Spread spread_from_last() {
                 (u64)grid_dim_x() * kThreads};
 }
 // The two-shot keeps block order and whole blocks: the reversal there cost 2-4% at 64-128
-// tokens on 4 ranks (docs/benchmarks.md).
+// tokens on 4 ranks (docs/history/benchmarks-2026-12.md).
 AR_DEVICE Spread spread_in_order() {
   return Spread{(u64)block_x() * kThreads + thread_x(), (u64)grid_dim_x() * kThreads};
 }
