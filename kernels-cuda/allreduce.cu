@@ -1,6 +1,6 @@
 // CUDA entry points of the exact one-shot and two-shot all-reduce kernels (f32, f16, bf16)
-// and the roofline copy. The bodies, the ABI (struct layouts mirrored by
-// crates/backend-cuda/src/abi.rs) and the launch contract are vendor-neutral and live in
+// and the roofline copy. The bodies, the ABI (struct layouts mirrored by the GPU engine's
+// `abi` module) and the launch contract are vendor-neutral and live in
 // kernels-common/include/allreduce/ (exact.h, abi.h); kernels-hip/allreduce.hip is this
 // file's HIP twin. Only the names and the launch bounds are said here.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build everything the H200 run needs into gpu-bin/ (git-ignored; carry it to the device):
+# Build everything a GPU run needs into gpu-bin/ (git-ignored; copy it to the GPU machine):
 # the conformance suite and the graph test with the cuda feature, the bench, and run.sh,
 # which runs them all and leaves logs under $OUT. No cargo exists on the GPU machine.
 #   scripts/build-gpu-bin.sh            # sm_90 only (the H200), fast
@@ -28,7 +28,7 @@ cp "${CARGO_TARGET_DIR:-target}/release/allreduce-bench" gpu-bin/
 strip gpu-bin/conformance gpu-bin/cuda_graphs gpu-bin/cuda_codecs gpu-bin/cuda_processes gpu-bin/cuda_fused gpu-bin/allreduce-bench
 cat >gpu-bin/run.sh <<'RUN'
 #!/usr/bin/env bash
-# On the GPU machine: OUT=$OUT gpu-bin/run.sh (at most 8 files come back; this writes 8).
+# On the GPU machine: OUT=$OUT gpu-bin/run.sh (logs under $OUT).
 cd "$(dirname "$0")"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 NCCL_LIB=$(python3 -c "import nvidia.nccl, os; print(os.path.join(os.path.dirname(nvidia.nccl.__file__), 'lib'))" 2>/dev/null || true)
@@ -37,7 +37,8 @@ C="$OUT/conformance.log"; T="$OUT/tests.log"; Q="$OUT/bench_quantized.txt"; B="$
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$C" 2>&1
 timeout 400 ./conformance "[cuda" >>"$C" 2>&1; echo "conformance rc=$?" >>"$C"
 timeout 60 ./cuda_codecs >"$T" 2>&1; echo "codecs rc=$?" >>"$T"
-# One process per rank needs MPS on one GPU (../shared/GPU.md): start it for this test only.
+# One process per rank needs MPS on one GPU (else the processes' kernels only time-slice):
+# start it for this test only.
 # CUDA_DEVICE_MAX_CONNECTIONS=1 for the daemon and every client: with the default, the MPS
 # server gave only 3 clients a context (README).
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog CUDA_DEVICE_MAX_CONNECTIONS=1

@@ -2,7 +2,7 @@
 # Build another commit's bench and fused test (an experiment branch, say) into a folder beside
 # gpu-bin, for scripts/fused-sweep.sh's EXTRA:
 #   scripts/build-variant.sh exp/fused-one-block-per-sm gpu-bin-lb1
-# then carry gpu-bin, gpu-bin-lb1 and scripts, and run EXTRA=gpu-bin-lb1 scripts/fused-sweep.sh.
+# then copy gpu-bin, gpu-bin-lb1 and scripts to the GPU machine, and run EXTRA=gpu-bin-lb1 scripts/fused-sweep.sh.
 # Builds in a git worktree under target/variants (its own target dir), sm_90 only unless
 # ALLREDUCE_CUDA_ARCHS says otherwise, with this checkout's pinned nvcc.
 set -euo pipefail

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The fused bench at 8, 4 and 2 virtual ranks on one GPU, with and without PDL, for the
-# H100/H200: build with scripts/build-gpu-bin.sh here (and variants, below), carry
-# gpu-bin/allreduce-bench, gpu-bin/cuda_fused and each variant's folder (the whole gpu-bin
-# with two variants is over the 64 MiB a call carries), then on the GPU machine
+# H100/H200: build with scripts/build-gpu-bin.sh here (and variants, below), copy
+# gpu-bin/allreduce-bench, gpu-bin/cuda_fused and each variant's folder to the GPU machine
+# (the test binaries other than cuda_fused are not needed), then there
 #   [EXTRA="gpu-bin-x gpu-bin-x:--fused-pattern=residual_rmsnorm_fp8_static"] \
 #     OUT=$OUT scripts/fused-sweep.sh
 # Writes $OUT/sweep.log (lines "== rep=N R=ranks cfg=NAME" before each bench run),
@@ -14,7 +14,7 @@
 #    for all ranks together, the default), PDL (the defaults) or NOPDL (ALLREDUCE_FUSED_PDL=0);
 #  - eager pace: the bench's last two columns, the host's enqueue time per call (fused,
 #    unfused), against the eager times;
-#  - other builds: EXTRA="gpu-bin-x ..." (carry them too), each bench with its defaults;
+#  - other builds: EXTRA="gpu-bin-x ..." (copy them too), each bench with its defaults;
 #    "gpu-bin-x:--opt=value" adds bench arguments (no spaces); scripts/build-variant.sh REV
 #    gpu-bin-x builds one.
 set -uo pipefail

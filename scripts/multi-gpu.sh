@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issue 9's measurement, for a machine with N >= 2 GPUs (nvidia-h200-x2/-x4/-x8): everything
-# comes from gpu-bin/ (scripts/build-gpu-bin.sh here; carry gpu-bin and scripts), logs under $OUT
-# (at most 8 files come back: this writes 7).
+# The multi-GPU measurement, for a machine with N >= 2 GPUs (2, 4 or 8 H100s or H200s):
+# everything comes from gpu-bin/ (scripts/build-gpu-bin.sh here; copy gpu-bin and scripts to
+# the GPU machine), logs under $OUT.
 #   OUT=$OUT scripts/multi-gpu.sh            # on the GPU machine
-# NVLink SHARP (multicast) stays off, as the device README asks: NCCL_NVLS_ENABLE=0.
+# NVLink SHARP (multicast) stays off: NCCL_NVLS_ENABLE=0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

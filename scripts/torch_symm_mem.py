@@ -1,4 +1,5 @@
-"""PyTorch's symmetric-memory all-reduce (one-shot and two-shot) as a second peer for issue 9.
+"""PyTorch's symmetric-memory all-reduce (one-shot and two-shot) as a second peer for the
+multi-GPU measurement.
 
 Run under torchrun, one process per GPU (scripts/multi-gpu.sh does):
     torchrun --standalone --nproc-per-node N scripts/torch_symm_mem.py

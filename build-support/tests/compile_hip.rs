@@ -164,7 +164,7 @@ fn hip_kernels_compile_for_default_archs() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The fused all-reduce + RMSNorm kernels (kernels-hip/fused.hip, issue 6) build for AMD too;
+/// The fused all-reduce + RMSNorm kernels (kernels-hip/fused.hip) build for AMD too;
 /// nothing runs them there yet. gfx942 only: the code is the same for gfx90a, and CI's two
 /// cores are slow at it.
 #[test]

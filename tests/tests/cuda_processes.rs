@@ -8,7 +8,7 @@
 //! build a new group of the survivors (ranks renumbered, a new rendezvous) that works.
 //!
 //! All ranks share GPU 0 by default (`ALLREDUCE_TEST_DEVICES=0,1,..` spreads them): start
-//! MPS first (../shared/GPU.md), or the processes' kernels only time-slice. Skips with the
+//! MPS first (`nvidia-cuda-mps-control -d`), or the processes' kernels only time-slice. Skips with the
 //! reason when there is no GPU.
 
 #[cfg(not(feature = "cuda"))]

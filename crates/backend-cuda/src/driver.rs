@@ -66,9 +66,78 @@ pub fn device_count() -> Result<usize> {
     Ok(n as usize)
 }
 
+/// One line naming a device for benchmark reports: model, compute capability, SMs, the
+/// kernel driver's version and the CUDA version the driver supports. Figures are only
+/// comparable between runs on the same model and driver, so a report must say which.
+/// Needs no context. Without libcuda or the device, an error value.
+pub fn device_description(ordinal: u32) -> Result<String> {
+    init()?;
+    let count = device_count()?;
+    if ordinal as usize >= count {
+        return Err(Error::InvalidConfig(format!(
+            "CUDA device {ordinal} requested but {count} present"
+        )));
+    }
+    let mut dev = 0;
+    let mut name = [0 as std::ffi::c_char; 256];
+    let (mut major, mut minor, mut sms, mut cuda) = (0, 0, 0, 0);
+    let attr = |value: &mut i32, a: sys::CUdevice_attribute, dev: CUdevice| {
+        // SAFETY: driver initialised, `dev` from cuDeviceGet.
+        check(
+            unsafe { sys::cuDeviceGetAttribute(value, a, dev) },
+            "cuDeviceGetAttribute",
+        )
+    };
+    // SAFETY: driver initialised, ordinal checked; the name buffer's length is passed and the
+    // driver NUL-terminates within it.
+    let name = unsafe {
+        check(sys::cuDeviceGet(&mut dev, ordinal as i32), "cuDeviceGet")?;
+        check(
+            sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, dev),
+            "cuDeviceGetName",
+        )?;
+        check(sys::cuDriverGetVersion(&mut cuda), "cuDriverGetVersion")?;
+        CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned()
+    };
+    use sys::CUdevice_attribute as A;
+    attr(
+        &mut major,
+        A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+        dev,
+    )?;
+    attr(
+        &mut minor,
+        A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+        dev,
+    )?;
+    attr(&mut sms, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev)?;
+    // The driver API reports only the CUDA version; the driver's own release (580.159) is
+    // in the kernel module's version file on Linux.
+    let driver = std::fs::read_to_string("/proc/driver/nvidia/version")
+        .ok()
+        .and_then(|s| kernel_module_version(&s))
+        .unwrap_or_else(|| "unknown".into());
+    Ok(format!(
+        "{name}, sm_{major}{minor}, {sms} SMs, driver {driver}, CUDA {}.{}",
+        cuda / 1000,
+        (cuda % 1000) / 10
+    ))
+}
+
+/// The release in `/proc/driver/nvidia/version`'s first line ("NVRM version: NVIDIA UNIX
+/// Open Kernel Module for x86_64  580.159  Release Build ..."): the first word after
+/// "Module" made of digits and dots.
+fn kernel_module_version(text: &str) -> Option<String> {
+    let line = text.lines().next()?;
+    let (_, rest) = line.split_once("Module")?;
+    rest.split_whitespace()
+        .find(|w| w.contains('.') && w.chars().all(|c| c.is_ascii_digit() || c == '.'))
+        .map(str::to_string)
+}
+
 /// Retain each device's primary context once for the life of the process. Releasing the
 /// last reference destroys the context, and the next group would build a new one, paying its
-/// lazy first-launch work again (see the warm-up in `comm`).
+/// lazy first-launch work again (see `GpuBackend`'s warm-up).
 fn keep_primary_context(dev: CUdevice) -> Result<()> {
     static KEPT: std::sync::Mutex<Vec<CUdevice>> = std::sync::Mutex::new(Vec::new());
     let mut kept = KEPT.lock().unwrap_or_else(|e| e.into_inner());
@@ -414,4 +483,19 @@ pub fn stream_synchronize(stream: allreduce_core::Stream) -> Result<()> {
 pub fn context_synchronize() -> Result<()> {
     // SAFETY: driver initialised; a context is bound by the caller.
     check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::kernel_module_version;
+
+    #[test]
+    fn kernel_module_version_from_both_module_kinds() {
+        let open = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159  Release \
+                    Build  (dvs-builder@U22)  Thu Oct  2 2025\nGCC version:  gcc 12\n";
+        assert_eq!(kernel_module_version(open).as_deref(), Some("580.159"));
+        let closed = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 2024";
+        assert_eq!(kernel_module_version(closed).as_deref(), Some("550.54.15"));
+        assert_eq!(kernel_module_version(""), None);
+    }
 }

@@ -16,5 +16,6 @@ mod nccl;
 mod runtime;
 pub mod testing;
 
+pub use driver::device_description;
 pub use fused::{CudaFused, NormBuffers, RmsNormKernel};
 pub use runtime::{Cuda, CudaComm, CudaRuntime};

@@ -1,5 +1,5 @@
 //! The ROCm backend's default table behind `Strategy::Auto`, from vLLM's published ROCm
-//! thresholds (../shared/references/quickreduce.md §4-5):
+//! thresholds (QuickReduce's `_QR_MIN_SIZE` and the custom all-reduce's size rules):
 //!
 //! - **Quantized two-shot** (QuickReduce's role) for a lossy call of world 2, 4 or 8 from
 //!   QuickReduce's minimum size for its dtype, world size and codec bit width

@@ -240,6 +240,19 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
          otherwise), {dtype}, {pattern}; us per call, slowest rank; unfused = \
          all_reduce(Auto) + residual/RMSNorm kernel (same pattern)"
     );
+    // The commit and the GPU, so that a pasted table says where it came from. The group
+    // below uses the default devices: every rank on GPU 0.
+    if let Some(g) = crate::report::Git::detect() {
+        println!(
+            "# git {}{}",
+            g.commit,
+            if g.dirty { " (dirty)" } else { "" }
+        );
+    }
+    let machine = crate::report::Machine::detect();
+    for m in crate::report::device_models(&[allreduce::Device::Cuda(0)], &machine) {
+        println!("# device {m}");
+    }
     println!(
         "# {:>6} {:>6} {:>8} | {:>9} {:>9} {:>6} | {:>9} {:>9} {:>6} | {:>9} {:>9} | {:>9} {:>9}",
         "hidden",

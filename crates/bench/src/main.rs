@@ -146,6 +146,9 @@ fn run(args: &Args) -> Result<ExitCode, BoxError> {
             },
         },
     };
+    let machine = Machine::detect();
+    let devices: Vec<_> = comms.iter().map(|c| c.device()).collect();
+    let device_models = report::device_models(&devices, &machine);
     let info = RunInfo {
         command: cli::command_line(),
         backend: args.backend.to_string(),
@@ -159,9 +162,10 @@ fn run(args: &Args) -> Result<ExitCode, BoxError> {
         precisions: precisions.iter().map(|p| p.to_string()).collect(),
         timeout_s: args.timeout,
         cfg: cfg.clone(),
-        machine: Machine::detect(),
+        machine,
         git: Git::detect(),
         topology: comms[0].topology().map(|t| t.to_string()),
+        device_models,
     };
 
     let mut stdout = std::io::stdout().lock();

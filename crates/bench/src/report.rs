@@ -26,6 +26,8 @@ pub struct RunInfo {
     pub git: Option<Git>,
     /// The GPU topology as the backend sees it (`Topology`'s matrix), if it has one.
     pub topology: Option<String>,
+    /// What the ranks run on, one line per distinct device ([`device_models`]).
+    pub device_models: Vec<String>,
 }
 
 pub struct Machine {
@@ -83,6 +85,33 @@ impl Machine {
         }
         s
     }
+}
+
+/// One line per distinct device the ranks use: the GPU's model, driver and CUDA version, or
+/// the CPU model for the host backend. Figures are comparable only on the same model and
+/// driver, so the header records them next to the commit. A driver that cannot say gives its
+/// error in the line's place rather than stopping the run.
+pub fn device_models(devices: &[allreduce::Device], machine: &Machine) -> Vec<String> {
+    let mut seen = Vec::new();
+    for d in devices {
+        if !seen.contains(d) {
+            seen.push(*d);
+        }
+    }
+    seen.into_iter()
+        .map(|d| match d {
+            allreduce::Device::Host => format!(
+                "host: {}",
+                machine.cpu_model.as_deref().unwrap_or("CPU model unknown")
+            ),
+            #[cfg(feature = "cuda")]
+            allreduce::Device::Cuda(i) => match allreduce::cuda::device_description(i) {
+                Ok(s) => format!("{d}: {s}"),
+                Err(e) => format!("{d}: model unknown ({e})"),
+            },
+            other => format!("{other}: model not reported by this build"),
+        })
+        .collect()
 }
 
 impl Git {
@@ -188,6 +217,9 @@ pub fn header(info: &RunInfo) -> String {
             g.commit,
             if g.dirty { " (dirty)" } else { "" }
         );
+    }
+    for m in &info.device_models {
+        s += &format!("# Device     : {m}\n");
     }
     if let Some(t) = &info.topology {
         s += "# Topology   : (X same GPU, NV NVLink, PCI PCIe peer access, - none)\n";
@@ -459,6 +491,7 @@ pub fn json_document(
             "cpu_model": info.machine.cpu_model,
         },
         "git": info.git.as_ref().map(|g| json!({ "commit": g.commit, "dirty": g.dirty })),
+        "device_models": info.device_models,
         "rows": rows.iter().map(|r| row_json(r, info.world, cfg)).collect::<Vec<_>>(),
         "summary": {
             "rows_run": summary.run,

@@ -48,8 +48,8 @@
 //! gives it to every rank. Without one, [`TcpBootstrap::new`] fails and says how to set it;
 //! there is no unauthenticated mode. The secret never travels on the wire.
 //!
-//! Handshake (HMAC is HMAC-SHA256, implemented in this crate, keyed by the secret; integers
-//! are little-endian; `||` is concatenation):
+//! Handshake (HMAC is HMAC-SHA256, from RustCrypto's `hmac` and `sha2`, keyed by the secret;
+//! integers are little-endian; `||` is concatenation):
 //!
 //! 1. rank 0 → rank r, 40 bytes: `"ARBS"`, version `1` (u16), 0 (u16), a 32-byte nonce `Ns`
 //!    from `/dev/urandom`.
@@ -112,8 +112,8 @@
 //! case (one node, several GPUs). A group spanning hosts opts in on every rank.
 
 mod config;
+mod mac;
 mod secret;
-mod sha256;
 mod tcp;
 mod wire;
 
@@ -124,7 +124,7 @@ pub use secret::{Secret, SECRET_ENV, SECRET_LEN};
 pub use tcp::TcpBootstrap;
 
 /// The keyed hash behind the handshake, exposed for tests and for launchers that want to
-/// derive per-group secrets from a master key (`HMAC(master, group name)`).
+/// derive per-group secrets from a master key (`mac(master, &[group name])`).
 pub mod crypto {
-    pub use crate::sha256::{ct_eq, HmacSha256, Sha256, DIGEST_LEN};
+    pub use crate::mac::{mac, sha256, verify, DIGEST_LEN};
 }

@@ -70,7 +70,7 @@ impl Secret {
     /// A short public identifier of the key (a hash of it), for comparing configurations in
     /// logs without revealing the key.
     pub fn fingerprint(&self) -> String {
-        let h = crate::sha256::Sha256::digest(&self.0);
+        let h = crate::mac::sha256(&self.0);
         h[..4].iter().map(|b| format!("{b:02x}")).collect()
     }
 }

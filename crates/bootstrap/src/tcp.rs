@@ -9,7 +9,6 @@ use allreduce_core::{Bootstrap, Error, Result};
 
 use crate::config::TcpBootstrapConfig;
 use crate::secret::{Secret, SECRET_ENV};
-use crate::sha256::ct_eq;
 use crate::wire::{
     self, FailCode, Failure, Frame, IoFail, Kind, Link, Op, RecvFail, Transcript, CLIENT_HELLO_LEN,
     MAX_CONTROL_PAYLOAD, MAX_REASON, SERVER_HELLO_LEN, SERVER_REPLY_HEAD_LEN, STATUS_ACCEPTED,
@@ -492,7 +491,7 @@ fn admit(
     };
     // Check the proof before anything else, so nothing about the group is revealed to a
     // connection that does not know the secret.
-    if !ct_eq(&hello.proof, &t.client_proof(secret)) {
+    if !t.client_proof_ok(secret, &hello.proof) {
         return Err(reply_refusal(format!(
             "authentication failed for a connection claiming rank {}: its secret differs from \
              rank 0's (is {SECRET_ENV} the same for every rank?)",
@@ -635,7 +634,7 @@ fn handshake(
         STATUS_ACCEPTED => {
             // Mutual authentication: a process that took the port first (another job, or a
             // hostile one) cannot pose as rank 0 without the secret.
-            if !ct_eq(&body, &t.server_proof(secret)) {
+            if !t.server_proof_ok(secret, &body) {
                 return Err(fatal(
                     "the process listening there does not know the group's secret, so it is \
                      not this group's rank 0 (another job on the same port?)"

@@ -5,8 +5,8 @@ use std::io::{self, Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
+use crate::mac::{self, DIGEST_LEN};
 use crate::secret::{random_bytes, Secret};
-use crate::sha256::{ct_eq, HmacSha256, DIGEST_LEN};
 
 pub const VERSION: u16 = 1;
 pub const NONCE_LEN: usize = 32;
@@ -129,19 +129,28 @@ pub struct Transcript {
 
 impl Transcript {
     fn mac(&self, secret: &Secret, label: &[u8]) -> [u8; DIGEST_LEN] {
-        let mut h = HmacSha256::new(secret.as_bytes());
-        h.update(label);
-        h.update(&self.server_nonce);
-        h.update(&self.client_nonce);
-        h.update(&self.rank.to_le_bytes());
-        h.update(&self.world.to_le_bytes());
-        h.finalize()
+        let (rank, world) = (self.rank.to_le_bytes(), self.world.to_le_bytes());
+        let parts = [label, &self.server_nonce, &self.client_nonce, &rank, &world];
+        mac::mac(secret.as_bytes(), &parts)
+    }
+    fn verify(&self, secret: &Secret, label: &[u8], proof: &[u8]) -> bool {
+        let (rank, world) = (self.rank.to_le_bytes(), self.world.to_le_bytes());
+        let parts = [label, &self.server_nonce, &self.client_nonce, &rank, &world];
+        mac::verify(secret.as_bytes(), &parts, proof)
     }
     pub fn client_proof(&self, secret: &Secret) -> [u8; DIGEST_LEN] {
         self.mac(secret, LABEL_CLIENT)
     }
     pub fn server_proof(&self, secret: &Secret) -> [u8; DIGEST_LEN] {
         self.mac(secret, LABEL_SERVER)
+    }
+    /// Whether a rank's proof shows it knows the secret (compared in constant time).
+    pub fn client_proof_ok(&self, secret: &Secret, proof: &[u8]) -> bool {
+        self.verify(secret, LABEL_CLIENT, proof)
+    }
+    /// Whether rank 0's proof shows it knows the secret (compared in constant time).
+    pub fn server_proof_ok(&self, secret: &Secret, proof: &[u8]) -> bool {
+        self.verify(secret, LABEL_SERVER, proof)
     }
     /// Keys of the frames sent to rank 0 and from rank 0 on this connection. Fresh per
     /// connection (both nonces go in), so frames cannot be replayed into another connection.
@@ -321,10 +330,7 @@ impl Link {
     }
 
     fn tag(key: &[u8; DIGEST_LEN], header: &[u8], payload: &[u8]) -> [u8; DIGEST_LEN] {
-        let mut h = HmacSha256::new(key);
-        h.update(header);
-        h.update(payload);
-        h.finalize()
+        mac::mac(key, &[header, payload])
     }
 
     /// Header, payload and tag in one write (one segment for small frames; TCP_NODELAY is on).
@@ -362,7 +368,7 @@ impl Link {
         read_exact_by(&mut self.stream, &mut payload, deadline).map_err(RecvFail::Io)?;
         let mut tag = [0u8; DIGEST_LEN];
         read_exact_by(&mut self.stream, &mut tag, deadline).map_err(RecvFail::Io)?;
-        if !ct_eq(&tag, &Self::tag(&self.recv_key, &header, &payload)) {
+        if !mac::verify(&self.recv_key, &[&header, &payload], &tag) {
             return Err(RecvFail::Malformed(
                 "its authentication tag is wrong (altered in transit or not from the peer)".into(),
             ));

@@ -309,18 +309,18 @@ impl FusedMetadata {
     }
 }
 
-/// The default one-shot/two-shot switch over the per-rank bytes of a call
-/// (`tokens * hidden * dtype.size()`). One-shot moves `world` times the message into every
-/// rank in one hop, two-shot twice the message in two hops, so one-shot wins while latency
-/// dominates. Thresholds measured on one H200 with virtual ranks (docs/benchmarks.md, fused
-/// section: the forced one-shot and two-shot columns of the kernels specialised per world
-/// size): one-shot up to 512 KiB at 2 ranks, 256 KiB at 3-4, 64 KiB above (2 ranks: 1 MiB
-/// until the two-shot pulled its reduced rows instead of pushing them; at 1 MiB it is now
-/// 1-3% faster, at 512 KiB still 4% slower). A GPU workspace whose one-shot shares rows among
-/// cluster blocks puts a rule in front of these ([`FusedComm::default_table`]). Virtual ranks
-/// share one GPU's memory, which charges one-shot `world` times its real per-GPU traffic, so
-/// on distinct GPUs the crossover is expected higher (TensorRT-LLM keeps one-shot up to 128
-/// tokens); the multi-GPU table is issue 9's to measure.
+/// The default one-shot/two-shot switch over the per-rank bytes of a call (`tokens * hidden *
+/// dtype.size()`). One-shot moves `world` times the message into every rank in one hop,
+/// two-shot twice the message in two hops, so one-shot wins while latency dominates. Thresholds
+/// measured on one H200 with virtual ranks (docs/history/benchmarks-2026-12.md, fused section:
+/// the forced one-shot and two-shot columns of the kernels specialised per world size):
+/// one-shot up to 512 KiB at 2 ranks, 256 KiB at 3-4, 64 KiB above (2 ranks: 1 MiB until the
+/// two-shot pulled its reduced rows instead of pushing them; at 1 MiB it is now 1-3% faster, at
+/// 512 KiB still 4% slower). A GPU workspace whose one-shot shares rows among cluster blocks
+/// puts a rule in front of these ([`FusedComm::default_table`]). Virtual ranks share one GPU's
+/// memory, which charges one-shot `world` times its real per-GPU traffic, so on distinct GPUs
+/// the crossover is expected higher (TensorRT-LLM keeps one-shot up to 128 tokens); the
+/// multi-GPU table waits for a multi-GPU machine to measure it on.
 pub fn default_table() -> SelectionTable {
     const KIB: usize = 1 << 10;
     let rule = |world: (usize, usize), max_bytes, strategy| Rule {

@@ -62,10 +62,9 @@ impl SelectionTable {
     /// below 512 KiB for up to 4 ranks and below 256 KiB for up to 8, two stages above;
     /// the quantized path pays off from about 1-2 MiB (vLLM's QuickReduce minimum sizes,
     /// TensorRT-LLM's low-precision threshold of 2 MiB). Vendor takes what is larger than
-    /// the custom paths' workspace. References: ../shared/references/quickreduce.md §4-5.
-    /// On 8 GPUs on PCIe in two NUMA groups the lossy path is hierarchical from 2 MiB, as
-    /// TensorRT-LLM's low-precision all-reduce is at TP8 (flat two-shot at TP2/4):
-    /// ../shared/references/trtllm-flashinfer.md §2.
+    /// the custom paths' workspace. On 8 GPUs on PCIe in two NUMA groups the lossy path is
+    /// hierarchical from 2 MiB, as TensorRT-LLM's low-precision all-reduce is at TP8 (flat
+    /// two-shot at TP2/4).
     pub fn default_table() -> Self {
         const KIB: usize = 1024;
         const MIB: usize = 1024 * KIB;

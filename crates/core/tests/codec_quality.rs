@@ -30,8 +30,8 @@ const N: usize = 1 << 20;
 /// owner's unquantized piece (what the backends run, modelled here) clears them, q8 by only
 /// 0.03 dB. docs/codecs.md, "Measured accuracy", has the analysis.
 ///
-/// Adaptive codecs: the figures issue 4 measured for them in a numpy model of the two-stage
-/// all-reduce (43.3 / 31.2 / 18.7 dB), minus 0.2 dB.
+/// Adaptive codecs: the figures a numpy model of the two-stage all-reduce gave when they were
+/// specified (43.3 / 31.2 / 18.7 dB), minus 0.2 dB.
 fn floor_db(codec: Codec) -> f64 {
     match codec {
         Codec::Int8 => 42.5,
@@ -44,7 +44,7 @@ fn floor_db(codec: Codec) -> f64 {
     }
 }
 
-/// f16 floors on the `outliers` data set: for the adaptive codecs the issue's numpy figures
+/// f16 floors on the `outliers` data set: for the adaptive codecs the numpy model's figures
 /// (44.6 / 32.5 / 19.7 dB) minus 0.2 dB. The plain codecs have none (QuickReduce's format
 /// measures 37.6 / 25.5 / 15.0 there); "adaptive >= plain - 0.2 dB" covers them.
 fn outliers_floor_db(codec: Codec) -> f64 {

@@ -1,10 +1,6 @@
 //! The host side of the kernels' ABI, shared by the GPU backends. Every struct and offset here
 //! mirrors one in `kernels-common/include/allreduce/abi.h` (which `static_assert`s the same
-//! sizes); change both or neither.
-//!
-//! A verbatim copy of `crates/backend-cuda/src/abi.rs`, made while another change was in
-//! flight there; that file becomes `pub use allreduce_gpu::abi::*;` when the CUDA
-//! backend moves onto [`crate::GpuRuntime`] (docs/decisions.md, "ROCm backend").
+//! sizes); change both or neither. Every vendor's backend uses this one copy.
 
 use std::ffi::c_void;
 

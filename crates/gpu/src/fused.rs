@@ -291,7 +291,7 @@ fn grid_setting<R: GpuRuntime>(group: &GroupView<R>, config: &FusedConfig) -> Re
 /// group's next collective (an exact all-reduce: up to one block per SM too) while a peer's
 /// fused grid still waits for SMs, and both poll: past one per SM for the fused grids the
 /// two no longer co-reside, and the polls time out (H100, 8 ranks at 32 blocks,
-/// docs/benchmarks.md).
+/// docs/history/benchmarks-2026-12.md).
 pub(crate) fn blocks_setting(v: &str, source: &str, busiest: u32, sms: u32) -> Result<u32> {
     let most = MAX_BLOCKS.min(sms / busiest.max(1)).max(1);
     match v.trim().parse::<u32>() {

@@ -3,9 +3,8 @@
 // fixed-width integers and 64-bit pointers, which x86_64/aarch64 hosts, NVPTX and AMDGCN lay
 // out identically, and the asserts below check it on each compiler.
 //
-// The host side is crates/backend-cuda/src/abi.rs (and the ROCm backend's, when it exists):
-// every struct and offset below is mirrored there with the same asserts. Change both or
-// neither.
+// The host side is the GPU engine's `abi` module (Rust), one copy for every vendor: every
+// struct and offset below is mirrored there with the same asserts. Change both or neither.
 //
 // Launch contract (every kernel but the copy): grid = G blocks, G <= kMaxBlocks and the SAME
 // on every rank and for every call of a communicator; block = kThreads threads; one rank's

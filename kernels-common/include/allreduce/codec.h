@@ -639,7 +639,7 @@ AR_DEVICE uint16_t encode_quad(const float (&x)[kN], int q, Codes<C, kN>& out) {
     // codec::choose_adaptive: the candidate whose scale predicts the smaller error, decided
     // from the two blocks' largest magnitudes and x's absolute sum, and only that one coded
     // (coding both and measuring their errors took 35-40 instructions per element against
-    // about 20 here; docs/benchmarks.md). The choice needs no
+    // about 20 here; docs/history/benchmarks-2026-12.md). The choice needs no
     // signed maximum, so both scans are one max per element (NaN-propagating: x's also says
     // whether the block is finite); the chosen block's signed maximum, which its scale's sign
     // needs, is a third scan. The transform runs for every block (the group functions may

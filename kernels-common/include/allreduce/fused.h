@@ -360,7 +360,7 @@ AR_DEVICE uint4* tags(const FusedArgs& a, char* base, uint32_t buffer) {
 
 // ---- Call agreement ----------------------------------------------------------------------------
 
-template <typename T> struct DTypeCode;  // the host's DType codes (crates/core/src/gpu/abi.rs)
+template <typename T> struct DTypeCode;  // the host's DType codes (the GPU engine's `abi` module)
 template <> struct DTypeCode<float> { static constexpr u64 kCode = 1; };
 template <> struct DTypeCode<ar_half> { static constexpr u64 kCode = 2; };
 template <> struct DTypeCode<ar_bf16> { static constexpr u64 kCode = 3; };
@@ -648,14 +648,14 @@ struct Spread {
 // issue the pushes and refill stores, which one SM's store path carried before, on the
 // critical path of every small call (H200, graph mode, 1-8 tokens: 5-10% less time per call).
 // Whole blocks: spreading a small call's stores thinner, ceil(n / G) vectors (whole warps)
-// per block, cost 0.1-0.5 us per call on the H200 at 2 and 4 ranks (docs/benchmarks.md,
-// session 10).
+// per block, cost 0.1-0.5 us per call on the H200 at 2 and 4 ranks (2026-12-04,
+// docs/history/benchmarks-2026-12.md).
 AR_DEVICE Spread spread_from_last() {
   return Spread{(u64)(grid_dim_x() - 1u - block_x()) * kThreads + thread_x(),
                 (u64)grid_dim_x() * kThreads};
 }
 // The two-shot keeps block order and whole blocks: the reversal there cost 2-4% at 64-128
-// tokens on 4 ranks (docs/benchmarks.md).
+// tokens on 4 ranks (docs/history/benchmarks-2026-12.md).
 AR_DEVICE Spread spread_in_order() {
   return Spread{(u64)block_x() * kThreads + thread_x(), (u64)grid_dim_x() * kThreads};
 }

@@ -225,7 +225,7 @@ __device__ void quantized_twoshot(const Args& a) {
 
 // ---- Segment kernels: codec::encode / codec::decode of one buffer ----------------------------
 
-// Parameters of the segment kernels (mirrored by crates/backend-cuda/src/abi.rs).
+// Parameters of the segment kernels (mirrored by the GPU engine's `abi` module).
 struct CodecArgs {
   const void* src;
   void* dst;
@@ -235,13 +235,14 @@ static_assert(sizeof(CodecArgs) == 24, "CodecArgs");
 
 // Shape of the segment encoder per codec: kN elements per lane (codec.h: 8, a quad per block,
 // or 32, a lane per block), and kUnroll blocks per lane per pass, whose loads are issued
-// together before any block is coded. Quads, measured on the H200 (docs/benchmarks.md): 4
-// blocks per lane did not speed the plain encoders (instruction-bound) and slowed the
-// adaptive ones (87 registers: one block per SM), so 2 for plain codecs, 1 for adaptive.
+// together before any block is coded. Quads, measured on the H200
+// (docs/history/benchmarks-2026-12.md): 4 blocks per lane did not speed the plain encoders
+// (instruction-bound) and slowed the adaptive ones (87 registers: one block per SM), so 2 for
+// plain codecs, 1 for adaptive.
 // A lane per block saves the adaptive encoder its 16 Hadamard shuffles and 6 scan and error
 // shuffles per lane and block, and every encoder three quarters of its per-block scale work.
-// CUDA: a lane per block, measured on the H200 (docs/benchmarks.md, session 4: encoders 1.2-1.7x
-// faster). HIP keeps quads: its quad shuffles are DPP moves, cheap, and 128 VGPRs would be
+// CUDA: a lane per block, measured on the H200 (docs/history/benchmarks-2026-12.md, third
+// pass: encoders 1.2-1.7x faster). HIP keeps quads: its quad shuffles are DPP moves, cheap, and 128 VGPRs would be
 // the whole budget of a wave at the kernels' 4 waves per SIMD (kernels-hip). Not measured on
 // AMD either way.
 #ifndef AR_ENCODE_LANE_ELEMS
