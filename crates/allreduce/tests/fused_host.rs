@@ -4,7 +4,7 @@
 use allreduce::fused::{self, FusedOutputs};
 use allreduce::{
     BackendKind, BufMut, BufRef, Communicator, DType, Error, Fp8BufMut, FusedArgs, FusedConfig,
-    FusedWorkspace, FusionPattern, GroupConfig, HostBytes, Strategy,
+    FusedPattern, FusedWorkspace, GroupConfig, HostBytes, Strategy,
 };
 
 fn data(dtype: DType, n: usize, seed: usize) -> HostBytes {
@@ -27,7 +27,7 @@ fn run(
     tokens: usize,
     hidden: usize,
     dtype: DType,
-    pattern: FusionPattern,
+    pattern: FusedPattern,
     strategy: Strategy,
 ) {
     let comms = Communicator::new_group(BackendKind::Host, GroupConfig::new(world)).unwrap();
@@ -47,7 +47,7 @@ fn run(
         Some(gamma.as_slice()),
         1e-5,
         pattern,
-        Some(STATIC_SCALE).filter(|_| pattern == FusionPattern::ResidualRmsNormFp8Static),
+        Some(STATIC_SCALE).filter(|_| pattern == FusedPattern::ResidualRmsNormFp8Static),
     );
     let got: Vec<FusedOutputs> = std::thread::scope(|s| {
         let hs: Vec<_> = comms
@@ -72,13 +72,13 @@ fn run(
                     }
                     let static_scale = [STATIC_SCALE];
                     match pattern {
-                        FusionPattern::ResidualRmsNormFp8 => {
+                        FusedPattern::ResidualRmsNormFp8 => {
                             args = args.fp8(
                                 Fp8BufMut::from_slice(&mut quant),
                                 BufMut::from_slice(&mut scale),
                             )
                         }
-                        FusionPattern::ResidualRmsNormFp8Static => {
+                        FusedPattern::ResidualRmsNormFp8Static => {
                             args = args.fp8_static(
                                 Fp8BufMut::from_slice(&mut quant),
                                 BufRef::from_slice(&static_scale),
@@ -86,10 +86,10 @@ fn run(
                         }
                         _ => {}
                     }
-                    c.all_reduce_fusion(w, args).unwrap();
+                    c.all_reduce_fused(w, args).unwrap();
                     let has = pattern.has_norm();
                     let fp8 = pattern.has_fp8();
-                    let scales = pattern == FusionPattern::ResidualRmsNormFp8;
+                    let scales = pattern == FusedPattern::ResidualRmsNormFp8;
                     FusedOutputs {
                         allreduce: ar.as_slice().to_vec(),
                         residual: if has { res.as_slice().to_vec() } else { vec![] },
@@ -117,7 +117,7 @@ fn run(
 #[test]
 fn host_fused_matches_the_reference() {
     for dtype in [DType::F16, DType::BF16, DType::F32] {
-        for pattern in FusionPattern::ALL {
+        for pattern in FusedPattern::ALL {
             for (world, tokens) in [(2, 1), (3, 7), (4, 16)] {
                 for strategy in [Strategy::Auto, Strategy::OneShot, Strategy::TwoShot] {
                     run(world, tokens, 64, dtype, pattern, strategy);
@@ -138,9 +138,9 @@ fn host_fused_refuses_what_the_workspace_cannot_take() {
     let x = HostBytes::zeroed(8 * 64 * 2);
     let mut out = HostBytes::zeroed(8 * 64 * 2);
     let e = comms[0]
-        .all_reduce_fusion(
+        .all_reduce_fused(
             &ws[0],
-            FusedArgs::new(FusionPattern::AllReduce, 8, x.view(DType::BF16))
+            FusedArgs::new(FusedPattern::AllReduce, 8, x.view(DType::BF16))
                 .allreduce_out(out.view_mut(DType::BF16)),
         )
         .unwrap_err();
@@ -157,9 +157,9 @@ fn host_fused_refuses_what_the_workspace_cannot_take() {
     );
     // The other rank's workspace.
     let e = comms[0]
-        .all_reduce_fusion(
+        .all_reduce_fused(
             &ws[1],
-            FusedArgs::new(FusionPattern::AllReduce, 8, x.view(DType::BF16))
+            FusedArgs::new(FusedPattern::AllReduce, 8, x.view(DType::BF16))
                 .allreduce_out(out.view_mut(DType::BF16)),
         )
         .unwrap_err();

@@ -39,7 +39,7 @@ use crate::{
 /// What the fused call computes after the all-reduce (TensorRT-LLM's / FlashInfer's
 /// `AllReduceFusionPattern` 0, 1 and 2/4 with per-token dynamic FP8 scales).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum FusionPattern {
+pub enum FusedPattern {
     /// Only the all-reduce (`allreduce_out` required).
     AllReduce,
     /// All-reduce, residual add, RMSNorm (`residual_in`, `gamma`, `norm_out` required).
@@ -57,36 +57,36 @@ pub enum FusionPattern {
     ResidualRmsNormFp8Static,
 }
 
-impl FusionPattern {
+impl FusedPattern {
     /// In code order.
-    pub const ALL: [FusionPattern; 4] = [
-        FusionPattern::AllReduce,
-        FusionPattern::ResidualRmsNorm,
-        FusionPattern::ResidualRmsNormFp8,
-        FusionPattern::ResidualRmsNormFp8Static,
+    pub const ALL: [FusedPattern; 4] = [
+        FusedPattern::AllReduce,
+        FusedPattern::ResidualRmsNorm,
+        FusedPattern::ResidualRmsNormFp8,
+        FusedPattern::ResidualRmsNormFp8Static,
     ];
 
     pub const fn name(self) -> &'static str {
         match self {
-            FusionPattern::AllReduce => "allreduce",
-            FusionPattern::ResidualRmsNorm => "residual_rmsnorm",
-            FusionPattern::ResidualRmsNormFp8 => "residual_rmsnorm_fp8",
-            FusionPattern::ResidualRmsNormFp8Static => "residual_rmsnorm_fp8_static",
+            FusedPattern::AllReduce => "allreduce",
+            FusedPattern::ResidualRmsNorm => "residual_rmsnorm",
+            FusedPattern::ResidualRmsNormFp8 => "residual_rmsnorm_fp8",
+            FusedPattern::ResidualRmsNormFp8Static => "residual_rmsnorm_fp8_static",
         }
     }
 
     /// Whether the pattern runs the residual add and the RMSNorm.
     pub const fn has_norm(self) -> bool {
-        !matches!(self, FusionPattern::AllReduce)
+        !matches!(self, FusedPattern::AllReduce)
     }
 
     /// The code the GPU kernels take (kernels-common/include/allreduce/fused.h).
     pub const fn code(self) -> u32 {
         match self {
-            FusionPattern::AllReduce => 0,
-            FusionPattern::ResidualRmsNorm => 1,
-            FusionPattern::ResidualRmsNormFp8 => 2,
-            FusionPattern::ResidualRmsNormFp8Static => 3,
+            FusedPattern::AllReduce => 0,
+            FusedPattern::ResidualRmsNorm => 1,
+            FusedPattern::ResidualRmsNormFp8 => 2,
+            FusedPattern::ResidualRmsNormFp8Static => 3,
         }
     }
 
@@ -94,12 +94,12 @@ impl FusionPattern {
     pub const fn has_fp8(self) -> bool {
         matches!(
             self,
-            FusionPattern::ResidualRmsNormFp8 | FusionPattern::ResidualRmsNormFp8Static
+            FusedPattern::ResidualRmsNormFp8 | FusedPattern::ResidualRmsNormFp8Static
         )
     }
 }
 
-impl fmt::Display for FusionPattern {
+impl fmt::Display for FusedPattern {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
     }
@@ -273,7 +273,7 @@ pub fn describe_desc(d: u64) -> String {
         3 => "bf16",
         _ => "?",
     };
-    let pattern = FusionPattern::ALL
+    let pattern = FusedPattern::ALL
         .get(((d >> 4) & 0xf) as usize)
         .map_or("?".to_string(), |p| p.to_string());
     let strategy = if (d >> 3) & 1 == 1 {
@@ -385,7 +385,7 @@ impl<'a> Fp8BufMut<'a> {
 /// Rows are `hidden` elements of the workspace's dtype; `tokens` rows per buffer.
 #[derive(Debug)]
 pub struct FusedArgs<'a> {
-    pub pattern: FusionPattern,
+    pub pattern: FusedPattern,
     pub tokens: usize,
     pub input: BufRef<'a>,
     pub allreduce_out: Option<BufMut<'a>>,
@@ -409,7 +409,7 @@ pub struct FusedArgs<'a> {
 }
 
 impl<'a> FusedArgs<'a> {
-    pub fn new(pattern: FusionPattern, tokens: usize, input: BufRef<'a>) -> Self {
+    pub fn new(pattern: FusedPattern, tokens: usize, input: BufRef<'a>) -> Self {
         FusedArgs {
             pattern,
             tokens,
@@ -466,7 +466,7 @@ impl<'a> FusedArgs<'a> {
 /// A validated fused call; absent outputs are `None`, and `strategy` is concrete.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct FusedCall {
-    pub pattern: FusionPattern,
+    pub pattern: FusedPattern,
     pub tokens: usize,
     pub hidden: usize,
     pub dtype: DType,
@@ -612,19 +612,19 @@ pub fn prepare_fused(
         }
     };
     match args.pattern {
-        FusionPattern::AllReduce => need("allreduce_out", allreduce_out.is_some())?,
-        FusionPattern::ResidualRmsNorm => {
+        FusedPattern::AllReduce => need("allreduce_out", allreduce_out.is_some())?,
+        FusedPattern::ResidualRmsNorm => {
             need("residual_in", residual_in.is_some())?;
             need("gamma", gamma.is_some())?;
             need("norm_out", norm_out.is_some())?;
         }
-        FusionPattern::ResidualRmsNormFp8 => {
+        FusedPattern::ResidualRmsNormFp8 => {
             need("residual_in", residual_in.is_some())?;
             need("gamma", gamma.is_some())?;
             need("quant_out", quant_out.is_some())?;
             need("scale_out", scale_out.is_some())?;
         }
-        FusionPattern::ResidualRmsNormFp8Static => {
+        FusedPattern::ResidualRmsNormFp8Static => {
             need("residual_in", residual_in.is_some())?;
             need("gamma", gamma.is_some())?;
             need("quant_out", quant_out.is_some())?;
@@ -633,13 +633,13 @@ pub fn prepare_fused(
     }
     // What a pattern does not use is refused rather than ignored: a caller who passes it
     // expects it to be read or written.
-    if args.pattern != FusionPattern::ResidualRmsNormFp8 && scale_out.is_some() {
+    if args.pattern != FusedPattern::ResidualRmsNormFp8 && scale_out.is_some() {
         return Err(Error::InvalidArgument(format!(
             "pattern {} writes no scale_out",
             args.pattern
         )));
     }
-    if args.pattern != FusionPattern::ResidualRmsNormFp8Static && scale_in.is_some() {
+    if args.pattern != FusedPattern::ResidualRmsNormFp8Static && scale_in.is_some() {
         return Err(Error::InvalidArgument(format!(
             "pattern {} reads no scale_in",
             args.pattern
@@ -797,7 +797,7 @@ pub fn reference(
     residual: Option<&[u8]>,
     gamma: Option<&[u8]>,
     eps: f32,
-    pattern: FusionPattern,
+    pattern: FusedPattern,
     scale_in: Option<f32>,
 ) -> FusedOutputs {
     let n = tokens * hidden;
@@ -827,7 +827,7 @@ pub fn epilogue(
     residual: Option<&[u8]>,
     gamma: Option<&[u8]>,
     eps: f32,
-    pattern: FusionPattern,
+    pattern: FusedPattern,
     scale_in: Option<f32>,
 ) -> FusedOutputs {
     let n = tokens * hidden;
@@ -870,7 +870,7 @@ pub fn epilogue(
             amax = amax.max(dtype.load_f32(&out.norm, k).abs());
         }
         if pattern.has_fp8() {
-            let mul = if pattern == FusionPattern::ResidualRmsNormFp8Static {
+            let mul = if pattern == FusedPattern::ResidualRmsNormFp8Static {
                 1.0 / scale_in.expect("validated: scale_in")
             } else {
                 let (scale, mul) = fp8_scale(amax);

@@ -1,13 +1,14 @@
 //! The fused all-reduce + residual add + RMSNorm (+ FP8) on the facade: a [`FusedWorkspace`]
 //! per rank, created for a whole group like FlashInfer's
 //! `trtllm_create_ipc_workspace_for_all_reduce_fusion`, and
-//! [`Communicator::all_reduce_fusion`], FlashInfer's `allreduce_fusion(input, workspace,
-//! pattern, ...)`. Semantics and tolerances: `allreduce_core::fused`.
+//! [`Communicator::all_reduce_fused`], FlashInfer's `allreduce_fusion(input, workspace,
+//! pattern, ...)`. Semantics, tolerances and the host reference are core's
+//! (`allreduce_core::fused`), re-exported here.
 //!
 //! ```
 //! use allreduce::{
 //!     BackendKind, BufMut, BufRef, Communicator, FusedArgs, FusedConfig, FusedWorkspace,
-//!     FusionPattern, GroupConfig,
+//!     FusedPattern, GroupConfig,
 //! };
 //!
 //! let (tokens, hidden) = (2, 8);
@@ -21,10 +22,10 @@
 //!             let residual = vec![1.0f32; tokens * hidden];
 //!             let gamma = vec![2.0f32; hidden];
 //!             let (mut res_out, mut norm) = (vec![0f32; tokens * hidden], vec![0f32; tokens * hidden]);
-//!             let args = FusedArgs::new(FusionPattern::ResidualRmsNorm, tokens, BufRef::from_slice(&x))
+//!             let args = FusedArgs::new(FusedPattern::ResidualRmsNorm, tokens, BufRef::from_slice(&x))
 //!                 .residual(BufRef::from_slice(&residual), Some(BufMut::from_slice(&mut res_out)))
 //!                 .rms_norm(BufRef::from_slice(&gamma), 0.0, Some(BufMut::from_slice(&mut norm)));
-//!             comm.all_reduce_fusion(ws, args).unwrap();
+//!             comm.all_reduce_fused(ws, args).unwrap();
 //!             assert!(res_out.iter().all(|&v| v == 3.0)); // 1 + 1 summed, + 1
 //!             assert!(norm.iter().all(|&v| v == 2.0)); // 3 / rms(3) * 2
 //!         });
@@ -32,10 +33,10 @@
 //! });
 //! ```
 
-use allreduce_core::fused::{self, prepare_fused, FusedCall};
+pub use allreduce_core::fused::*;
+
 use allreduce_core::{
-    AllReduceOptions, BufMut, BufRef, Device, Error, FusedArgs, FusedComm, FusedConfig,
-    FusedMetadata, RawBuffer, Result, SelectionTable, Strategy,
+    AllReduceOptions, BufMut, BufRef, Device, Error, RawBuffer, Result, SelectionTable, Strategy,
 };
 
 use crate::Communicator;
@@ -71,7 +72,7 @@ impl FusedWorkspace {
             .selection
             .clone()
             .or_else(|| natives.as_ref()?.first()?.default_table())
-            .unwrap_or_else(fused::default_table);
+            .unwrap_or_else(default_table);
         let mut natives: Vec<Option<Box<dyn FusedComm>>> = match natives {
             Some(v) => v.into_iter().map(Some).collect(),
             None => (0..world).map(|_| None).collect(),
@@ -114,7 +115,7 @@ impl Communicator {
     /// and FP8 codes of `norm_out` with a scale per token. `ws` is this rank's workspace.
     /// Returns the strategy that ran. Arguments the workspace cannot take are refused with an
     /// error before anything is enqueued.
-    pub fn all_reduce_fusion(&self, ws: &FusedWorkspace, args: FusedArgs<'_>) -> Result<Strategy> {
+    pub fn all_reduce_fused(&self, ws: &FusedWorkspace, args: FusedArgs<'_>) -> Result<Strategy> {
         let comm = &*self.comm;
         if ws.meta.rank != comm.rank() || ws.meta.world != comm.world_size() {
             return Err(Error::InvalidArgument(format!(
@@ -128,7 +129,7 @@ impl Communicator {
         let limits = comm.limits();
         let call = prepare_fused(&args, &ws.meta, &ws.table, limits.device, limits.align)?;
         let _span = tracing::debug_span!(
-            "all_reduce_fusion",
+            "all_reduce_fused",
             rank = comm.rank(),
             tokens = call.tokens,
             pattern = %call.pattern,
@@ -167,7 +168,7 @@ impl Communicator {
             )?;
             let bytes = |b: RawBuffer| std::slice::from_raw_parts(b.addr as *const u8, b.bytes());
             let scale_in = call.scale_in.map(|b| *(b.addr as *const f32));
-            let out = fused::epilogue(
+            let out = epilogue(
                 bytes(target),
                 dtype,
                 call.tokens,
