@@ -35,15 +35,13 @@
 
 pub use allreduce_core::fused::*;
 
-use allreduce_core::{
-    AllReduceOptions, BufMut, BufRef, Device, Error, RawBuffer, Result, SelectionTable, Strategy,
-};
+use allreduce_core::{Error, Result, SelectionTable, Strategy};
 
 use crate::Communicator;
 
 /// One rank's fused workspace: Lamport buffers sized for `max_tokens x hidden` of one dtype
-/// on GPU backends; on backends without fused kernels (the host) only its metadata, and the
-/// call runs the all-reduce and the epilogue one after the other.
+/// on GPU backends; on the host, which has no fused kernels, a rank that runs the all-reduce
+/// and the epilogue one after the other.
 pub struct FusedWorkspace {
     meta: FusedMetadata,
     table: SelectionTable,
@@ -96,7 +94,7 @@ impl FusedWorkspace {
 
     /// Whether calls run as one fused kernel (otherwise: all-reduce, then the epilogue).
     pub fn is_fused(&self) -> bool {
-        self.native.is_some()
+        self.native.as_ref().is_some_and(|n| n.is_fused())
     }
 }
 
@@ -138,67 +136,13 @@ impl Communicator {
         .entered();
         match &ws.native {
             Some(n) => n.run(&call)?,
-            None => self.composed(&call)?,
+            None => {
+                return Err(Error::StrategyUnavailable {
+                    strategy: call.strategy,
+                    reason: format!("the {} backend has no fused all-reduce", self.backend),
+                })
+            }
         }
         Ok(call.strategy)
-    }
-
-    /// The fused call as two steps, on host memory: the exact all-reduce, then the epilogue.
-    fn composed(&self, call: &FusedCall) -> Result<()> {
-        if call.input.device != Device::Host {
-            return Err(Error::StrategyUnavailable {
-                strategy: call.strategy,
-                reason: "this backend has no fused kernels, and the unfused fallback runs on host memory only".into(),
-            });
-        }
-        let (dtype, n) = (call.dtype, call.tokens * call.hidden);
-        let mut scratch = allreduce_core::HostBytes::zeroed(n * dtype.size());
-        let target = call.allreduce_out.unwrap_or(scratch.view_mut(dtype).raw());
-        // SAFETY: prepare_fused checked that these host views have the lengths and dtypes
-        // their callers' borrows (held by `args` for this call) promise.
-        unsafe {
-            let input = BufRef::from_raw(call.input.addr, n, dtype, Device::Host);
-            let output = BufMut::from_raw(target.addr, n, dtype, Device::Host);
-            self.all_reduce(
-                input,
-                output,
-                &AllReduceOptions::default()
-                    .strategy(call.strategy)
-                    .stream(call.stream),
-            )?;
-            let bytes = |b: RawBuffer| std::slice::from_raw_parts(b.addr as *const u8, b.bytes());
-            let scale_in = call.scale_in.map(|b| *(b.addr as *const f32));
-            let out = epilogue(
-                bytes(target),
-                dtype,
-                call.tokens,
-                call.hidden,
-                call.residual_in.map(bytes),
-                call.gamma.map(bytes),
-                call.eps,
-                call.pattern,
-                scale_in,
-            );
-            let write = |b: Option<RawBuffer>, src: &[u8]| {
-                if let Some(b) = b {
-                    std::ptr::copy_nonoverlapping(src.as_ptr(), b.addr as *mut u8, src.len());
-                }
-            };
-            write(Some(target), &out.allreduce);
-            write(call.residual_out, &out.residual);
-            write(call.norm_out, &out.norm);
-            if let Some((addr, _)) = call.quant_out {
-                std::ptr::copy_nonoverlapping(out.quant.as_ptr(), addr as *mut u8, out.quant.len());
-            }
-            if let Some(s) = call.scale_out {
-                std::ptr::copy_nonoverlapping(
-                    out.scale.as_ptr(),
-                    s.addr as *mut f32,
-                    out.scale.len(),
-                );
-            }
-        }
-        drop(scratch);
-        Ok(())
     }
 }

@@ -30,7 +30,26 @@ fn run(
     pattern: FusedPattern,
     strategy: Strategy,
 ) {
-    let comms = Communicator::new_group(BackendKind::Host, GroupConfig::new(world)).unwrap();
+    run_in(
+        GroupConfig::new(world),
+        tokens,
+        hidden,
+        dtype,
+        pattern,
+        strategy,
+    )
+}
+
+fn run_in(
+    config: GroupConfig,
+    tokens: usize,
+    hidden: usize,
+    dtype: DType,
+    pattern: FusedPattern,
+    strategy: Strategy,
+) {
+    let world = config.world_size;
+    let comms = Communicator::new_group(BackendKind::Host, config).unwrap();
     let ws = FusedWorkspace::create_group(&comms, FusedConfig::new(64, hidden, dtype)).unwrap();
     assert!(!ws[0].is_fused());
     let n = tokens * hidden;
@@ -123,6 +142,19 @@ fn host_fused_matches_the_reference() {
                     run(world, tokens, 64, dtype, pattern, strategy);
                 }
             }
+        }
+    }
+}
+
+#[test]
+fn host_fused_is_bounded_by_the_workspace_not_max_bytes() {
+    // 16 x 64 bf16 is 2 KiB per rank: four times what a plain all-reduce of this group takes.
+    let config = GroupConfig::new(2).max_bytes(512);
+    let comms = Communicator::new_group(BackendKind::Host, config.clone()).unwrap();
+    assert!(!comms[0].splits_large_calls() && comms[0].max_bytes() < 16 * 64 * 2);
+    for pattern in FusedPattern::ALL {
+        for strategy in [Strategy::OneShot, Strategy::TwoShot] {
+            run_in(config.clone(), 16, 64, DType::BF16, pattern, strategy);
         }
     }
 }

@@ -748,6 +748,11 @@ pub fn prepare_fused(
 /// A backend's fused workspace for one rank (created for all ranks of a group at once).
 pub trait FusedComm: Send + Sync {
     fn metadata(&self) -> &FusedMetadata;
+    /// Whether a call runs as one fused kernel; false where the backend composes it from its
+    /// all-reduce and [`epilogue`] (the host backend).
+    fn is_fused(&self) -> bool {
+        true
+    }
     /// The workspace's `Strategy::Auto` table when the caller gives none, where the backend
     /// knows better than [`default_table`] (the GPU one-shot's cluster kernel); `None` for
     /// [`default_table`].
