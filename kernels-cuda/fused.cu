@@ -16,15 +16,15 @@ using namespace ar::fused;
 // split one-shot is launched with a cluster size (cuLaunchKernelEx); it traps below sm_90,
 // where the host never launches it.
 #define AR_FUSED_WORLD(SUFFIX, T, W)                                                            \
-  AR_KERNEL ar_fused_oneshot_##SUFFIX##_w##W(AR_GRID_CONSTANT const FusedArgs a) { oneshot<T, W>(a); } \
-  AR_KERNEL ar_fused_twoshot_##SUFFIX##_w##W(AR_GRID_CONSTANT const FusedArgs a) { twoshot<T, W>(a); } \
-  AR_KERNEL ar_fused_oneshot_split_##SUFFIX##_w##W(AR_GRID_CONSTANT const FusedArgs a) { oneshot_split<T, W>(a); }
+  AR_KERNEL ar_fused_oneshot_##SUFFIX##_w##W(AR_GRID_CONSTANT const FusedKernelArgs a) { oneshot<T, W>(a); } \
+  AR_KERNEL ar_fused_twoshot_##SUFFIX##_w##W(AR_GRID_CONSTANT const FusedKernelArgs a) { twoshot<T, W>(a); } \
+  AR_KERNEL ar_fused_oneshot_split_##SUFFIX##_w##W(AR_GRID_CONSTANT const FusedKernelArgs a) { oneshot_split<T, W>(a); }
 #define AR_FUSED_KERNELS(SUFFIX, T) \
   AR_FUSED_WORLD(SUFFIX, T, 0)      \
   AR_FUSED_WORLD(SUFFIX, T, 2)      \
   AR_FUSED_WORLD(SUFFIX, T, 4)      \
   AR_FUSED_WORLD(SUFFIX, T, 8)      \
-  AR_KERNEL ar_rmsnorm_##SUFFIX(AR_GRID_CONSTANT const FusedArgs a) { norm_only<T>(a); }
+  AR_KERNEL ar_rmsnorm_##SUFFIX(AR_GRID_CONSTANT const FusedKernelArgs a) { norm_only<T>(a); }
 
 AR_FUSED_KERNELS(f32, float)
 AR_FUSED_KERNELS(f16, ar_half)

@@ -19,11 +19,11 @@ constexpr int kWavesPerSimd = kBlocksPerCu * (kThreads / kWarpSize) / kSimdsPerC
 // never yet run on AMD hardware. Adding them means listing them in Hip::FUSED_WORLDS
 // (backend-rocm's kernels test checks the two agree).
 #define AR_FUSED_WORLD(SUFFIX, T, W)                                                            \
-  AR_KERNEL ar_fused_oneshot_##SUFFIX##_w##W(AR_GRID_CONSTANT const FusedArgs a) { oneshot<T, W>(a); } \
-  AR_KERNEL ar_fused_twoshot_##SUFFIX##_w##W(AR_GRID_CONSTANT const FusedArgs a) { twoshot<T, W>(a); }
+  AR_KERNEL ar_fused_oneshot_##SUFFIX##_w##W(AR_GRID_CONSTANT const FusedKernelArgs a) { oneshot<T, W>(a); } \
+  AR_KERNEL ar_fused_twoshot_##SUFFIX##_w##W(AR_GRID_CONSTANT const FusedKernelArgs a) { twoshot<T, W>(a); }
 #define AR_FUSED_KERNELS(SUFFIX, T) \
   AR_FUSED_WORLD(SUFFIX, T, 0)      \
-  AR_KERNEL ar_rmsnorm_##SUFFIX(AR_GRID_CONSTANT const FusedArgs a) { norm_only<T>(a); }
+  AR_KERNEL ar_rmsnorm_##SUFFIX(AR_GRID_CONSTANT const FusedKernelArgs a) { norm_only<T>(a); }
 
 AR_FUSED_KERNELS(f32, float)
 AR_FUSED_KERNELS(f16, ar_half)

@@ -30,7 +30,7 @@ mod fused {
     use allreduce::fused::{self as f, FusedOutputs};
     use allreduce::{
         AllReduceOptions, BackendKind, BufMut, BufRef, Communicator, DType, Device, Fp8BufMut,
-        FusedArgs, FusedConfig, FusedWorkspace, FusionPattern, GroupConfig, HostBytes, Strategy,
+        FusedArgs, FusedConfig, FusedWorkspace, FusedPattern, GroupConfig, HostBytes, Strategy,
     };
 
     const EPS: f32 = 1e-5;
@@ -83,7 +83,7 @@ mod fused {
     #[derive(Clone, Copy, Debug)]
     struct Case {
         tokens: usize,
-        pattern: FusionPattern,
+        pattern: FusedPattern,
         strategy: Strategy,
         seed: usize,
         out: Out,
@@ -290,7 +290,7 @@ mod fused {
     }
 
     /// Every token count with Auto, one-shot and two-shot; the pattern of the i-th token
-    /// count's k-th strategy is `FusionPattern::ALL[pattern(i, k) % 4]`, outputs alternate
+    /// count's k-th strategy is `FusedPattern::ALL[pattern(i, k) % 4]`, outputs alternate
     /// between their own buffers and in place.
     fn mixed_cases(
         tokens: &[usize],
@@ -303,7 +303,7 @@ mod fused {
             for (k, strategy) in strategies.into_iter().enumerate() {
                 cases.push(Case {
                     tokens: t,
-                    pattern: FusionPattern::ALL[pattern(i, k) % FusionPattern::ALL.len()],
+                    pattern: FusedPattern::ALL[pattern(i, k) % FusedPattern::ALL.len()],
                     strategy,
                     seed: seed + i,
                     out: if (i + k) % 2 == 1 {
@@ -387,7 +387,7 @@ mod fused {
                     EPS,
                     case.pattern,
                     Some(STATIC_SCALE)
-                        .filter(|_| case.pattern == FusionPattern::ResidualRmsNormFp8Static),
+                        .filter(|_| case.pattern == FusedPattern::ResidualRmsNormFp8Static),
                 );
                 *expect.write().unwrap() = Some(Expect { reference });
             }
@@ -424,13 +424,13 @@ mod fused {
                         Some(m(&b.norm)),
                     );
                 }
-                if case.pattern == FusionPattern::ResidualRmsNormFp8 {
+                if case.pattern == FusedPattern::ResidualRmsNormFp8 {
                     args = args.fp8(
                         Fp8BufMut::from_raw(b.quant.addr(), n, dev),
                         BufMut::from_raw(b.scale.addr(), case.tokens, DType::F32, dev),
                     );
                 }
-                if case.pattern == FusionPattern::ResidualRmsNormFp8Static {
+                if case.pattern == FusedPattern::ResidualRmsNormFp8Static {
                     args = args.fp8_static(
                         Fp8BufMut::from_raw(b.quant.addr(), n, dev),
                         BufRef::from_raw(b.static_scale.addr(), 1, DType::F32, dev),
@@ -446,8 +446,8 @@ mod fused {
                     )?;
                     if case.pattern.has_norm() {
                         let fp8 = case.pattern.has_fp8();
-                        let per_token = case.pattern == FusionPattern::ResidualRmsNormFp8;
-                        let fixed = case.pattern == FusionPattern::ResidualRmsNormFp8Static;
+                        let per_token = case.pattern == FusedPattern::ResidualRmsNormFp8;
+                        let fixed = case.pattern == FusedPattern::ResidualRmsNormFp8Static;
                         norm_kernel.launch(
                             dtype,
                             case.pattern,
@@ -479,7 +479,7 @@ mod fused {
                     Ok(())
                 };
                 unfused()
-                    .and_then(|_| comm.all_reduce_fusion(ws, args))
+                    .and_then(|_| comm.all_reduce_fused(ws, args))
                     .and_then(|_| comm.synchronize(stream.handle()))
             };
             let label = format!(
@@ -553,7 +553,7 @@ mod fused {
                     false,
                 ));
             }
-            if case.pattern == FusionPattern::ResidualRmsNormFp8 {
+            if case.pattern == FusedPattern::ResidualRmsNormFp8 {
                 let q = down(&b.quant, n, &stream);
                 let sc = f32s(&down(&b.scale, case.tokens * 4, &stream));
                 fail(compare_fp8(
@@ -579,7 +579,7 @@ mod fused {
                     true,
                 ));
             }
-            if case.pattern == FusionPattern::ResidualRmsNormFp8Static {
+            if case.pattern == FusedPattern::ResidualRmsNormFp8Static {
                 let q = down(&b.quant, n, &stream);
                 let norm = down(&b.norm, tb, &stream);
                 fail(static_codes_check("fp8 static", dtype, &q, &norm, STATIC_SCALE));
@@ -626,12 +626,12 @@ mod fused {
     const DATA_SETS: usize = 5;
 
     /// The calls a graph holds: (tokens, strategy, pattern).
-    fn graph_calls(k: usize) -> Vec<(usize, Strategy, FusionPattern)> {
+    fn graph_calls(k: usize) -> Vec<(usize, Strategy, FusedPattern)> {
         let all = [
-            (1, Strategy::OneShot, FusionPattern::ResidualRmsNorm),
-            (9, Strategy::TwoShot, FusionPattern::ResidualRmsNormFp8),
-            (4, Strategy::Auto, FusionPattern::AllReduce),
-            (6, Strategy::OneShot, FusionPattern::ResidualRmsNormFp8Static),
+            (1, Strategy::OneShot, FusedPattern::ResidualRmsNorm),
+            (9, Strategy::TwoShot, FusedPattern::ResidualRmsNormFp8),
+            (4, Strategy::Auto, FusedPattern::AllReduce),
+            (6, Strategy::OneShot, FusedPattern::ResidualRmsNormFp8Static),
         ];
         all[..k].to_vec()
     }
@@ -713,19 +713,19 @@ mod fused {
                                 Some(BufMut::from_raw(b.norm.addr(), n, dtype, dev)),
                             );
                     }
-                    if pattern == FusionPattern::ResidualRmsNormFp8 {
+                    if pattern == FusedPattern::ResidualRmsNormFp8 {
                         args = args.fp8(
                             Fp8BufMut::from_raw(b.quant.addr(), n, dev),
                             BufMut::from_raw(b.scale.addr(), tokens, DType::F32, dev),
                         );
                     }
-                    if pattern == FusionPattern::ResidualRmsNormFp8Static {
+                    if pattern == FusedPattern::ResidualRmsNormFp8Static {
                         args = args.fp8_static(
                             Fp8BufMut::from_raw(b.quant.addr(), n, dev),
                             BufRef::from_raw(b.static_scale.addr(), 1, DType::F32, dev),
                         );
                     }
-                    comm.all_reduce_fusion(ws, args)?;
+                    comm.all_reduce_fused(ws, args)?;
                 }
             }
             Ok(())
@@ -774,7 +774,7 @@ mod fused {
                         )
                     });
                 }
-                if m.is_none() && pattern == FusionPattern::ResidualRmsNormFp8 {
+                if m.is_none() && pattern == FusedPattern::ResidualRmsNormFp8 {
                     let sc = f32s(&down(&b.scale, tokens * 4, &stream));
                     m = compare_fp8(
                         "fp8",
@@ -787,7 +787,7 @@ mod fused {
                         false,
                     );
                 }
-                if m.is_none() && pattern == FusionPattern::ResidualRmsNormFp8Static {
+                if m.is_none() && pattern == FusedPattern::ResidualRmsNormFp8Static {
                     m = static_codes_check(
                         "fp8 static",
                         dtype,
@@ -851,7 +851,7 @@ mod fused {
                             EPS,
                             pattern,
                             Some(graph_scale(d))
-                                .filter(|_| pattern == FusionPattern::ResidualRmsNormFp8Static),
+                                .filter(|_| pattern == FusedPattern::ResidualRmsNormFp8Static),
                         )
                     })
                     .collect()
@@ -909,13 +909,13 @@ mod fused {
         let call = || unsafe {
             // SAFETY: live buffers of `hidden` bf16 elements.
             let args = FusedArgs::new(
-                FusionPattern::AllReduce,
+                FusedPattern::AllReduce,
                 1,
                 BufRef::from_raw(x.addr(), hidden, dtype, dev),
             )
             .allreduce_out(BufMut::from_raw(out.addr(), hidden, dtype, dev))
             .stream(stream.handle());
-            comm.all_reduce_fusion(&ws[0], args)
+            comm.all_reduce_fused(&ws[0], args)
         };
         let start = Instant::now();
         call().map_err(e)?;
@@ -966,7 +966,7 @@ mod fused {
                         let call = |tokens: usize| unsafe {
                             // SAFETY: live buffers of 2 rows of `hidden` bf16 elements.
                             let args = FusedArgs::new(
-                                FusionPattern::AllReduce,
+                                FusedPattern::AllReduce,
                                 tokens,
                                 BufRef::from_raw(x.addr(), tokens * hidden, dtype, dev),
                             )
@@ -978,7 +978,7 @@ mod fused {
                             ))
                             .strategy(Strategy::OneShot)
                             .stream(stream.handle());
-                            comm.all_reduce_fusion(w, args)
+                            comm.all_reduce_fused(w, args)
                         };
                         let start = Instant::now();
                         call(1 + rank).map_err(e)?;
@@ -1034,7 +1034,7 @@ mod fused {
                     let mut cases = Vec::new();
                     for (i, &t) in tokens.iter().enumerate() {
                         let pattern =
-                            FusionPattern::ALL[(i + hidden / 2048) % FusionPattern::ALL.len()];
+                            FusedPattern::ALL[(i + hidden / 2048) % FusedPattern::ALL.len()];
                         let strategies = [Strategy::Auto, Strategy::OneShot, Strategy::TwoShot];
                         for (k, strategy) in strategies.into_iter().enumerate() {
                             // The largest rows are slow to check on the host: Auto only.

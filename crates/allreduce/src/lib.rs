@@ -37,11 +37,13 @@ pub use allreduce_core::{
     Element, Error, GroupConfig, HostBytes, Link, Precision, RawBuffer, ReduceOp, Result, Rule,
     SelectionTable, Strategy, Stream, Topology, TopologyClass,
 };
-pub use allreduce_core::{fused, Fp8BufMut, FusedArgs, FusedConfig, FusedMetadata, FusionPattern};
+pub use allreduce_core::{Fp8BufMut, FusedArgs, FusedConfig, FusedMetadata, FusedPattern};
 
-mod fusion;
+/// The fused all-reduce + residual + RMSNorm (+ FP8): core's specification and reference, and
+/// the facade's workspace.
+pub mod fused;
 use allreduce_core::{prepare, Backend, BackendComm};
-pub use fusion::FusedWorkspace;
+pub use fused::FusedWorkspace;
 
 /// The CUDA backend's own API: device memory, streams and graphs for tests and the bench.
 #[cfg(feature = "cuda")]

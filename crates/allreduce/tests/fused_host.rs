@@ -4,7 +4,7 @@
 use allreduce::fused::{self, FusedOutputs};
 use allreduce::{
     BackendKind, BufMut, BufRef, Communicator, DType, Error, Fp8BufMut, FusedArgs, FusedConfig,
-    FusedWorkspace, FusionPattern, GroupConfig, HostBytes, Strategy,
+    FusedPattern, FusedWorkspace, GroupConfig, HostBytes, Strategy,
 };
 
 fn data(dtype: DType, n: usize, seed: usize) -> HostBytes {
@@ -27,10 +27,29 @@ fn run(
     tokens: usize,
     hidden: usize,
     dtype: DType,
-    pattern: FusionPattern,
+    pattern: FusedPattern,
     strategy: Strategy,
 ) {
-    let comms = Communicator::new_group(BackendKind::Host, GroupConfig::new(world)).unwrap();
+    run_in(
+        GroupConfig::new(world),
+        tokens,
+        hidden,
+        dtype,
+        pattern,
+        strategy,
+    )
+}
+
+fn run_in(
+    config: GroupConfig,
+    tokens: usize,
+    hidden: usize,
+    dtype: DType,
+    pattern: FusedPattern,
+    strategy: Strategy,
+) {
+    let world = config.world_size;
+    let comms = Communicator::new_group(BackendKind::Host, config).unwrap();
     let ws = FusedWorkspace::create_group(&comms, FusedConfig::new(64, hidden, dtype)).unwrap();
     assert!(!ws[0].is_fused());
     let n = tokens * hidden;
@@ -47,7 +66,7 @@ fn run(
         Some(gamma.as_slice()),
         1e-5,
         pattern,
-        Some(STATIC_SCALE).filter(|_| pattern == FusionPattern::ResidualRmsNormFp8Static),
+        Some(STATIC_SCALE).filter(|_| pattern == FusedPattern::ResidualRmsNormFp8Static),
     );
     let got: Vec<FusedOutputs> = std::thread::scope(|s| {
         let hs: Vec<_> = comms
@@ -72,13 +91,13 @@ fn run(
                     }
                     let static_scale = [STATIC_SCALE];
                     match pattern {
-                        FusionPattern::ResidualRmsNormFp8 => {
+                        FusedPattern::ResidualRmsNormFp8 => {
                             args = args.fp8(
                                 Fp8BufMut::from_slice(&mut quant),
                                 BufMut::from_slice(&mut scale),
                             )
                         }
-                        FusionPattern::ResidualRmsNormFp8Static => {
+                        FusedPattern::ResidualRmsNormFp8Static => {
                             args = args.fp8_static(
                                 Fp8BufMut::from_slice(&mut quant),
                                 BufRef::from_slice(&static_scale),
@@ -86,10 +105,10 @@ fn run(
                         }
                         _ => {}
                     }
-                    c.all_reduce_fusion(w, args).unwrap();
+                    c.all_reduce_fused(w, args).unwrap();
                     let has = pattern.has_norm();
                     let fp8 = pattern.has_fp8();
-                    let scales = pattern == FusionPattern::ResidualRmsNormFp8;
+                    let scales = pattern == FusedPattern::ResidualRmsNormFp8;
                     FusedOutputs {
                         allreduce: ar.as_slice().to_vec(),
                         residual: if has { res.as_slice().to_vec() } else { vec![] },
@@ -117,12 +136,25 @@ fn run(
 #[test]
 fn host_fused_matches_the_reference() {
     for dtype in [DType::F16, DType::BF16, DType::F32] {
-        for pattern in FusionPattern::ALL {
+        for pattern in FusedPattern::ALL {
             for (world, tokens) in [(2, 1), (3, 7), (4, 16)] {
                 for strategy in [Strategy::Auto, Strategy::OneShot, Strategy::TwoShot] {
                     run(world, tokens, 64, dtype, pattern, strategy);
                 }
             }
+        }
+    }
+}
+
+#[test]
+fn host_fused_is_bounded_by_the_workspace_not_max_bytes() {
+    // 16 x 64 bf16 is 2 KiB per rank: four times what a plain all-reduce of this group takes.
+    let config = GroupConfig::new(2).max_bytes(512);
+    let comms = Communicator::new_group(BackendKind::Host, config.clone()).unwrap();
+    assert!(!comms[0].splits_large_calls() && comms[0].max_bytes() < 16 * 64 * 2);
+    for pattern in FusedPattern::ALL {
+        for strategy in [Strategy::OneShot, Strategy::TwoShot] {
+            run_in(config.clone(), 16, 64, DType::BF16, pattern, strategy);
         }
     }
 }
@@ -138,9 +170,9 @@ fn host_fused_refuses_what_the_workspace_cannot_take() {
     let x = HostBytes::zeroed(8 * 64 * 2);
     let mut out = HostBytes::zeroed(8 * 64 * 2);
     let e = comms[0]
-        .all_reduce_fusion(
+        .all_reduce_fused(
             &ws[0],
-            FusedArgs::new(FusionPattern::AllReduce, 8, x.view(DType::BF16))
+            FusedArgs::new(FusedPattern::AllReduce, 8, x.view(DType::BF16))
                 .allreduce_out(out.view_mut(DType::BF16)),
         )
         .unwrap_err();
@@ -157,9 +189,9 @@ fn host_fused_refuses_what_the_workspace_cannot_take() {
     );
     // The other rank's workspace.
     let e = comms[0]
-        .all_reduce_fusion(
+        .all_reduce_fused(
             &ws[1],
-            FusedArgs::new(FusionPattern::AllReduce, 8, x.view(DType::BF16))
+            FusedArgs::new(FusedPattern::AllReduce, 8, x.view(DType::BF16))
                 .allreduce_out(out.view_mut(DType::BF16)),
         )
         .unwrap_err();

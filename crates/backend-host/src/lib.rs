@@ -12,12 +12,16 @@
 //!   reduce-scatter inside the group | barrier | the owner encodes its group's partial |
 //!   barrier | the owner and its partner in the other group sum both decoded partials (group
 //!   0 first) and encode | barrier | every rank decodes its group's owners' bytes.
+//! - fused all-reduce + residual + RMSNorm (+ FP8) ([`fused`]): the exact one-shot or
+//!   two-shot above, then core's epilogue on the summed rows (composed, the reference the
+//!   GPU's fused kernels are held to).
 //!
 //! Every call starts by publishing a descriptor (length, dtype, strategy, precision) with the
 //! first copy; after the first barrier all ranks compare descriptors and, if any differ or a
 //! rank rejected its arguments, all return an error before any output is written.
 
 mod barrier;
+mod fused;
 mod hierarchical;
 mod pieces;
 mod reduce;
@@ -30,8 +34,8 @@ use std::time::Duration;
 use allreduce_core::codec;
 use allreduce_core::layout::{exact_granule, shard_range, QUANT_GRANULE};
 use allreduce_core::{
-    Backend, BackendComm, Call, Codec, DType, Device, Element, Error, GroupConfig, Limits,
-    Precision, Result, SelectionTable, Strategy, Stream, Topology,
+    Backend, BackendComm, Call, Codec, DType, Device, Element, Error, FusedComm, FusedConfig,
+    GroupConfig, Limits, Precision, Result, SelectionTable, Strategy, Stream, Topology,
 };
 use half::{bf16, f16};
 
@@ -54,17 +58,11 @@ impl Backend for Host {
             timeout: config.timeout,
             barrier: DeadlineBarrier::new(world),
             slots: (0..world).map(|_| Slot::new()).collect(),
+            calls: (0..world).map(|_| AtomicU64::new(0)).collect(),
         });
         let table = config.selection.clone().unwrap_or_default();
         Ok((0..world)
-            .map(|rank| HostComm {
-                rank,
-                group: group.clone(),
-                max_bytes: config.max_bytes,
-                table: table.clone(),
-                calls: AtomicU64::new(0),
-                scratch: Mutex::new(Scratch::default()),
-            })
+            .map(|rank| HostComm::new(&group, rank, config.max_bytes, table.clone()))
             .collect())
     }
 }
@@ -77,6 +75,10 @@ struct Group {
     timeout: Duration,
     barrier: DeadlineBarrier,
     slots: Vec<Slot>,
+    /// Calls each rank has begun. Per rank rather than per [`HostComm`]: a rank's fused
+    /// workspace runs its all-reduce as that rank, so its calls are numbered in the same
+    /// sequence as the rank's plain calls.
+    calls: Vec<AtomicU64>,
 }
 
 #[derive(Default)]
@@ -91,7 +93,6 @@ pub struct HostComm {
     group: Arc<Group>,
     max_bytes: usize,
     table: SelectionTable,
-    calls: AtomicU64,
     scratch: Mutex<Scratch>,
 }
 
@@ -103,6 +104,16 @@ struct Ctx {
 }
 
 impl HostComm {
+    fn new(group: &Arc<Group>, rank: usize, max_bytes: usize, table: SelectionTable) -> Self {
+        HostComm {
+            rank,
+            group: group.clone(),
+            max_bytes,
+            table,
+            scratch: Mutex::new(Scratch::default()),
+        }
+    }
+
     fn barrier(&self, ctx: Ctx, what: &str) -> Result<()> {
         self.group
             .barrier
@@ -110,7 +121,7 @@ impl HostComm {
     }
 
     fn begin(&self) -> Ctx {
-        let call = self.calls.fetch_add(1, Ordering::Relaxed);
+        let call = self.group.calls[self.rank].fetch_add(1, Ordering::Relaxed);
         Ctx {
             call,
             parity: (call % 2) as usize,
@@ -461,6 +472,21 @@ impl BackendComm for HostComm {
         // The peers learn of the rejection at this barrier; our own error is what the caller
         // sees, so a failure here (timeout, abort) has nothing to add.
         let _ = self.barrier(ctx, "all ranks to publish their arguments");
+    }
+
+    /// The host has no fused kernels: each rank's workspace runs the exact all-reduce, then
+    /// the epilogue.
+    fn create_fused_group(&self, config: &FusedConfig) -> Result<Option<Vec<Box<dyn FusedComm>>>> {
+        config.validate()?;
+        let world = self.group.world;
+        Ok(Some(
+            (0..world)
+                .map(|rank| {
+                    let comm = HostComm::new(&self.group, rank, self.max_bytes, self.table.clone());
+                    Box::new(fused::HostFused::new(config, comm)) as Box<dyn FusedComm>
+                })
+                .collect(),
+        ))
     }
 
     fn synchronize(&self, _stream: Stream) -> Result<()> {

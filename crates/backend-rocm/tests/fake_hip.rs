@@ -14,9 +14,9 @@ use std::ffi::{c_char, c_void, CStr};
 use allreduce_backend_rocm::{hip, kernels, select, Hip, IpcMapping, Rocm};
 use allreduce_core::{
     prepare, AllReduceOptions, Backend, BackendComm, BufMut, BufRef, DType, Device, Error,
-    FusedConfig, FusionPattern, GroupConfig, Precision, Strategy, Stream,
+    FusedConfig, FusedPattern, GroupConfig, Precision, Strategy, Stream,
 };
-use allreduce_gpu::abi::{Args, Desc, FusedArgs};
+use allreduce_gpu::abi::{Args, Desc, FusedKernelArgs};
 use allreduce_gpu::GpuRuntime;
 
 /// The stub's record of what the backend did (its `stub_*` functions).
@@ -53,7 +53,7 @@ impl Probe {
     fn args(&self) -> Args {
         self.block()
     }
-    fn fused_args(&self) -> FusedArgs {
+    fn fused_args(&self) -> FusedKernelArgs {
         self.block()
     }
     /// The last launch's argument block, which must be a `T`.
@@ -410,7 +410,7 @@ fn hip_layers_against_a_stub_runtime() {
             BufMut::from_raw(0x20_0000, 4 * 1024, DType::BF16, dev),
         )
     };
-    let args = allreduce_core::FusedArgs::new(FusionPattern::AllReduce, 4, input)
+    let args = allreduce_core::FusedArgs::new(FusedPattern::AllReduce, 4, input)
         .allreduce_out(output)
         .stream(stream);
     let call = allreduce_core::fused::prepare_fused(

@@ -180,7 +180,7 @@ pub struct Args {
     /// --fused: the pattern, residual_rmsnorm, residual_rmsnorm_fp8 (per-token scales) or
     /// residual_rmsnorm_fp8_static (one static scale); the unfused norm kernel runs the same
     #[arg(long, default_value = "residual_rmsnorm", value_parser = parse_pattern, value_name = "PATTERN")]
-    pub fused_pattern: allreduce::FusionPattern,
+    pub fused_pattern: allreduce::FusedPattern,
 
     /// Deadline, in seconds, of every wait for a peer inside the library
     #[arg(long, default_value_t = 60.0, value_name = "SECONDS")]
@@ -216,13 +216,13 @@ pub struct Args {
 /// Parse a byte count: digits with an optional 1024-based suffix K, M, G or T (also KB, KiB,
 /// ...; case-insensitive) or a plain B.
 /// A fused pattern with a norm (the bench compares against the unfused norm kernel).
-pub fn parse_pattern(s: &str) -> Result<allreduce::FusionPattern, String> {
-    allreduce::FusionPattern::ALL
+pub fn parse_pattern(s: &str) -> Result<allreduce::FusedPattern, String> {
+    allreduce::FusedPattern::ALL
         .into_iter()
         .filter(|p| p.has_norm())
         .find(|p| p.name() == s)
         .ok_or_else(|| {
-            let names: Vec<&str> = allreduce::FusionPattern::ALL
+            let names: Vec<&str> = allreduce::FusedPattern::ALL
                 .iter()
                 .filter(|p| p.has_norm())
                 .map(|p| p.name())

@@ -16,7 +16,7 @@ use allreduce::cuda::testing::{bind, Buffer, Graph, OwnedStream};
 use allreduce::cuda::{NormBuffers, RmsNormKernel};
 use allreduce::{
     AllReduceOptions, BufMut, BufRef, Communicator, DType, Device, Fp8BufMut, FusedArgs,
-    FusedConfig, FusedWorkspace, FusionPattern, GroupConfig, HostBytes, Strategy,
+    FusedConfig, FusedPattern, FusedWorkspace, GroupConfig, HostBytes, Strategy,
 };
 
 use crate::cli::Args;
@@ -63,7 +63,7 @@ fn rank_loop(
     dtype: DType,
     hidden: usize,
     tokens: &[usize],
-    pattern: FusionPattern,
+    pattern: FusedPattern,
     barrier: &Barrier,
 ) -> Result<Times, String> {
     let e = |e: allreduce::Error| e.to_string();
@@ -91,8 +91,8 @@ fn rank_loop(
     // FP8 patterns write codes (and scales) instead of norm_out, in both pipelines, as an
     // FP8 model's next GEMM reads them.
     let fp8 = pattern.has_fp8();
-    let per_token = pattern == FusionPattern::ResidualRmsNormFp8;
-    let fixed = pattern == FusionPattern::ResidualRmsNormFp8Static;
+    let per_token = pattern == FusedPattern::ResidualRmsNormFp8;
+    let fixed = pattern == FusedPattern::ResidualRmsNormFp8Static;
     stream.synchronize().map_err(e)?;
     barrier.wait();
     let mut out = Vec::new();
@@ -128,7 +128,7 @@ fn rank_loop(
                         BufRef::from_raw(b.static_scale.addr(), 1, DType::F32, dev),
                     );
                 }
-                comm.all_reduce_fusion(ws, args)
+                comm.all_reduce_fused(ws, args)
             }
         };
         let fused = || fused_with(Strategy::Auto);

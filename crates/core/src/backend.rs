@@ -362,8 +362,9 @@ pub trait BackendComm: Send + Sync {
     }
 
     /// Fused all-reduce workspaces for every rank of this rank's group (element r is rank
-    /// r's), or `None` when the backend has no fused kernels: the facade then runs the
-    /// all-reduce and the epilogue separately (the host backend does).
+    /// r's), or `None` when the backend has no fused op: the facade then refuses fused calls.
+    /// A backend without fused kernels may compose the op from its all-reduce and the
+    /// epilogue (the host backend does).
     fn create_fused_group(
         &self,
         _config: &crate::FusedConfig,

@@ -26,20 +26,23 @@
 //! thread block), so `norm_out` may differ from the host reference by one unit in the last
 //! place of T, and `quant_out` by one E4M3 step: [`norm_tolerance`] is the bound tests use.
 
+mod prepare;
+
 use std::fmt;
 
 use half::{bf16, f16};
 
 use crate::codec::f32_to_e4m3;
 use crate::{
-    BufMut, BufRef, DType, Device, Error, Precision, RawBuffer, Result, Rule, SelectionTable,
-    Strategy, Stream,
+    BufMut, BufRef, DType, Device, Error, RawBuffer, Result, Rule, SelectionTable, Strategy, Stream,
 };
+
+pub use prepare::prepare_fused;
 
 /// What the fused call computes after the all-reduce (TensorRT-LLM's / FlashInfer's
 /// `AllReduceFusionPattern` 0, 1 and 2/4 with per-token dynamic FP8 scales).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum FusionPattern {
+pub enum FusedPattern {
     /// Only the all-reduce (`allreduce_out` required).
     AllReduce,
     /// All-reduce, residual add, RMSNorm (`residual_in`, `gamma`, `norm_out` required).
@@ -57,36 +60,36 @@ pub enum FusionPattern {
     ResidualRmsNormFp8Static,
 }
 
-impl FusionPattern {
+impl FusedPattern {
     /// In code order.
-    pub const ALL: [FusionPattern; 4] = [
-        FusionPattern::AllReduce,
-        FusionPattern::ResidualRmsNorm,
-        FusionPattern::ResidualRmsNormFp8,
-        FusionPattern::ResidualRmsNormFp8Static,
+    pub const ALL: [FusedPattern; 4] = [
+        FusedPattern::AllReduce,
+        FusedPattern::ResidualRmsNorm,
+        FusedPattern::ResidualRmsNormFp8,
+        FusedPattern::ResidualRmsNormFp8Static,
     ];
 
     pub const fn name(self) -> &'static str {
         match self {
-            FusionPattern::AllReduce => "allreduce",
-            FusionPattern::ResidualRmsNorm => "residual_rmsnorm",
-            FusionPattern::ResidualRmsNormFp8 => "residual_rmsnorm_fp8",
-            FusionPattern::ResidualRmsNormFp8Static => "residual_rmsnorm_fp8_static",
+            FusedPattern::AllReduce => "allreduce",
+            FusedPattern::ResidualRmsNorm => "residual_rmsnorm",
+            FusedPattern::ResidualRmsNormFp8 => "residual_rmsnorm_fp8",
+            FusedPattern::ResidualRmsNormFp8Static => "residual_rmsnorm_fp8_static",
         }
     }
 
     /// Whether the pattern runs the residual add and the RMSNorm.
     pub const fn has_norm(self) -> bool {
-        !matches!(self, FusionPattern::AllReduce)
+        !matches!(self, FusedPattern::AllReduce)
     }
 
     /// The code the GPU kernels take (kernels-common/include/allreduce/fused.h).
     pub const fn code(self) -> u32 {
         match self {
-            FusionPattern::AllReduce => 0,
-            FusionPattern::ResidualRmsNorm => 1,
-            FusionPattern::ResidualRmsNormFp8 => 2,
-            FusionPattern::ResidualRmsNormFp8Static => 3,
+            FusedPattern::AllReduce => 0,
+            FusedPattern::ResidualRmsNorm => 1,
+            FusedPattern::ResidualRmsNormFp8 => 2,
+            FusedPattern::ResidualRmsNormFp8Static => 3,
         }
     }
 
@@ -94,12 +97,12 @@ impl FusionPattern {
     pub const fn has_fp8(self) -> bool {
         matches!(
             self,
-            FusionPattern::ResidualRmsNormFp8 | FusionPattern::ResidualRmsNormFp8Static
+            FusedPattern::ResidualRmsNormFp8 | FusedPattern::ResidualRmsNormFp8Static
         )
     }
 }
 
-impl fmt::Display for FusionPattern {
+impl fmt::Display for FusedPattern {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
     }
@@ -273,7 +276,7 @@ pub fn describe_desc(d: u64) -> String {
         3 => "bf16",
         _ => "?",
     };
-    let pattern = FusionPattern::ALL
+    let pattern = FusedPattern::ALL
         .get(((d >> 4) & 0xf) as usize)
         .map_or("?".to_string(), |p| p.to_string());
     let strategy = if (d >> 3) & 1 == 1 {
@@ -385,7 +388,7 @@ impl<'a> Fp8BufMut<'a> {
 /// Rows are `hidden` elements of the workspace's dtype; `tokens` rows per buffer.
 #[derive(Debug)]
 pub struct FusedArgs<'a> {
-    pub pattern: FusionPattern,
+    pub pattern: FusedPattern,
     pub tokens: usize,
     pub input: BufRef<'a>,
     pub allreduce_out: Option<BufMut<'a>>,
@@ -409,7 +412,7 @@ pub struct FusedArgs<'a> {
 }
 
 impl<'a> FusedArgs<'a> {
-    pub fn new(pattern: FusionPattern, tokens: usize, input: BufRef<'a>) -> Self {
+    pub fn new(pattern: FusedPattern, tokens: usize, input: BufRef<'a>) -> Self {
         FusedArgs {
             pattern,
             tokens,
@@ -466,7 +469,7 @@ impl<'a> FusedArgs<'a> {
 /// A validated fused call; absent outputs are `None`, and `strategy` is concrete.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct FusedCall {
-    pub pattern: FusionPattern,
+    pub pattern: FusedPattern,
     pub tokens: usize,
     pub hidden: usize,
     pub dtype: DType,
@@ -485,269 +488,14 @@ pub struct FusedCall {
     pub stream: Stream,
 }
 
-/// Validate `args` against the workspace `meta`; resolve `Auto` through `table`.
-/// `device` and `align` are the communicator's.
-pub fn prepare_fused(
-    args: &FusedArgs<'_>,
-    meta: &FusedMetadata,
-    table: &SelectionTable,
-    device: Device,
-    align: usize,
-) -> Result<FusedCall> {
-    let (tokens, hidden, dtype) = (args.tokens, meta.hidden, meta.dtype);
-    if tokens > meta.max_tokens {
-        return Err(Error::WorkspaceExceeded {
-            what: "tokens",
-            requested: tokens,
-            max: meta.max_tokens,
-        });
-    }
-    let elems = tokens * hidden;
-    let check = |name: &'static str, b: RawBuffer, len: usize, dt: DType| -> Result<RawBuffer> {
-        if b.dtype != dt {
-            return Err(Error::InvalidArgument(format!(
-                "{name} is {} but the fused workspace is for {dt}",
-                b.dtype
-            )));
-        }
-        if b.len != len {
-            return Err(Error::InvalidArgument(format!(
-                "{name} has {} elements, expected {len} ({tokens} tokens x hidden {hidden})",
-                b.len
-            )));
-        }
-        if b.device != device {
-            return Err(Error::WrongDevice {
-                buffer: b.device,
-                comm: device,
-            });
-        }
-        if len > 0 && b.addr % align != 0 {
-            return Err(Error::Misaligned {
-                addr: b.addr,
-                align,
-            });
-        }
-        Ok(b)
-    };
-    let input = check("input", args.input.raw(), elems, dtype)?;
-    let out = |name, b: &Option<BufMut<'_>>| {
-        b.as_ref()
-            .map(|b| check(name, b.raw(), elems, dtype))
-            .transpose()
-    };
-    let allreduce_out = out("allreduce_out", &args.allreduce_out)?;
-    let residual_out = out("residual_out", &args.residual_out)?;
-    let norm_out = out("norm_out", &args.norm_out)?;
-    let residual_in = args
-        .residual_in
-        .as_ref()
-        .map(|b| check("residual_in", b.raw(), elems, dtype))
-        .transpose()?;
-    let gamma = args
-        .gamma
-        .as_ref()
-        .map(|b| check("gamma", b.raw(), hidden, dtype))
-        .transpose()?;
-    let scale_out = args
-        .scale_out
-        .as_ref()
-        .map(|b| check("scale_out", b.raw(), tokens, DType::F32))
-        .transpose()?;
-    // One f32, read by every block: f32 alignment is enough.
-    let scale_in = match &args.scale_in {
-        None => None,
-        Some(b) => {
-            let b = b.raw();
-            if b.dtype != DType::F32 || b.len != 1 {
-                return Err(Error::InvalidArgument(format!(
-                    "scale_in must be one f32, not {} x {}",
-                    b.len, b.dtype
-                )));
-            }
-            if b.device != device {
-                return Err(Error::WrongDevice {
-                    buffer: b.device,
-                    comm: device,
-                });
-            }
-            if b.addr % 4 != 0 {
-                return Err(Error::Misaligned {
-                    addr: b.addr,
-                    align: 4,
-                });
-            }
-            Some(b)
-        }
-    };
-    let quant_out = match &args.quant_out {
-        None => None,
-        Some(q) => {
-            let (addr, len, dev) = q.parts();
-            if len != elems {
-                return Err(Error::InvalidArgument(format!(
-                    "quant_out has {len} bytes, expected {elems} (one FP8 code per element)"
-                )));
-            }
-            if dev != device {
-                return Err(Error::WrongDevice {
-                    buffer: dev,
-                    comm: device,
-                });
-            }
-            if len > 0 && addr % align != 0 {
-                return Err(Error::Misaligned { addr, align });
-            }
-            Some((addr, len))
-        }
-    };
-    let need = |what: &str, present: bool| -> Result<()> {
-        if present {
-            Ok(())
-        } else {
-            Err(Error::InvalidArgument(format!(
-                "pattern {} needs {what}",
-                args.pattern
-            )))
-        }
-    };
-    match args.pattern {
-        FusionPattern::AllReduce => need("allreduce_out", allreduce_out.is_some())?,
-        FusionPattern::ResidualRmsNorm => {
-            need("residual_in", residual_in.is_some())?;
-            need("gamma", gamma.is_some())?;
-            need("norm_out", norm_out.is_some())?;
-        }
-        FusionPattern::ResidualRmsNormFp8 => {
-            need("residual_in", residual_in.is_some())?;
-            need("gamma", gamma.is_some())?;
-            need("quant_out", quant_out.is_some())?;
-            need("scale_out", scale_out.is_some())?;
-        }
-        FusionPattern::ResidualRmsNormFp8Static => {
-            need("residual_in", residual_in.is_some())?;
-            need("gamma", gamma.is_some())?;
-            need("quant_out", quant_out.is_some())?;
-            need("scale_in", scale_in.is_some())?;
-        }
-    }
-    // What a pattern does not use is refused rather than ignored: a caller who passes it
-    // expects it to be read or written.
-    if args.pattern != FusionPattern::ResidualRmsNormFp8 && scale_out.is_some() {
-        return Err(Error::InvalidArgument(format!(
-            "pattern {} writes no scale_out",
-            args.pattern
-        )));
-    }
-    if args.pattern != FusionPattern::ResidualRmsNormFp8Static && scale_in.is_some() {
-        return Err(Error::InvalidArgument(format!(
-            "pattern {} reads no scale_in",
-            args.pattern
-        )));
-    }
-    if !args.pattern.has_norm()
-        && (residual_out.is_some() || norm_out.is_some() || quant_out.is_some())
-    {
-        return Err(Error::InvalidArgument(
-            "pattern allreduce writes only allreduce_out".into(),
-        ));
-    }
-    if !args.pattern.has_fp8() && quant_out.is_some() {
-        return Err(Error::InvalidArgument(format!(
-            "pattern {} writes no quant_out",
-            args.pattern
-        )));
-    }
-    if !(args.eps.is_finite() && args.eps >= 0.0) {
-        return Err(Error::InvalidArgument(format!(
-            "eps must be finite and non-negative, not {}",
-            args.eps
-        )));
-    }
-    // Outputs must not overlap each other or the inputs, except in place: allreduce_out may
-    // be the input, and residual_out may be residual_in (vLLM's fused_add_rms_norm updates
-    // the residual in place). Both are safe in the kernels: an input row is pushed to the
-    // peers before any rank can finish that row, and the residual row is read and written by
-    // the same threads.
-    let same = |a: RawBuffer, b: Option<RawBuffer>| b.is_some_and(|b| b == a);
-    let reads = [Some(input), residual_in, gamma, scale_in];
-    let writes = [
-        allreduce_out,
-        residual_out,
-        norm_out,
-        scale_out,
-        quant_out.map(|(addr, len)| RawBuffer {
-            addr,
-            len: len.div_ceil(4),
-            dtype: DType::F32,
-            device,
-        }),
-    ];
-    for (i, w) in writes.iter().enumerate() {
-        let Some(w) = *w else { continue };
-        let in_place = |r: &RawBuffer| {
-            (i == 0 && *r == input && same(w, Some(input)))
-                || (i == 1 && same(w, residual_in) && Some(*r) == residual_in)
-        };
-        let clash = reads
-            .iter()
-            .flatten()
-            .any(|r| r.overlaps(&w) && !in_place(r))
-            || writes[i + 1..].iter().flatten().any(|o| o.overlaps(&w));
-        if clash {
-            return Err(Error::InvalidArgument(
-                "fused outputs must not overlap each other or the inputs (in place: \
-                 allreduce_out = input, residual_out = residual_in)"
-                    .into(),
-            ));
-        }
-    }
-    let strategy = match args.strategy {
-        Strategy::Auto => {
-            if tokens < meta.world {
-                // Two-shot splits rows among ranks: with fewer rows than ranks it cannot.
-                Strategy::OneShot
-            } else {
-                table.choose(
-                    elems * dtype.size(),
-                    meta.world,
-                    dtype,
-                    Precision::Exact,
-                    |s| matches!(s, Strategy::OneShot | Strategy::TwoShot),
-                )
-            }
-        }
-        s @ (Strategy::OneShot | Strategy::TwoShot) => s,
-        s => {
-            return Err(Error::StrategyUnavailable {
-                strategy: s,
-                reason: "the fused call runs oneshot or twoshot".into(),
-            })
-        }
-    };
-    Ok(FusedCall {
-        pattern: args.pattern,
-        tokens,
-        hidden,
-        dtype,
-        input,
-        allreduce_out,
-        residual_in,
-        residual_out,
-        norm_out,
-        quant_out,
-        scale_out,
-        scale_in,
-        gamma,
-        eps: args.eps,
-        strategy,
-        stream: args.stream,
-    })
-}
-
 /// A backend's fused workspace for one rank (created for all ranks of a group at once).
 pub trait FusedComm: Send + Sync {
     fn metadata(&self) -> &FusedMetadata;
+    /// Whether a call runs as one fused kernel; false where the backend composes it from its
+    /// all-reduce and [`epilogue`] (the host backend).
+    fn is_fused(&self) -> bool {
+        true
+    }
     /// The workspace's `Strategy::Auto` table when the caller gives none, where the backend
     /// knows better than [`default_table`] (the GPU one-shot's cluster kernel); `None` for
     /// [`default_table`].
@@ -797,7 +545,7 @@ pub fn reference(
     residual: Option<&[u8]>,
     gamma: Option<&[u8]>,
     eps: f32,
-    pattern: FusionPattern,
+    pattern: FusedPattern,
     scale_in: Option<f32>,
 ) -> FusedOutputs {
     let n = tokens * hidden;
@@ -827,7 +575,7 @@ pub fn epilogue(
     residual: Option<&[u8]>,
     gamma: Option<&[u8]>,
     eps: f32,
-    pattern: FusionPattern,
+    pattern: FusedPattern,
     scale_in: Option<f32>,
 ) -> FusedOutputs {
     let n = tokens * hidden;
@@ -870,7 +618,7 @@ pub fn epilogue(
             amax = amax.max(dtype.load_f32(&out.norm, k).abs());
         }
         if pattern.has_fp8() {
-            let mul = if pattern == FusionPattern::ResidualRmsNormFp8Static {
+            let mul = if pattern == FusedPattern::ResidualRmsNormFp8Static {
                 1.0 / scale_in.expect("validated: scale_in")
             } else {
                 let (scale, mul) = fp8_scale(amax);

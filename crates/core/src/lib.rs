@@ -37,7 +37,7 @@ pub use buffer::{BufMut, BufRef, Device, HostBytes, RawBuffer, Stream};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use fused::{
-    Fp8BufMut, FusedArgs, FusedCall, FusedComm, FusedConfig, FusedMetadata, FusionPattern,
+    Fp8BufMut, FusedArgs, FusedCall, FusedComm, FusedConfig, FusedMetadata, FusedPattern,
 };
 pub use op::{Codec, Precision, ReduceOp, Strategy};
 pub use select::{Rule, SelectionTable};

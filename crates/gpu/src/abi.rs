@@ -116,12 +116,12 @@ const _: () = assert!(std::mem::offset_of!(Args, desc) == 120);
 const _: () = assert!(std::mem::offset_of!(Control, waited_ns) == 16);
 const _: () = assert!(std::mem::offset_of!(Control, theirs) == 32);
 
-/// The fused kernels' one by-value parameter (`ar::fused::FusedArgs` in
+/// The fused kernels' one by-value parameter (`ar::fused::FusedKernelArgs` in
 /// `kernels-common/include/allreduce/fused.h`, which asserts the same size and offsets). Null
 /// (0) output pointers are outputs not asked for.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct FusedArgs {
+pub struct FusedKernelArgs {
     pub input: u64,
     pub allreduce_out: u64,
     pub residual_in: u64,
@@ -146,12 +146,12 @@ pub struct FusedArgs {
     pub eps: f32,
 }
 
-const _: () = assert!(size_of::<FusedArgs>() == 256);
-const _: () = assert!(std::mem::offset_of!(FusedArgs, lamport) == 64);
-const _: () = assert!(std::mem::offset_of!(FusedArgs, ws) == 128);
-const _: () = assert!(std::mem::offset_of!(FusedArgs, state) == 192);
-const _: () = assert!(std::mem::offset_of!(FusedArgs, comm_bytes) == 208);
-const _: () = assert!(std::mem::offset_of!(FusedArgs, tokens) == 232);
-const _: () = assert!(std::mem::offset_of!(FusedArgs, pattern) == 248);
+const _: () = assert!(size_of::<FusedKernelArgs>() == 256);
+const _: () = assert!(std::mem::offset_of!(FusedKernelArgs, lamport) == 64);
+const _: () = assert!(std::mem::offset_of!(FusedKernelArgs, ws) == 128);
+const _: () = assert!(std::mem::offset_of!(FusedKernelArgs, state) == 192);
+const _: () = assert!(std::mem::offset_of!(FusedKernelArgs, comm_bytes) == 208);
+const _: () = assert!(std::mem::offset_of!(FusedKernelArgs, tokens) == 232);
+const _: () = assert!(std::mem::offset_of!(FusedKernelArgs, pattern) == 248);
 // `ar::fused::BlockState` is 16 bytes, one per block of at most MAX_BLOCKS.
 const _: () = assert!(allreduce_core::fused::FLAG_BYTES == MAX_BLOCKS * 16);

@@ -1,7 +1,7 @@
 //! The fused all-reduce + residual + RMSNorm (+ FP8) over any [`GpuRuntime`]: Lamport
 //! workspaces for a group, launches of the kernels in `kernels-cuda/fused.cu` and
 //! `kernels-hip/fused.hip` (bodies in `kernels-common/include/allreduce/fused.h`, whose
-//! `FusedArgs` is [`abi::FusedArgs`]), and the unfused baseline's residual + RMSNorm kernel
+//! `FusedKernelArgs` is [`abi::FusedKernelArgs`]), and the unfused baseline's residual + RMSNorm kernel
 //! for tests and the bench. A runtime provides the fused module
 //! ([`GpuRuntime::load_fused_module`]) and sentinel-filled memory
 //! ([`GpuRuntime::alloc_filled`]), and opts in through [`GpuRuntime::create_fused_group`].
@@ -15,11 +15,11 @@
 use std::ffi::CString;
 use std::sync::Arc;
 
-use crate::abi::{FusedArgs, MAX_WORLD, THREADS};
+use crate::abi::{FusedKernelArgs, MAX_WORLD, THREADS};
 use crate::{Fill, GpuRuntime, GroupView};
 use allreduce_core::fused::MAX_BLOCKS;
 use allreduce_core::{
-    DType, Error, FusedCall, FusedComm, FusedConfig, FusedMetadata, FusionPattern, Result, Rule,
+    DType, Error, FusedCall, FusedComm, FusedConfig, FusedMetadata, FusedPattern, Result, Rule,
     SelectionTable, Strategy, Stream,
 };
 
@@ -365,7 +365,7 @@ pub fn split_cluster(
 fn warm_up<R: GpuRuntime>(s: &Shared<R>, dtype: DType) -> Result<()> {
     let d = dtype_index(dtype);
     for rank in 0..s.meta.len() {
-        let mut args = s.args(rank, 0, s.meta[rank].hidden, FusionPattern::AllReduce, 0.0);
+        let mut args = s.args(rank, 0, s.meta[rank].hidden, FusedPattern::AllReduce, 0.0);
         // World 1, no rows: each kernel touches only this rank's state, and every rank's call
         // count advances by the same two (three with the split one-shot).
         args.lamport = [0; MAX_WORLD];
@@ -398,15 +398,15 @@ impl<R: GpuRuntime> Shared<R> {
         rank: usize,
         tokens: usize,
         hidden: usize,
-        pattern: FusionPattern,
+        pattern: FusedPattern,
         eps: f32,
-    ) -> FusedArgs {
+    ) -> FusedKernelArgs {
         let m = &self.meta[rank];
         let mut lamport = [0u64; MAX_WORLD];
         for (r, l) in self.lamport.iter().enumerate() {
             lamport[r] = R::memory_addr(l);
         }
-        FusedArgs {
+        FusedKernelArgs {
             input: 0,
             allreduce_out: 0,
             residual_in: 0,
@@ -503,7 +503,7 @@ impl<R: GpuRuntime> FusedComm for GpuFused<R> {
         args.scale = addr(call.scale_out.or(call.scale_in));
         args.gamma = addr(call.gamma);
         R::bind(s.group.device(self.rank))?;
-        // SAFETY: FusedArgs mirrors the kernel's parameter; the workspaces live as long as
+        // SAFETY: FusedKernelArgs mirrors the kernel's parameter; the workspaces live as long as
         // `shared`, and `prepare_fused` validated the caller's buffers (device, sizes,
         // alignment, overlap).
         unsafe {
@@ -565,7 +565,7 @@ impl<R: GpuRuntime> RmsNormKernel<R> {
     pub unsafe fn launch(
         &self,
         dtype: DType,
-        pattern: FusionPattern,
+        pattern: FusedPattern,
         bufs: &NormBuffers,
         tokens: usize,
         hidden: usize,
@@ -588,12 +588,12 @@ impl<R: GpuRuntime> RmsNormKernel<R> {
 /// The argument block of an unfused norm launch, or why the row cannot be one.
 pub fn norm_args(
     dtype: DType,
-    pattern: FusionPattern,
+    pattern: FusedPattern,
     bufs: &NormBuffers,
     tokens: usize,
     hidden: usize,
     eps: f32,
-) -> Result<FusedArgs> {
+) -> Result<FusedKernelArgs> {
     if hidden % (16 / dtype.size()) != 0
         || hidden * dtype.size() > allreduce_core::fused::MAX_HIDDEN_BYTES
     {
@@ -603,14 +603,14 @@ pub fn norm_args(
             allreduce_core::fused::MAX_HIDDEN_BYTES
         )));
     }
-    Ok(FusedArgs {
+    Ok(FusedKernelArgs {
         input: bufs.input,
         allreduce_out: 0,
         residual_in: bufs.residual_in,
         residual_out: bufs.residual_out,
         norm_out: bufs.norm_out,
         quant_out: bufs.quant_out,
-        scale: if pattern == FusionPattern::ResidualRmsNormFp8Static {
+        scale: if pattern == FusedPattern::ResidualRmsNormFp8Static {
             bufs.scale_in
         } else {
             bufs.scale_out

@@ -182,7 +182,7 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
     }
 
     /// Fused all-reduce workspaces for every rank of `group`, or `None` where the runtime has
-    /// none: the facade then runs the all-reduce and the epilogue separately. A runtime with
+    /// none: the facade then refuses fused calls. A runtime with
     /// the fused module ([`GpuRuntime::load_fused_module`], [`GpuRuntime::alloc_filled`])
     /// returns [`fused::create_group`]'s.
     fn create_fused_group(

@@ -67,7 +67,7 @@ static_assert(sizeof(BlockState) == 16 && kMaxBlocks * sizeof(BlockState) == 102
 // One Lamport buffer (of three, `comm_bytes` apart) holds world + 1 slots of `max_elems`
 // elements: slot s receives rank s's rows; slot `world` holds the rows this rank reduced in a
 // two-shot call, which every rank reads from there.
-struct FusedArgs {
+struct FusedKernelArgs {
   const void* input;       // tokens x hidden T; for the unfused norm kernel: the all-reduce output
   void* allreduce_out;
   const void* residual_in;
@@ -87,10 +87,10 @@ struct FusedArgs {
   uint32_t pattern;
   float eps;
 };
-static_assert(sizeof(FusedArgs) == 256, "FusedArgs");
-static_assert(offsetof(FusedArgs, lamport) == 64 && offsetof(FusedArgs, ws) == 128, "FusedArgs");
-static_assert(offsetof(FusedArgs, state) == 192 && offsetof(FusedArgs, comm_bytes) == 208, "FusedArgs");
-static_assert(offsetof(FusedArgs, tokens) == 232 && offsetof(FusedArgs, pattern) == 248, "FusedArgs");
+static_assert(sizeof(FusedKernelArgs) == 256, "FusedKernelArgs");
+static_assert(offsetof(FusedKernelArgs, lamport) == 64 && offsetof(FusedKernelArgs, ws) == 128, "FusedKernelArgs");
+static_assert(offsetof(FusedKernelArgs, state) == 192 && offsetof(FusedKernelArgs, comm_bytes) == 208, "FusedKernelArgs");
+static_assert(offsetof(FusedKernelArgs, tokens) == 232 && offsetof(FusedKernelArgs, pattern) == 248, "FusedKernelArgs");
 
 // ---- Lamport vectors ---------------------------------------------------------------------------
 
@@ -263,7 +263,7 @@ constexpr int kScratch = kMaxVecs * (kThreads / kWarpSize);
 
 AR_DEVICE uint32_t* abort_word(char* ws) { return &reinterpret_cast<Header*>(ws)->abort; }
 
-AR_DEVICE void report_timeout(const FusedArgs& a, uint32_t calls, u64 waited) {
+AR_DEVICE void report_timeout(const FusedKernelArgs& a, uint32_t calls, u64 waited) {
   Control* c = a.control;
   if (cas_sys(&c->error, 0u, kErrorTimeout) == 0u) {
     c->rank = a.rank;
@@ -278,7 +278,7 @@ AR_DEVICE void report_timeout(const FusedArgs& a, uint32_t calls, u64 waited) {
 // Poll *p until `ready` holds. False once the deadline passed or the group aborted: the
 // caller stops polling and the block leaves at its next sync_block_or.
 template <typename Ready>
-AR_DEVICE bool poll_until(const uint4* p, uint4& v, const FusedArgs& a, uint32_t calls, const Ready& ready) {
+AR_DEVICE bool poll_until(const uint4* p, uint4& v, const FusedKernelArgs& a, uint32_t calls, const Ready& ready) {
   v = ld_volatile(p);
   if (ready(v)) return true;
   const u64 start = global_timer_ns();
@@ -305,18 +305,18 @@ struct Written {
 
 // Poll until no element of *p is the sentinel.
 template <typename T>
-AR_DEVICE bool poll(const uint4* p, uint4& v, const FusedArgs& a, uint32_t calls) {
+AR_DEVICE bool poll(const uint4* p, uint4& v, const FusedKernelArgs& a, uint32_t calls) {
   return poll_until(p, v, a, calls, Written<T>());
 }
 
 template <typename T>
-AR_DEVICE uint4* slot(const FusedArgs& a, char* base, uint32_t buffer, uint32_t s);
+AR_DEVICE uint4* slot(const FusedKernelArgs& a, char* base, uint32_t buffer, uint32_t s);
 
 // The world size a kernel instance is compiled for: W > 0 fixes it (2, 4, 8: arrays sized to
 // it, loops fully unrolled, fewer registers), W == 0 reads it from the arguments (any world up
 // to kMaxWorld).
 template <int W>
-AR_DEVICE uint32_t world_of(const FusedArgs& a) { return W > 0 ? uint32_t(W) : a.world; }
+AR_DEVICE uint32_t world_of(const FusedKernelArgs& a) { return W > 0 ? uint32_t(W) : a.world; }
 template <int W>
 struct Ranks { static constexpr int kN = W > 0 ? W : kMaxWorld; };
 
@@ -324,7 +324,7 @@ struct Ranks { static constexpr int kN = W > 0 ? W : kMaxWorld; };
 // ones not there yet (polling one rank after the other would cost world round trips).
 // own_input: our own vector comes from our input, not from slot `rank` (own_input() below).
 template <typename T, int W>
-AR_DEVICE bool poll_all(const FusedArgs& a, uint32_t buffer, u64 v, uint4 (&raw)[Ranks<W>::kN],
+AR_DEVICE bool poll_all(const FusedKernelArgs& a, uint32_t buffer, u64 v, uint4 (&raw)[Ranks<W>::kN],
                         uint32_t calls, bool own_input) {
   char* self = a.lamport[a.rank];
   const int world = int(world_of<W>(a));
@@ -346,7 +346,7 @@ AR_DEVICE bool poll_all(const FusedArgs& a, uint32_t buffer, u64 v, uint4 (&raw)
 // ---- Addressing --------------------------------------------------------------------------------
 
 template <typename T>
-AR_DEVICE uint4* slot(const FusedArgs& a, char* base, uint32_t buffer, uint32_t s) {
+AR_DEVICE uint4* slot(const FusedKernelArgs& a, char* base, uint32_t buffer, uint32_t s) {
   return reinterpret_cast<uint4*>(base + buffer * a.comm_bytes + s * a.max_elems * sizeof(T));
 }
 
@@ -354,7 +354,7 @@ AR_DEVICE uint4* slot(const FusedArgs& a, char* base, uint32_t buffer, uint32_t 
 // not after the world + 1 slots, so the host's warm-up launch (world 1) writes its tags where
 // real calls do and never into a slot.
 constexpr u64 kTagBytes = kMaxWorld * 16;
-AR_DEVICE uint4* tags(const FusedArgs& a, char* base, uint32_t buffer) {
+AR_DEVICE uint4* tags(const FusedKernelArgs& a, char* base, uint32_t buffer) {
   return reinterpret_cast<uint4*>(base + (buffer + 1ull) * a.comm_bytes - kTagBytes);
 }
 
@@ -367,7 +367,7 @@ template <> struct DTypeCode<ar_bf16> { static constexpr u64 kCode = 3; };
 
 // What this rank says the call is; decoded on the host by allreduce_core::fused::describe_desc.
 template <typename T>
-AR_DEVICE u64 call_desc(const FusedArgs& a, bool twoshot) {
+AR_DEVICE u64 call_desc(const FusedKernelArgs& a, bool twoshot) {
   return (u64)a.tokens << 32 | (u64)(a.hidden & 0xffffffu) << 8 | (u64)(a.pattern & 0xfu) << 4 |
          (u64)twoshot << 3 | DTypeCode<T>::kCode << 1 | 1u;
 }
@@ -381,13 +381,13 @@ struct TagOfCall {
 // data: a plain store like the data pushes, which the receivers poll for.
 // The world is the launch's (a.world), not an instance's compiled W: the host's warm-up runs
 // the W-specialised kernels with world 1 and no rows.
-AR_DEVICE void send_tag(const FusedArgs& a, uint32_t calls, uint32_t buffer, u64 desc) {
+AR_DEVICE void send_tag(const FusedKernelArgs& a, uint32_t calls, uint32_t buffer, u64 desc) {
   if (block_x() != 0 || thread_x() >= a.world) return;
   st_volatile(tags(a, a.lamport[thread_x()], buffer) + a.rank,
               make_uint4(calls + 1u, 0u, uint32_t(desc), uint32_t(desc >> 32)));
 }
 
-AR_DEVICE void record_mismatch(const FusedArgs& a, uint32_t peer, uint32_t calls, u64 mine, u64 theirs) {
+AR_DEVICE void record_mismatch(const FusedKernelArgs& a, uint32_t peer, uint32_t calls, u64 mine, u64 theirs) {
   Control* c = a.control;
   uint32_t old = cas_sys(&c->error, 0u, kErrorFusedMismatch);
   // A peer that saw the mismatch first may have set the abort word, which our other blocks
@@ -406,7 +406,7 @@ AR_DEVICE void record_mismatch(const FusedArgs& a, uint32_t peer, uint32_t calls
 
 // Every block, before it reads peer data: wait for every rank's tag of this call and compare
 // it with ours. False (in every thread) when the block must leave.
-AR_DEVICE bool tags_agree(const FusedArgs& a, uint32_t calls, uint32_t buffer, u64 desc) {
+AR_DEVICE bool tags_agree(const FusedKernelArgs& a, uint32_t calls, uint32_t buffer, u64 desc) {
   bool leave = false;
   const uint32_t peer = thread_x();
   if (peer < a.world) {
@@ -479,7 +479,7 @@ struct Batch {
 
 // Before waiting for a batch: prefetch the residual and gamma vectors its epilogue will read.
 template <typename T>
-AR_DEVICE void prefetch_epilogue(const FusedArgs& a, const Batch& bt) {
+AR_DEVICE void prefetch_epilogue(const FusedKernelArgs& a, const Batch& bt) {
   if (a.pattern == kPatternAllReduce) return;
 #pragma unroll
   for (int i = 0; i < kMaxVecs; ++i) {
@@ -495,7 +495,7 @@ AR_DEVICE void prefetch_epilogue(const FusedArgs& a, const Batch& bt) {
 // any batch size, so the fused kernels and the unfused norm kernel give the same bits. Loops
 // over slots are unrolled with guards so `row` stays in registers.
 template <typename T>
-AR_DEVICE void epilogue(const FusedArgs& a, const Batch& bt, uint4 (&row)[kMaxVecs], float* scratch) {
+AR_DEVICE void epilogue(const FusedKernelArgs& a, const Batch& bt, uint4 (&row)[kMaxVecs], float* scratch) {
   constexpr int E = Packed<T>::kElems;
   bool valid[kMaxVecs];
 #pragma unroll
@@ -609,7 +609,7 @@ struct Call {
 // would put a load and a block barrier in front of the first push, and a kernel launched after
 // an abort leaves at its first poll's check anyway (its pushes land in buffers of a group that
 // must be rebuilt).
-AR_DEVICE void begin(const FusedArgs& a, Call& c) {
+AR_DEVICE void begin(const FusedKernelArgs& a, Call& c) {
   const BlockState s = a.state[block_x()];
   c.calls = s.calls;
   c.buffer = s.calls % 3;
@@ -623,7 +623,7 @@ AR_DEVICE void begin(const FusedArgs& a, Call& c) {
 // scheduled (it waits in pdl_wait() until this grid has completed). Not earlier: a waiting
 // grid holds its SM slots, and until every block of ours is past its polls a peer's grid
 // may still need slots to get its pushes out.
-AR_DEVICE void finish(const FusedArgs& a, const Call& c, bool twoshot, bool self_pushed) {
+AR_DEVICE void finish(const FusedKernelArgs& a, const Call& c, bool twoshot, bool self_pushed) {
   pdl_trigger();
   sync_block();  // every thread read the state in begin()
   if (thread_x() == 0) {
@@ -671,7 +671,7 @@ AR_DEVICE void fill_sentinel(uint4* rows, u64 n) {
 }
 
 // The rows [lo, hi) this rank owned in the previous call, if it was a two-shot.
-AR_DEVICE void prev_owned(const FusedArgs& a, const Call& c, uint32_t world, u64& lo, u64& hi) {
+AR_DEVICE void prev_owned(const FusedKernelArgs& a, const Call& c, uint32_t world, u64& lo, u64& hi) {
   const u64 per = (c.prev_tokens + world - 1) / world;
   lo = min_u64(a.rank * per, c.prev_tokens);
   hi = min_u64(lo + per, c.prev_tokens);
@@ -683,7 +683,7 @@ AR_DEVICE void prev_owned(const FusedArgs& a, const Call& c, uint32_t world, u64
 // may run before the tags agree, overlapping the pushes in flight. A two-shot clears what it
 // read as it reads it (twoshot, phase 2).
 template <typename T, int W, bool kFromLast>
-AR_DEVICE void refill(const FusedArgs& a, const Call& c) {
+AR_DEVICE void refill(const FusedKernelArgs& a, const Call& c) {
   if (c.prev_twoshot) return;
   const uint32_t world = world_of<W>(a);
   constexpr int E = Packed<T>::kElems;
@@ -700,7 +700,7 @@ AR_DEVICE void refill(const FusedArgs& a, const Call& c) {
 // left the previous one, so none still reads them (before, a peer in its last phase could
 // read a refilled vector and wait for a value that never comes).
 template <typename T, int W, bool kFromLast>
-AR_DEVICE void refill_reduced(const FusedArgs& a, const Call& c) {
+AR_DEVICE void refill_reduced(const FusedKernelArgs& a, const Call& c) {
   if (!c.prev_twoshot) return;
   const uint32_t world = world_of<W>(a);
   const u64 row_vecs = a.hidden / Packed<T>::kElems;
@@ -712,7 +712,7 @@ AR_DEVICE void refill_reduced(const FusedArgs& a, const Call& c) {
 
 // One round of phase 1's input loads: vectors v0 + u * stride, -0.0 pushed as +0.0.
 template <typename T>
-AR_DEVICE void load_round(const FusedArgs& a, u64 v0, u64 nvec, u64 stride, uint4 (&x)[kPushUnroll]) {
+AR_DEVICE void load_round(const FusedKernelArgs& a, u64 v0, u64 nvec, u64 stride, uint4 (&x)[kPushUnroll]) {
 #pragma unroll
   for (int u = 0; u < kPushUnroll; ++u)
     if (v0 + u * stride < nvec) x[u] = plus_zero<T>(static_cast<const uint4*>(a.input)[v0 + u * stride]);
@@ -728,13 +728,13 @@ AR_DEVICE void load_round(const FusedArgs& a, u64 v0, u64 nvec, u64 stride, uint
 // a load from memory where the slot our own pushers had just written hits in L2). Per rank
 // and call (only we write and read our own slot); BlockState::prev_self tells the next
 // call's refill.
-AR_DEVICE bool own_input(const FusedArgs& a) { return a.allreduce_out != a.input; }
+AR_DEVICE bool own_input(const FusedKernelArgs& a) { return a.allreduce_out != a.input; }
 
 // The one-shot's phases 1 and 2, shared by oneshot and oneshot_split: push every row to
 // every rank (but ourselves when `own`: own_input), refill the stale buffer, agree on the
 // call. False when the block must leave.
 template <typename T, int W>
-AR_DEVICE bool oneshot_exchange(const FusedArgs& a, Call& c, bool own) {
+AR_DEVICE bool oneshot_exchange(const FusedKernelArgs& a, Call& c, bool own) {
   const uint32_t world = world_of<W>(a);
   constexpr int E = Packed<T>::kElems;
   const u64 row_vecs = a.hidden / E, nvec = (u64)a.tokens * row_vecs;
@@ -775,7 +775,7 @@ AR_DEVICE bool oneshot_exchange(const FusedArgs& a, Call& c, bool own) {
 // One-shot: push every row to every rank; each rank reduces every row itself, in rank order,
 // and runs the epilogue. One hop.
 template <typename T, int W>
-__device__ void oneshot(const FusedArgs& a) {
+__device__ void oneshot(const FusedKernelArgs& a) {
   const uint32_t world = world_of<W>(a);
   __shared__ float scratch[kScratch];
   constexpr int E = Packed<T>::kElems;
@@ -814,7 +814,7 @@ __device__ void oneshot(const FusedArgs& a) {
 // the row while another block has yet to read that input row and push it, which an
 // in-place call, allreduce_out == input, would have overwritten.)
 template <typename T, int W>
-__device__ void twoshot(const FusedArgs& a) {
+__device__ void twoshot(const FusedKernelArgs& a) {
   const uint32_t world = world_of<W>(a);
   __shared__ float scratch[kScratch];
   constexpr int E = Packed<T>::kElems;
@@ -965,7 +965,7 @@ AR_DEVICE void publish(const void* p, uint32_t lane, uint32_t C, uint32_t v) {
 #endif
 
 template <typename T, int W>
-__device__ void oneshot_split(const FusedArgs& a) {
+__device__ void oneshot_split(const FusedKernelArgs& a) {
 #if AR_CLUSTERS
   __shared__ SplitExchange ex;
   constexpr int E = Packed<T>::kElems;
@@ -1087,7 +1087,7 @@ __device__ void oneshot_split(const FusedArgs& a) {
 // The unfused baseline's second kernel: residual add + RMSNorm (+ FP8) of an all-reduce output
 // already in `input`; any grid. No state, no polling, no -0.0 rule.
 template <typename T>
-__device__ void norm_only(const FusedArgs& a) {
+__device__ void norm_only(const FusedKernelArgs& a) {
   __shared__ float scratch[kScratch];
   constexpr int E = Packed<T>::kElems;
   const u64 row_vecs = a.hidden / E;

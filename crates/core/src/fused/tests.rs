@@ -22,7 +22,7 @@ fn call_descriptors_read_back() {
         text,
         format!(
             "7 tokens x 4096 bf16, {}, twoshot",
-            FusionPattern::ResidualRmsNormFp8
+            FusedPattern::ResidualRmsNormFp8
         )
     );
 }
@@ -64,7 +64,7 @@ fn calls_beyond_the_workspace_are_refused() {
     let t = default_table();
     let input = HostBytes::zeroed(5 * 64 * 2);
     let mut out = HostBytes::zeroed(5 * 64 * 2);
-    let args = FusedArgs::new(FusionPattern::AllReduce, 5, input.view(DType::F16))
+    let args = FusedArgs::new(FusedPattern::AllReduce, 5, input.view(DType::F16))
         .allreduce_out(out.view_mut(DType::F16));
     let e = prepare_fused(&args, &m, &t, Device::Host, 16).unwrap_err();
     assert_eq!(
@@ -79,16 +79,16 @@ fn calls_beyond_the_workspace_are_refused() {
     // dtype and length mismatches, missing outputs.
     let input = HostBytes::zeroed(4 * 64 * 2);
     let mut out = HostBytes::zeroed(4 * 64 * 2);
-    let args = FusedArgs::new(FusionPattern::AllReduce, 4, input.view(DType::BF16))
+    let args = FusedArgs::new(FusedPattern::AllReduce, 4, input.view(DType::BF16))
         .allreduce_out(out.view_mut(DType::BF16));
     assert!(matches!(
         prepare_fused(&args, &m, &t, Device::Host, 16),
         Err(Error::InvalidArgument(_))
     ));
-    let args = FusedArgs::new(FusionPattern::ResidualRmsNorm, 4, input.view(DType::F16));
+    let args = FusedArgs::new(FusedPattern::ResidualRmsNorm, 4, input.view(DType::F16));
     let e = prepare_fused(&args, &m, &t, Device::Host, 16).unwrap_err();
     assert!(e.to_string().contains("residual_in"), "{e}");
-    let args = FusedArgs::new(FusionPattern::AllReduce, 3, input.view(DType::F16))
+    let args = FusedArgs::new(FusedPattern::AllReduce, 3, input.view(DType::F16))
         .allreduce_out(out.view_mut(DType::F16));
     assert!(matches!(
         prepare_fused(&args, &m, &t, Device::Host, 16),
@@ -105,8 +105,8 @@ fn misaligned_and_overlapping_buffers_are_refused() {
     let addr = input.as_slice().as_ptr() as usize + 2;
     // SAFETY: in bounds of `input`, which outlives the view.
     let shifted = unsafe { BufRef::from_raw(addr, 4 * 64, DType::F16, Device::Host) };
-    let args = FusedArgs::new(FusionPattern::AllReduce, 4, shifted)
-        .allreduce_out(out.view_mut(DType::F16));
+    let args =
+        FusedArgs::new(FusedPattern::AllReduce, 4, shifted).allreduce_out(out.view_mut(DType::F16));
     assert!(matches!(
         prepare_fused(&args, &m, &t, Device::Host, 16),
         Err(Error::Misaligned { .. })
@@ -119,7 +119,7 @@ fn misaligned_and_overlapping_buffers_are_refused() {
             BufMut::from_raw(base + 16, 4 * 64, DType::F16, Device::Host),
         )
     };
-    let args = FusedArgs::new(FusionPattern::AllReduce, 4, i).allreduce_out(o);
+    let args = FusedArgs::new(FusedPattern::AllReduce, 4, i).allreduce_out(o);
     assert!(matches!(
         prepare_fused(&args, &m, &t, Device::Host, 16),
         Err(Error::InvalidArgument(_))
@@ -156,7 +156,7 @@ fn auto_picks_oneshot_for_few_tokens_and_twoshot_for_many() {
                 ),
             )
         };
-        let args = FusedArgs::new(FusionPattern::AllReduce, tokens, i).allreduce_out(o);
+        let args = FusedArgs::new(FusedPattern::AllReduce, tokens, i).allreduce_out(o);
         let call = prepare_fused(&args, &m, &t, Device::Host, 16).unwrap();
         assert_eq!(call.strategy, want, "{tokens} tokens");
     }
@@ -189,7 +189,7 @@ fn reference_matches_an_unfused_pipeline_by_value() {
         Some(&br),
         Some(&bg),
         1e-6,
-        FusionPattern::ResidualRmsNormFp8,
+        FusedPattern::ResidualRmsNormFp8,
         None,
     );
     assert_eq!(
@@ -264,9 +264,9 @@ fn static_fp8_takes_the_callers_scale() {
             scale,
         )
     };
-    let plain = run(FusionPattern::ResidualRmsNorm, None);
+    let plain = run(FusedPattern::ResidualRmsNorm, None);
     for scale in [0.01f32, 0.003, 1.0 / 3.0] {
-        let out = run(FusionPattern::ResidualRmsNormFp8Static, Some(scale));
+        let out = run(FusedPattern::ResidualRmsNormFp8Static, Some(scale));
         // Everything before the codes is the plain pattern's; no per-token scales.
         assert_eq!(
             (&out.allreduce, &out.residual, &out.norm),
@@ -280,7 +280,7 @@ fn static_fp8_takes_the_callers_scale() {
         }
     }
     // A scale small enough to saturate: every code of a nonzero value is +-448.
-    let out = run(FusionPattern::ResidualRmsNormFp8Static, Some(1e-6));
+    let out = run(FusedPattern::ResidualRmsNormFp8Static, Some(1e-6));
     for (k, &q) in out.quant.iter().enumerate() {
         if dtype.load_f32(&out.norm, k) != 0.0 {
             assert_eq!(q & 0x7f, 0x7e, "{k}");
@@ -304,7 +304,7 @@ fn static_fp8_arguments_are_checked() {
             .rms_norm(gamma.view(DType::F16), 1e-6, None)
     };
     // Valid: one f32.
-    let args = base(FusionPattern::ResidualRmsNormFp8Static).fp8_static(
+    let args = base(FusedPattern::ResidualRmsNormFp8Static).fp8_static(
         Fp8BufMut::from_slice(&mut quant),
         BufRef::from_slice(&scale[..1]),
     );
@@ -312,26 +312,26 @@ fn static_fp8_arguments_are_checked() {
     assert_eq!(call.scale_in.map(|b| b.len), Some(1));
     assert!(call.scale_out.is_none());
     // Two f32 is not a scale.
-    let args = base(FusionPattern::ResidualRmsNormFp8Static).fp8_static(
+    let args = base(FusedPattern::ResidualRmsNormFp8Static).fp8_static(
         Fp8BufMut::from_slice(&mut quant),
         BufRef::from_slice(&scale[..]),
     );
     let e = prepare_fused(&args, &m, &t, Device::Host, 16).unwrap_err();
     assert!(e.to_string().contains("one f32"), "{e}");
     // The pattern needs it.
-    let mut args = base(FusionPattern::ResidualRmsNormFp8Static);
+    let mut args = base(FusedPattern::ResidualRmsNormFp8Static);
     args.quant_out = Some(Fp8BufMut::from_slice(&mut quant));
     let e = prepare_fused(&args, &m, &t, Device::Host, 16).unwrap_err();
     assert!(e.to_string().contains("needs scale_in"), "{e}");
     // Other patterns refuse it, and the static pattern refuses per-token scales.
-    let mut args = base(FusionPattern::ResidualRmsNormFp8).fp8(
+    let mut args = base(FusedPattern::ResidualRmsNormFp8).fp8(
         Fp8BufMut::from_slice(&mut quant),
         BufMut::from_slice(&mut scales),
     );
     args.scale_in = Some(BufRef::from_slice(&scale[..1]));
     let e = prepare_fused(&args, &m, &t, Device::Host, 16).unwrap_err();
     assert!(e.to_string().contains("reads no scale_in"), "{e}");
-    let mut args = base(FusionPattern::ResidualRmsNormFp8Static).fp8_static(
+    let mut args = base(FusedPattern::ResidualRmsNormFp8Static).fp8_static(
         Fp8BufMut::from_slice(&mut quant),
         BufRef::from_slice(&scale[..1]),
     );

@@ -7,7 +7,7 @@ use std::ffi::CStr;
 
 use super::*;
 use crate::{Fill, GpuRuntime};
-use allreduce_core::{AllReduceOptions, BufMut, BufRef, Device, FusionPattern};
+use allreduce_core::{AllReduceOptions, BufMut, BufRef, Device, FusedPattern};
 
 #[derive(Clone, Debug)]
 struct Launch {
@@ -26,16 +26,16 @@ struct Launch {
 }
 
 impl Launch {
-    /// The argument block as the fused kernels' `FusedArgs`.
-    fn fused(&self) -> abi::FusedArgs {
+    /// The argument block as the fused kernels' `FusedKernelArgs`.
+    fn fused(&self) -> abi::FusedKernelArgs {
         assert_eq!(
             self.raw.len(),
-            size_of::<abi::FusedArgs>(),
+            size_of::<abi::FusedKernelArgs>(),
             "{}",
             self.kernel
         );
-        // SAFETY: as many bytes as a FusedArgs, which is plain data (any bits are valid).
-        unsafe { std::ptr::read_unaligned(self.raw.as_ptr() as *const abi::FusedArgs) }
+        // SAFETY: as many bytes as a FusedKernelArgs, which is plain data (any bits are valid).
+        unsafe { std::ptr::read_unaligned(self.raw.as_ptr() as *const abi::FusedKernelArgs) }
     }
 }
 
@@ -904,7 +904,7 @@ fn fused_calls_launch_the_chosen_kernel_with_every_ranks_buffers() {
     let view_mut = |v: &mut [u16]| unsafe {
         BufMut::from_raw(v.as_mut_ptr() as usize, v.len(), DType::BF16, dev)
     };
-    let args = allreduce_core::FusedArgs::new(FusionPattern::ResidualRmsNorm, 8, view(&input))
+    let args = allreduce_core::FusedArgs::new(FusedPattern::ResidualRmsNorm, 8, view(&input))
         .residual(view(&res_in), Some(view_mut(&mut res_out)))
         .rms_norm(view(&gamma), 1e-5, Some(view_mut(&mut norm_out)))
         .strategy(Strategy::TwoShot)
@@ -922,7 +922,7 @@ fn fused_calls_launch_the_chosen_kernel_with_every_ranks_buffers() {
     assert_eq!((a.rank, a.world, a.tokens, a.hidden), (2, 4, 8, 1024));
     assert_eq!(
         (a.pattern, a.eps),
-        (FusionPattern::ResidualRmsNorm.code(), 1e-5)
+        (FusedPattern::ResidualRmsNorm.code(), 1e-5)
     );
     assert_eq!(a.input, input.as_ptr() as u64);
     assert_eq!(a.residual_in, res_in.as_ptr() as u64);
@@ -943,7 +943,7 @@ fn fused_calls_launch_the_chosen_kernel_with_every_ranks_buffers() {
 
     // Beyond the workspace: refused on the host, nothing launched.
     let (big, mut big_out) = (vec![0u16; 17 * 1024], vec![0u16; 17 * 1024]);
-    let args = allreduce_core::FusedArgs::new(FusionPattern::AllReduce, 17, view(&big))
+    let args = allreduce_core::FusedArgs::new(FusedPattern::AllReduce, 17, view(&big))
         .allreduce_out(view_mut(&mut big_out));
     let e = allreduce_core::fused::prepare_fused(&args, fused[2].metadata(), &table, dev, 16)
         .unwrap_err();
@@ -1021,7 +1021,7 @@ fn the_unfused_norm_kernel_checks_rows_and_clamps_its_grid() {
     unsafe {
         k.launch(
             DType::F16,
-            FusionPattern::ResidualRmsNorm,
+            FusedPattern::ResidualRmsNorm,
             &bufs,
             100,
             4096,
@@ -1032,7 +1032,7 @@ fn the_unfused_norm_kernel_checks_rows_and_clamps_its_grid() {
         .unwrap();
         k.launch(
             DType::F16,
-            FusionPattern::AllReduce,
+            FusedPattern::AllReduce,
             &bufs,
             0,
             4096,
@@ -1044,7 +1044,7 @@ fn the_unfused_norm_kernel_checks_rows_and_clamps_its_grid() {
         let e = k
             .launch(
                 DType::F16,
-                FusionPattern::ResidualRmsNorm,
+                FusedPattern::ResidualRmsNorm,
                 &bufs,
                 1,
                 4100,
@@ -1106,7 +1106,7 @@ fn small_one_shot_calls_take_the_cluster_kernel_where_the_device_has_clusters() 
             BufMut::from_raw(v.as_mut_ptr() as usize, m, DType::BF16, dev)
         };
         let args =
-            allreduce_core::FusedArgs::new(FusionPattern::ResidualRmsNorm, tokens, view(&input))
+            allreduce_core::FusedArgs::new(FusedPattern::ResidualRmsNorm, tokens, view(&input))
                 .residual(view(&res_in), Some(view_mut(&mut res_out)))
                 .rms_norm(view(&gamma), 1e-6, Some(view_mut(&mut norm_out)))
                 .strategy(strategy);
@@ -1158,7 +1158,7 @@ fn fused_calls_launch_dependent_where_every_device_has_pdl() {
         let (_comms, fused) = fused_group(vec![0, 1], &config);
         let warm = take_launches();
         // SAFETY (views): live vectors, used only by the mock's records.
-        let args = allreduce_core::FusedArgs::new(FusionPattern::AllReduce, tokens, unsafe {
+        let args = allreduce_core::FusedArgs::new(FusedPattern::AllReduce, tokens, unsafe {
             BufRef::from_raw(input.as_ptr() as usize, m, DType::BF16, dev)
         })
         .allreduce_out(unsafe { BufMut::from_raw(out.as_mut_ptr() as usize, m, DType::BF16, dev) })

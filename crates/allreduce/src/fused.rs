@@ -1,13 +1,14 @@
 //! The fused all-reduce + residual add + RMSNorm (+ FP8) on the facade: a [`FusedWorkspace`]
 //! per rank, created for a whole group like FlashInfer's
 //! `trtllm_create_ipc_workspace_for_all_reduce_fusion`, and
-//! [`Communicator::all_reduce_fusion`], FlashInfer's `allreduce_fusion(input, workspace,
-//! pattern, ...)`. Semantics and tolerances: `allreduce_core::fused`.
+//! [`Communicator::all_reduce_fused`], FlashInfer's `allreduce_fusion(input, workspace,
+//! pattern, ...)`. Semantics, tolerances and the host reference are core's
+//! (`allreduce_core::fused`), re-exported here.
 //!
 //! ```
 //! use allreduce::{
 //!     BackendKind, BufMut, BufRef, Communicator, FusedArgs, FusedConfig, FusedWorkspace,
-//!     FusionPattern, GroupConfig,
+//!     FusedPattern, GroupConfig,
 //! };
 //!
 //! let (tokens, hidden) = (2, 8);
@@ -21,10 +22,10 @@
 //!             let residual = vec![1.0f32; tokens * hidden];
 //!             let gamma = vec![2.0f32; hidden];
 //!             let (mut res_out, mut norm) = (vec![0f32; tokens * hidden], vec![0f32; tokens * hidden]);
-//!             let args = FusedArgs::new(FusionPattern::ResidualRmsNorm, tokens, BufRef::from_slice(&x))
+//!             let args = FusedArgs::new(FusedPattern::ResidualRmsNorm, tokens, BufRef::from_slice(&x))
 //!                 .residual(BufRef::from_slice(&residual), Some(BufMut::from_slice(&mut res_out)))
 //!                 .rms_norm(BufRef::from_slice(&gamma), 0.0, Some(BufMut::from_slice(&mut norm)));
-//!             comm.all_reduce_fusion(ws, args).unwrap();
+//!             comm.all_reduce_fused(ws, args).unwrap();
 //!             assert!(res_out.iter().all(|&v| v == 3.0)); // 1 + 1 summed, + 1
 //!             assert!(norm.iter().all(|&v| v == 2.0)); // 3 / rms(3) * 2
 //!         });
@@ -32,17 +33,15 @@
 //! });
 //! ```
 
-use allreduce_core::fused::{self, prepare_fused, FusedCall};
-use allreduce_core::{
-    AllReduceOptions, BufMut, BufRef, Device, Error, FusedArgs, FusedComm, FusedConfig,
-    FusedMetadata, RawBuffer, Result, SelectionTable, Strategy,
-};
+pub use allreduce_core::fused::*;
+
+use allreduce_core::{Error, Result, SelectionTable, Strategy};
 
 use crate::Communicator;
 
 /// One rank's fused workspace: Lamport buffers sized for `max_tokens x hidden` of one dtype
-/// on GPU backends; on backends without fused kernels (the host) only its metadata, and the
-/// call runs the all-reduce and the epilogue one after the other.
+/// on GPU backends; on the host, which has no fused kernels, a rank that runs the all-reduce
+/// and the epilogue one after the other.
 pub struct FusedWorkspace {
     meta: FusedMetadata,
     table: SelectionTable,
@@ -71,7 +70,7 @@ impl FusedWorkspace {
             .selection
             .clone()
             .or_else(|| natives.as_ref()?.first()?.default_table())
-            .unwrap_or_else(fused::default_table);
+            .unwrap_or_else(default_table);
         let mut natives: Vec<Option<Box<dyn FusedComm>>> = match natives {
             Some(v) => v.into_iter().map(Some).collect(),
             None => (0..world).map(|_| None).collect(),
@@ -95,7 +94,7 @@ impl FusedWorkspace {
 
     /// Whether calls run as one fused kernel (otherwise: all-reduce, then the epilogue).
     pub fn is_fused(&self) -> bool {
-        self.native.is_some()
+        self.native.as_ref().is_some_and(|n| n.is_fused())
     }
 }
 
@@ -114,7 +113,7 @@ impl Communicator {
     /// and FP8 codes of `norm_out` with a scale per token. `ws` is this rank's workspace.
     /// Returns the strategy that ran. Arguments the workspace cannot take are refused with an
     /// error before anything is enqueued.
-    pub fn all_reduce_fusion(&self, ws: &FusedWorkspace, args: FusedArgs<'_>) -> Result<Strategy> {
+    pub fn all_reduce_fused(&self, ws: &FusedWorkspace, args: FusedArgs<'_>) -> Result<Strategy> {
         let comm = &*self.comm;
         if ws.meta.rank != comm.rank() || ws.meta.world != comm.world_size() {
             return Err(Error::InvalidArgument(format!(
@@ -128,7 +127,7 @@ impl Communicator {
         let limits = comm.limits();
         let call = prepare_fused(&args, &ws.meta, &ws.table, limits.device, limits.align)?;
         let _span = tracing::debug_span!(
-            "all_reduce_fusion",
+            "all_reduce_fused",
             rank = comm.rank(),
             tokens = call.tokens,
             pattern = %call.pattern,
@@ -137,67 +136,13 @@ impl Communicator {
         .entered();
         match &ws.native {
             Some(n) => n.run(&call)?,
-            None => self.composed(&call)?,
+            None => {
+                return Err(Error::StrategyUnavailable {
+                    strategy: call.strategy,
+                    reason: format!("the {} backend has no fused all-reduce", self.backend),
+                })
+            }
         }
         Ok(call.strategy)
-    }
-
-    /// The fused call as two steps, on host memory: the exact all-reduce, then the epilogue.
-    fn composed(&self, call: &FusedCall) -> Result<()> {
-        if call.input.device != Device::Host {
-            return Err(Error::StrategyUnavailable {
-                strategy: call.strategy,
-                reason: "this backend has no fused kernels, and the unfused fallback runs on host memory only".into(),
-            });
-        }
-        let (dtype, n) = (call.dtype, call.tokens * call.hidden);
-        let mut scratch = allreduce_core::HostBytes::zeroed(n * dtype.size());
-        let target = call.allreduce_out.unwrap_or(scratch.view_mut(dtype).raw());
-        // SAFETY: prepare_fused checked that these host views have the lengths and dtypes
-        // their callers' borrows (held by `args` for this call) promise.
-        unsafe {
-            let input = BufRef::from_raw(call.input.addr, n, dtype, Device::Host);
-            let output = BufMut::from_raw(target.addr, n, dtype, Device::Host);
-            self.all_reduce(
-                input,
-                output,
-                &AllReduceOptions::default()
-                    .strategy(call.strategy)
-                    .stream(call.stream),
-            )?;
-            let bytes = |b: RawBuffer| std::slice::from_raw_parts(b.addr as *const u8, b.bytes());
-            let scale_in = call.scale_in.map(|b| *(b.addr as *const f32));
-            let out = fused::epilogue(
-                bytes(target),
-                dtype,
-                call.tokens,
-                call.hidden,
-                call.residual_in.map(bytes),
-                call.gamma.map(bytes),
-                call.eps,
-                call.pattern,
-                scale_in,
-            );
-            let write = |b: Option<RawBuffer>, src: &[u8]| {
-                if let Some(b) = b {
-                    std::ptr::copy_nonoverlapping(src.as_ptr(), b.addr as *mut u8, src.len());
-                }
-            };
-            write(Some(target), &out.allreduce);
-            write(call.residual_out, &out.residual);
-            write(call.norm_out, &out.norm);
-            if let Some((addr, _)) = call.quant_out {
-                std::ptr::copy_nonoverlapping(out.quant.as_ptr(), addr as *mut u8, out.quant.len());
-            }
-            if let Some(s) = call.scale_out {
-                std::ptr::copy_nonoverlapping(
-                    out.scale.as_ptr(),
-                    s.addr as *mut f32,
-                    out.scale.len(),
-                );
-            }
-        }
-        drop(scratch);
-        Ok(())
     }
 }
