@@ -14,7 +14,6 @@ pub mod driver;
 mod fused;
 mod nccl;
 mod runtime;
-pub mod testing;
 
 pub use fused::{CudaFused, NormBuffers, RmsNormKernel};
 pub use runtime::{Cuda, CudaComm, CudaRuntime};

@@ -1115,4 +1115,4 @@ fn aborted_reason(c: &Control) -> String {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
