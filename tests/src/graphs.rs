@@ -3,226 +3,215 @@
 //! parity; QuickReduce's was, and replays silently returned stale data), exact and quantized,
 //! each replayed 1000 times with new input between replays, must give the expected results;
 //! eager calls between replays must stay in step with them. Then graphs of 1, 2 and 3
-//! hierarchical quantized calls on 8 ranks forced into two NUMA groups (`pcie:2x4`). The test
-//! binaries
-//! (tests/cuda_graphs.rs, tests/rocm_graphs.rs) instantiate it with [`gpu_graph_test!`] over
-//! their backend's `testing` helpers (`bind`, `Buffer`, `Graph`, `OwnedStream`).
+//! hierarchical quantized calls on 8 ranks forced into two NUMA groups (`pcie:2x4`). Generic
+//! over the runtime; the test binaries (tests/cuda_graphs.rs, tests/rocm_graphs.rs) call
+//! [`run`] with theirs.
 
-/// `gpu_graph_test!(path::to::testing, BackendKindVariant, "label", path::to::device_count)`
-/// defines `graphs::run()`, which panics on the first wrong replay and prints why it skips
-/// when no GPU is usable.
-#[macro_export]
-macro_rules! gpu_graph_test {
-    ($($testing:ident)::+, $kind:ident, $label:literal, $($count:ident)::+) => {
-mod graphs {
-        use $($testing)::+::{bind, Buffer, Graph, OwnedStream};
-        use allreduce::{
-            AllReduceOptions, BackendKind, BufMut, BufRef, Codec, Communicator, DType, Device,
-            GroupConfig, HostBytes, Precision, Strategy, Topology,
-        };
+use allreduce::{
+    AllReduceOptions, BufMut, BufRef, Codec, Communicator, DType, GroupConfig, HostBytes,
+    Precision, Strategy, Topology,
+};
+use allreduce_gpu::device::{DeviceBuffer, GpuGraph};
 
-        const REPLAYS: usize = 1000;
+use crate::{gpu_available, open_rank, GpuTestRuntime};
 
-        fn gpu_available() -> bool {
-            $crate::gpu_present($($count)::+(), concat!($label, "_graphs"))
+const REPLAYS: usize = 1000;
+
+/// Integer data: every sum is exact, so a stale or mixed-up replay cannot hide.
+fn input(n: usize, dtype: DType, rank: usize, iteration: usize) -> HostBytes {
+    let mut b = HostBytes::zeroed(n * dtype.size());
+    for i in 0..n {
+        let v = ((rank * 7 + i * 3 + iteration * 5) % 23) as f32 - 11.0;
+        dtype.store_f32(b.as_mut_slice(), i, v);
+    }
+    b
+}
+
+fn expected(n: usize, world: usize, iteration: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            (0..world)
+                .map(|r| ((r * 7 + i * 3 + iteration * 5) % 23) as f32 - 11.0)
+                .sum()
+        })
+        .collect()
+}
+
+/// The calls a graph holds: (length, dtype, strategy, precision).
+fn calls(hierarchical: bool, k: usize) -> Vec<(usize, DType, Strategy, Precision)> {
+    if hierarchical {
+        let h = Strategy::HierarchicalQuantized;
+        let all = [
+            (70_001, DType::BF16, h, Precision::Lossy(Codec::Fp8E4M3)),
+            (4097, DType::F16, h, Precision::Lossy(Codec::Int6Adaptive)),
+            (33, DType::BF16, h, Precision::Lossy(Codec::Int4)),
+        ];
+        return all[..k].to_vec();
+    }
+    let all = [
+        (70_001, DType::BF16, Strategy::TwoShot, Precision::Exact),
+        (
+            4097,
+            DType::F16,
+            Strategy::QuantizedTwoShot,
+            Precision::Lossy(Codec::Int6Adaptive),
+        ),
+        (5, DType::F32, Strategy::Auto, Precision::Exact),
+        (1000, DType::F16, Strategy::OneShot, Precision::Exact),
+    ];
+    all[..k].to_vec()
+}
+
+/// What a call must produce: the exact integer sums, or for the quantized path the
+/// format's definition over every rank's input (allreduce_conformance::check).
+fn expected_bytes(
+    n: usize,
+    dtype: DType,
+    strategy: Strategy,
+    precision: Precision,
+    world: usize,
+    iteration: usize,
+) -> HostBytes {
+    match precision {
+        Precision::Lossy(codec) if strategy == Strategy::HierarchicalQuantized => {
+            let inputs: Vec<HostBytes> =
+                (0..world).map(|r| input(n, dtype, r, iteration)).collect();
+            crate::check::hierarchical_expected(&inputs, dtype, codec)
         }
-
-        /// Integer data: every sum is exact, so a stale or mixed-up replay cannot hide.
-        fn input(n: usize, dtype: DType, rank: usize, iteration: usize) -> HostBytes {
+        Precision::Exact => {
             let mut b = HostBytes::zeroed(n * dtype.size());
-            for i in 0..n {
-                let v = ((rank * 7 + i * 3 + iteration * 5) % 23) as f32 - 11.0;
+            for (i, v) in expected(n, world, iteration).into_iter().enumerate() {
                 dtype.store_f32(b.as_mut_slice(), i, v);
             }
             b
         }
-
-        fn expected(n: usize, world: usize, iteration: usize) -> Vec<f32> {
-            (0..n)
-                .map(|i| {
-                    (0..world)
-                        .map(|r| ((r * 7 + i * 3 + iteration * 5) % 23) as f32 - 11.0)
-                        .sum()
-                })
-                .collect()
+        Precision::Lossy(codec) => {
+            let inputs: Vec<HostBytes> =
+                (0..world).map(|r| input(n, dtype, r, iteration)).collect();
+            crate::check::quantized_expected(&inputs, dtype, codec)
         }
+    }
+}
 
-        /// The calls a graph holds: (length, dtype, strategy, precision).
-        fn calls(hierarchical: bool, k: usize) -> Vec<(usize, DType, Strategy, Precision)> {
-            if hierarchical {
-                let h = Strategy::HierarchicalQuantized;
-                let all = [
-                    (70_001, DType::BF16, h, Precision::Lossy(Codec::Fp8E4M3)),
-                    (4097, DType::F16, h, Precision::Lossy(Codec::Int6Adaptive)),
-                    (33, DType::BF16, h, Precision::Lossy(Codec::Int4)),
-                ];
-                return all[..k].to_vec();
-            }
-            let all = [
-                (70_001, DType::BF16, Strategy::TwoShot, Precision::Exact),
+fn run_rank<R: GpuTestRuntime>(
+    comm: &Communicator,
+    hierarchical: bool,
+    k: usize,
+) -> Result<(), String> {
+    let e = |e: allreduce::Error| e.to_string();
+    let (_dev, stream) = open_rank::<R>(comm).map_err(e)?;
+    let rank = comm.rank();
+    let world = comm.world_size();
+    let shapes = calls(hierarchical, k);
+    let mut bufs = Vec::new();
+    for &(n, dtype, _, _) in &shapes {
+        let bytes = n * dtype.size();
+        bufs.push((
+            DeviceBuffer::<R>::zeroed(bytes, &stream).map_err(e)?,
+            DeviceBuffer::<R>::zeroed(bytes, &stream).map_err(e)?,
+        ));
+    }
+    let enqueue = || -> allreduce::Result<()> {
+        for (&(n, dtype, strategy, precision), (inp, out)) in shapes.iter().zip(&bufs) {
+            // SAFETY: the buffers hold n elements and outlive the graph.
+            let (iv, ov) = unsafe {
                 (
-                    4097,
-                    DType::F16,
-                    Strategy::QuantizedTwoShot,
-                    Precision::Lossy(Codec::Int6Adaptive),
-                ),
-                (5, DType::F32, Strategy::Auto, Precision::Exact),
-                (1000, DType::F16, Strategy::OneShot, Precision::Exact),
-            ];
-            all[..k].to_vec()
+                    BufRef::from_raw(inp.addr(), n, dtype, comm.device()),
+                    BufMut::from_raw(out.addr(), n, dtype, comm.device()),
+                )
+            };
+            comm.all_reduce(
+                iv,
+                ov,
+                &AllReduceOptions::default()
+                    .strategy(strategy)
+                    .precision(precision)
+                    .stream(stream.handle()),
+            )?;
         }
-
-        /// What a call must produce: the exact integer sums, or for the quantized path the
-        /// format's definition over every rank's input (allreduce_conformance::check).
-        fn expected_bytes(
-            n: usize,
-            dtype: DType,
-            strategy: Strategy,
-            precision: Precision,
-            world: usize,
-            iteration: usize,
-        ) -> HostBytes {
-            match precision {
-                Precision::Lossy(codec) if strategy == Strategy::HierarchicalQuantized => {
-                    let inputs: Vec<HostBytes> =
-                        (0..world).map(|r| input(n, dtype, r, iteration)).collect();
-                    $crate::check::hierarchical_expected(&inputs, dtype, codec)
-                }
-                Precision::Exact => {
-                    let mut b = HostBytes::zeroed(n * dtype.size());
-                    for (i, v) in expected(n, world, iteration).into_iter().enumerate() {
-                        dtype.store_f32(b.as_mut_slice(), i, v);
-                    }
-                    b
-                }
-                Precision::Lossy(codec) => {
-                    let inputs: Vec<HostBytes> =
-                        (0..world).map(|r| input(n, dtype, r, iteration)).collect();
-                    $crate::check::quantized_expected(&inputs, dtype, codec)
-                }
+        Ok(())
+    };
+    let check = |iteration: usize, what: &str| -> Result<(), String> {
+        for (&(n, dtype, strategy, precision), (_, out)) in shapes.iter().zip(&bufs) {
+            let mut h = HostBytes::zeroed(n * dtype.size());
+            out.download(h.as_mut_slice(), &stream).map_err(e)?;
+            let want = expected_bytes(n, dtype, strategy, precision, world, iteration);
+            if let Some(i) = (0..n)
+                .find(|&i| dtype.load_f32(h.as_slice(), i) != dtype.load_f32(want.as_slice(), i))
+            {
+                return Err(format!(
+                "rank {rank}, {k} calls, {what} {iteration}: element {i} of {n} {dtype} ({precision}) is {} not {}",
+                dtype.load_f32(h.as_slice(), i),
+                dtype.load_f32(want.as_slice(), i)
+            ));
             }
         }
+        Ok(())
+    };
+    let upload = |iteration: usize| -> Result<(), String> {
+        for (&(n, dtype, _, _), (inp, _)) in shapes.iter().zip(&bufs) {
+            inp.upload(input(n, dtype, rank, iteration).as_slice(), &stream)
+                .map_err(e)?;
+        }
+        Ok(())
+    };
 
-        fn run_rank(comm: &Communicator, hierarchical: bool, k: usize) -> Result<(), String> {
-            let Device::$kind(ordinal) = comm.device() else {
-                return Err("not a CUDA rank".into());
-            };
-            let e = |e: allreduce::Error| e.to_string();
-            let _dev = bind(ordinal).map_err(e)?;
-            let stream = OwnedStream::new().map_err(e)?;
-            let rank = comm.rank();
-            let world = comm.world_size();
-            let shapes = calls(hierarchical, k);
-            let mut bufs = Vec::new();
-            for &(n, dtype, _, _) in &shapes {
-                let bytes = n * dtype.size();
-                bufs.push((
-                    Buffer::zeroed(bytes, &stream).map_err(e)?,
-                    Buffer::zeroed(bytes, &stream).map_err(e)?,
-                ));
-            }
-            let enqueue = || -> allreduce::Result<()> {
-                for (&(n, dtype, strategy, precision), (inp, out)) in shapes.iter().zip(&bufs) {
-                    // SAFETY: the buffers hold n elements and outlive the graph.
-                    let (iv, ov) = unsafe {
-                        (
-                            BufRef::from_raw(inp.addr(), n, dtype, comm.device()),
-                            BufMut::from_raw(out.addr(), n, dtype, comm.device()),
-                        )
-                    };
-                    comm.all_reduce(
-                        iv,
-                        ov,
-                        &AllReduceOptions::default()
-                            .strategy(strategy)
-                            .precision(precision)
-                            .stream(stream.handle()),
-                    )?;
-                }
-                Ok(())
-            };
-            let check = |iteration: usize, what: &str| -> Result<(), String> {
-                for (&(n, dtype, strategy, precision), (_, out)) in shapes.iter().zip(&bufs) {
-                    let mut h = HostBytes::zeroed(n * dtype.size());
-                    out.download(h.as_mut_slice(), &stream).map_err(e)?;
-                    let want = expected_bytes(n, dtype, strategy, precision, world, iteration);
-                    if let Some(i) = (0..n).find(|&i| {
-                        dtype.load_f32(h.as_slice(), i) != dtype.load_f32(want.as_slice(), i)
-                    }) {
-                        return Err(format!(
-                        "rank {rank}, {k} calls, {what} {iteration}: element {i} of {n} {dtype} ({precision}) is {} not {}",
-                        dtype.load_f32(h.as_slice(), i),
-                        dtype.load_f32(want.as_slice(), i)
-                    ));
-                    }
-                }
-                Ok(())
-            };
-            let upload = |iteration: usize| -> Result<(), String> {
-                for (&(n, dtype, _, _), (inp, _)) in shapes.iter().zip(&bufs) {
-                    inp.upload(input(n, dtype, rank, iteration).as_slice(), &stream)
-                        .map_err(e)?;
-                }
-                Ok(())
-            };
-
-            // Eager first, then capture, then replay with new data each time; an eager round in the
-            // middle and at the end must agree with the replays around it.
-            upload(0)?;
+    // Eager first, then capture, then replay with new data each time; an eager round in the
+    // middle and at the end must agree with the replays around it.
+    upload(0)?;
+    enqueue().map_err(e)?;
+    comm.synchronize(stream.handle()).map_err(e)?;
+    check(0, "eager")?;
+    let graph = GpuGraph::capture(&stream, enqueue).map_err(e)?;
+    for it in 1..=REPLAYS {
+        upload(it)?;
+        graph.launch(&stream).map_err(e)?;
+        comm.synchronize(stream.handle()).map_err(e)?;
+        check(it, "replay")?;
+        if it == REPLAYS / 2 {
+            upload(it + 7)?;
             enqueue().map_err(e)?;
             comm.synchronize(stream.handle()).map_err(e)?;
-            check(0, "eager")?;
-            let graph = Graph::capture(&stream, enqueue).map_err(e)?;
-            for it in 1..=REPLAYS {
-                upload(it)?;
-                graph.launch(&stream).map_err(e)?;
-                comm.synchronize(stream.handle()).map_err(e)?;
-                check(it, "replay")?;
-                if it == REPLAYS / 2 {
-                    upload(it + 7)?;
-                    enqueue().map_err(e)?;
-                    comm.synchronize(stream.handle()).map_err(e)?;
-                    check(it + 7, "eager between replays")?;
-                }
-            }
-            Ok(())
+            check(it + 7, "eager between replays")?;
         }
-
-        /// Panics (a failing test) on the first wrong replay.
-        pub fn run() {
-            if !gpu_available() {
-                return;
-            }
-            let exact_and_flat = [2usize, 4, 8].into_iter().flat_map(|w| (1..=4).map(move |k| (w, k, false)));
-            let hierarchical = (1..=3).map(|k| (8usize, k, true));
-            for (world, k, hierarchical) in exact_and_flat.chain(hierarchical) {
-                {
-                    let mut config = GroupConfig::new(world).max_bytes(1 << 20);
-                    if hierarchical {
-                        config = config.topology(Topology::parse("pcie:2x4", world).expect("spec"));
-                    }
-                    let comms = Communicator::new_group(BackendKind::$kind, config).expect("group");
-                    let start = std::time::Instant::now();
-                    let results: Vec<Result<(), String>> = std::thread::scope(|s| {
-                        let hs: Vec<_> = comms
-                            .iter()
-                            .map(|c| s.spawn(move || run_rank(c, hierarchical, k)))
-                            .collect();
-                        hs.into_iter()
-                            .map(|h| h.join().expect("rank thread"))
-                            .collect()
-                    });
-                    for r in results {
-                        r.unwrap();
-                    }
-                    let kind = if hierarchical { "hierarchical " } else { "" };
-                    println!(
-                        "{world} ranks, graph of {k} {kind}all-reduces x {REPLAYS} replays: ok ({:.2} s)",
-                        start.elapsed().as_secs_f64()
-                    );
-                }
-            }
-        }
+    }
+    Ok(())
 }
-    };
+
+/// Panics (a failing test) on the first wrong replay.
+pub fn run<R: GpuTestRuntime>() {
+    if !gpu_available::<R>("graphs") {
+        return;
+    }
+    let exact_and_flat = [2usize, 4, 8]
+        .into_iter()
+        .flat_map(|w| (1..=4).map(move |k| (w, k, false)));
+    let hierarchical = (1..=3).map(|k| (8usize, k, true));
+    for (world, k, hierarchical) in exact_and_flat.chain(hierarchical) {
+        {
+            let mut config = GroupConfig::new(world).max_bytes(1 << 20);
+            if hierarchical {
+                config = config.topology(Topology::parse("pcie:2x4", world).expect("spec"));
+            }
+            let comms = Communicator::new_group(R::KIND, config).expect("group");
+            let start = std::time::Instant::now();
+            let results: Vec<Result<(), String>> = std::thread::scope(|s| {
+                let hs: Vec<_> = comms
+                    .iter()
+                    .map(|c| s.spawn(move || run_rank::<R>(c, hierarchical, k)))
+                    .collect();
+                hs.into_iter()
+                    .map(|h| h.join().expect("rank thread"))
+                    .collect()
+            });
+            for r in results {
+                r.unwrap();
+            }
+            let kind = if hierarchical { "hierarchical " } else { "" };
+            println!(
+                "{world} ranks, graph of {k} {kind}all-reduces x {REPLAYS} replays: ok ({:.2} s)",
+                start.elapsed().as_secs_f64()
+            );
+        }
+    }
 }

@@ -6,25 +6,93 @@
 //! with the reason printed.
 
 pub mod check;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub mod codecs;
 pub mod data;
-mod fused;
-mod graphs;
+pub mod expect;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub mod fused;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub mod graphs;
 pub mod harness;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 mod harness_gpu;
 mod suite;
 
+use allreduce::{BackendKind, Communicator, Device, Error, Result};
+use allreduce_gpu::device::{GpuDevice, GpuStream};
+use allreduce_gpu::GpuRuntime;
+
 pub use harness::{Harness, HostHarness, RankArgs};
-#[cfg(feature = "cuda")]
-pub use harness_gpu::cuda::CudaHarness;
-#[cfg(feature = "rocm")]
-pub use harness_gpu::rocm::RocmHarness;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub use harness_gpu::GpuHarness;
 pub use suite::{Test, TESTS};
 
+/// A GPU runtime the suites run on: its device API (`GpuRuntime`) and how the facade names
+/// its backend. Every GPU test is generic over it and runs on each as `[backend] name`.
+pub trait GpuTestRuntime: GpuRuntime {
+    const KIND: BackendKind;
+    /// Devices present (0 with a runtime but no GPU); `Err` without a runtime.
+    fn device_count() -> Result<usize>;
+    /// Process settings to make before the runtime initialises (the first call into it).
+    fn before_init() {}
+}
+
+#[cfg(feature = "cuda")]
+impl GpuTestRuntime for allreduce::cuda::CudaRuntime {
+    const KIND: BackendKind = BackendKind::Cuda;
+    fn device_count() -> Result<usize> {
+        allreduce::cuda::driver::device_count()
+    }
+}
+
+#[cfg(feature = "rocm")]
+impl GpuTestRuntime for allreduce::rocm::Hip {
+    const KIND: BackendKind = BackendKind::Rocm;
+    fn device_count() -> Result<usize> {
+        allreduce::rocm::device_count()
+    }
+    fn before_init() {
+        hip_queues_for_virtual_ranks();
+    }
+}
+
+/// The conformance harness on CUDA GPUs.
+#[cfg(feature = "cuda")]
+pub type CudaHarness = GpuHarness<allreduce::cuda::CudaRuntime>;
+/// The conformance harness on ROCm GPUs.
+#[cfg(feature = "rocm")]
+pub type RocmHarness = GpuHarness<allreduce::rocm::Hip>;
+
+/// The ordinal of `comm`'s device, which must be one of `R`'s.
+pub fn rank_ordinal<R: GpuTestRuntime>(comm: &Communicator) -> Result<u32> {
+    match comm.device() {
+        Device::Cuda(o) | Device::Rocm(o) if R::device_tag(o) == comm.device() => Ok(o),
+        d => Err(Error::InvalidConfig(format!(
+            "a {} test got a rank on {d}",
+            R::NAME
+        ))),
+    }
+}
+
+/// A rank's device (current on this thread, set up for virtual ranks) and a stream of its
+/// own on it.
+pub fn open_rank<R: GpuTestRuntime>(comm: &Communicator) -> Result<(GpuDevice<R>, GpuStream<R>)> {
+    let dev = GpuDevice::<R>::open(rank_ordinal::<R>(comm)?)?;
+    dev.prepare_virtual_ranks()?;
+    let stream = GpuStream::new(&dev)?;
+    Ok((dev, stream))
+}
+
+/// Whether a GPU test can run on `R`. When not, prints why `what` is skipped (CI has no GPU;
+/// the skip must say so, not pass silently).
+pub fn gpu_available<R: GpuTestRuntime>(what: &str) -> bool {
+    R::before_init();
+    gpu_present(R::device_count(), &format!("{}_{what}", R::NAME))
+}
+
 /// Whether a GPU test can run: `count` is the backend's device count. When not, prints why
-/// `what` is skipped (CI has no GPU; the skip must say so, not pass silently). Used by the
-/// test macros (`gpu_fused_test!`, `gpu_graph_test!`).
-#[doc(hidden)]
+/// `what` is skipped.
 pub fn gpu_present<E: std::fmt::Display>(count: Result<usize, E>, what: &str) -> bool {
     match count {
         Ok(n) if n > 0 => true,

@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use allreduce::BackendKind;
+use allreduce_conformance::expect::{judge, Verdict, EXPECTED_FAILURES};
 use allreduce_conformance::{Harness, HostHarness, TESTS};
 
 fn main() -> ExitCode {
@@ -34,12 +35,20 @@ fn main() -> ExitCode {
                     Err(format!("panicked: {msg}"))
                 });
             ran += 1;
-            match result {
-                Ok(()) => println!("{name} ... ok ({:.2} s)", start.elapsed().as_secs_f64()),
-                Err(e) => {
-                    println!("{name} ... FAILED\n    {e}");
-                    failed.push(name);
+            let verdict = judge(EXPECTED_FAILURES, h.backend().name(), t.name, result);
+            match &verdict {
+                Verdict::Pass => println!("{name} ... ok ({:.2} s)", start.elapsed().as_secs_f64()),
+                Verdict::Fail(e) => println!("{name} ... FAILED\n    {e}"),
+                Verdict::ExpectedFailure { reason, error } => {
+                    println!("{name} ... expected failure ({reason})\n    {error}")
                 }
+                Verdict::UnexpectedPass { reason } => println!(
+                    "{name} ... FAILED: passed, but listed as an expected failure ({reason}); \
+                     remove it from tests/src/expect.rs"
+                ),
+            }
+            if verdict.fails_run() {
+                failed.push(name);
             }
         }
     }
@@ -68,21 +77,22 @@ fn harnesses() -> Vec<Box<dyn Harness>> {
         }
     }
     #[cfg(feature = "cuda")]
-    match allreduce::cuda::driver::device_count() {
-        Ok(n) if n > 0 => list.push(Box::new(allreduce_conformance::CudaHarness::from_env())),
-        Ok(_) => println!("[cuda] skipped: the driver reports no CUDA device"),
-        Err(e) => println!("[cuda] skipped: {e}"),
-    }
+    push_gpu::<allreduce::cuda::CudaRuntime>(&mut list);
     // No ROCm runtime: the error names the libraries tried. A runtime but a build without
     // kernels: the harness runs and every test fails with the error saying how to get them,
     // which is the point (the build was asked for rocm).
     #[cfg(feature = "rocm")]
-    allreduce_conformance::hip_queues_for_virtual_ranks(); // before the next line initialises HIP
-    #[cfg(feature = "rocm")]
-    match allreduce::rocm::device_count() {
-        Ok(n) if n > 0 => list.push(Box::new(allreduce_conformance::RocmHarness::from_env())),
-        Ok(_) => println!("[rocm] skipped: the HIP runtime reports no ROCm device"),
-        Err(e) => println!("[rocm] skipped: {e}"),
-    }
+    push_gpu::<allreduce::rocm::Hip>(&mut list);
     list
+}
+
+/// `R`'s harness when its runtime reports a device; else why it is skipped.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn push_gpu<R: allreduce_conformance::GpuTestRuntime>(list: &mut Vec<Box<dyn Harness>>) {
+    R::before_init();
+    match R::device_count() {
+        Ok(n) if n > 0 => list.push(Box::new(allreduce_conformance::GpuHarness::<R>::from_env())),
+        Ok(_) => println!("[{}] skipped: the runtime reports no device", R::NAME),
+        Err(e) => println!("[{}] skipped: {e}", R::NAME),
+    }
 }

@@ -8,15 +8,6 @@ fn main() {
 }
 
 #[cfg(feature = "cuda")]
-allreduce_conformance::gpu_fused_test!(
-    allreduce::cuda::testing,
-    allreduce::cuda,
-    Cuda,
-    "cuda",
-    allreduce::cuda::driver::device_count
-);
-
-#[cfg(feature = "cuda")]
 fn main() {
-    fused::run();
+    allreduce_conformance::fused::run::<allreduce::cuda::CudaRuntime>();
 }

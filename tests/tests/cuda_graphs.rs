@@ -7,14 +7,6 @@ fn main() {
 }
 
 #[cfg(feature = "cuda")]
-allreduce_conformance::gpu_graph_test!(
-    allreduce::cuda::testing,
-    Cuda,
-    "cuda",
-    allreduce::cuda::driver::device_count
-);
-
-#[cfg(feature = "cuda")]
 fn main() {
-    graphs::run();
+    allreduce_conformance::graphs::run::<allreduce::cuda::CudaRuntime>();
 }

@@ -30,12 +30,13 @@ mod procs {
     use std::process::{Command, ExitCode};
     use std::time::{Duration, Instant};
 
-    use allreduce::cuda::testing::{bind, Buffer, OwnedStream};
+    use allreduce::cuda::CudaRuntime;
     use allreduce::{
         AllReduceOptions, BackendKind, BufMut, BufRef, Codec, Communicator, DType, Error,
         GroupConfig, HostBytes, Precision, Strategy,
     };
     use allreduce_bootstrap::{Secret, TcpBootstrap, TcpBootstrapConfig, SECRET_ENV};
+    use allreduce_gpu::device::{DeviceBuffer, GpuDevice, GpuStream};
 
     /// Exit code of a rank that saw the expected timeout in the failure scenario.
     const TIMED_OUT: u8 = 3;
@@ -215,8 +216,8 @@ mod procs {
     /// `world`. `Err(Ok(e))` is the error `synchronize` reported; `Err(Err(text))` anything else.
     fn round(
         comm: &Communicator,
-        stream: &OwnedStream,
-        bufs: &[(Buffer, Buffer)],
+        stream: &GpuStream<CudaRuntime>,
+        bufs: &[(DeviceBuffer<CudaRuntime>, DeviceBuffer<CudaRuntime>)],
         rank: usize,
         world: usize,
         round: usize,
@@ -278,14 +279,15 @@ mod procs {
         let rank = allreduce::Bootstrap::rank(&boot);
         let world = allreduce::Bootstrap::world_size(&boot);
         let comm = new_comm(&mut boot, rank, world)?;
-        let _dev = bind(ordinal(rank)).map_err(e)?;
-        let stream = OwnedStream::new().map_err(e)?;
-        stream.warm().map_err(e)?;
+        let dev = GpuDevice::<CudaRuntime>::open(ordinal(rank)).map_err(e)?;
+        dev.prepare_virtual_ranks().map_err(e)?;
+        let stream = GpuStream::new(&dev).map_err(e)?;
+        stream.warm(&dev).map_err(e)?;
         let mut bufs = Vec::new();
         for &(n, dtype, _, _) in &calls() {
             bufs.push((
-                Buffer::zeroed(n * dtype.size(), &stream).map_err(e)?,
-                Buffer::zeroed(n * dtype.size(), &stream).map_err(e)?,
+                DeviceBuffer::zeroed(n * dtype.size(), &stream).map_err(e)?,
+                DeviceBuffer::zeroed(n * dtype.size(), &stream).map_err(e)?,
             ));
         }
         stream.synchronize().map_err(e)?;

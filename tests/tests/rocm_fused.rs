@@ -9,16 +9,6 @@ fn main() {
 }
 
 #[cfg(feature = "rocm")]
-allreduce_conformance::gpu_fused_test!(
-    allreduce::rocm::testing,
-    allreduce::rocm,
-    Rocm,
-    "rocm",
-    allreduce::rocm::device_count
-);
-
-#[cfg(feature = "rocm")]
 fn main() {
-    allreduce_conformance::hip_queues_for_virtual_ranks();
-    fused::run();
+    allreduce_conformance::fused::run::<allreduce::rocm::Hip>();
 }

@@ -8,15 +8,6 @@ fn main() {
 }
 
 #[cfg(feature = "rocm")]
-allreduce_conformance::gpu_graph_test!(
-    allreduce::rocm::testing,
-    Rocm,
-    "rocm",
-    allreduce::rocm::device_count
-);
-
-#[cfg(feature = "rocm")]
 fn main() {
-    allreduce_conformance::hip_queues_for_virtual_ranks();
-    graphs::run();
+    allreduce_conformance::graphs::run::<allreduce::rocm::Hip>();
 }

@@ -251,11 +251,17 @@ impl Drop for Device {
     }
 }
 
-/// Device memory, freed on drop.
+/// Device memory, freed on drop: in the order of `stream` when it came from
+/// [`DeviceMem::alloc_async`], else at once.
 pub struct DeviceMem {
     pub ptr: CUdeviceptr,
     pub bytes: usize,
+    stream: Option<CUstream>,
 }
+
+// SAFETY: a device address and a stream handle, usable from any thread.
+unsafe impl Send for DeviceMem {}
+unsafe impl Sync for DeviceMem {}
 
 impl DeviceMem {
     /// Allocate `bytes` in the current context, uninitialised.
@@ -266,7 +272,29 @@ impl DeviceMem {
             unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)) },
             "cuMemAlloc",
         )?;
-        Ok(DeviceMem { ptr, bytes })
+        Ok(DeviceMem {
+            ptr,
+            bytes,
+            stream: None,
+        })
+    }
+
+    /// Allocate `bytes` from the current device's default memory pool in the order of
+    /// `stream`, uninitialised, and free it in that order on drop.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of the current context that outlives the memory.
+    pub unsafe fn alloc_async(bytes: usize, stream: CUstream) -> Result<Self> {
+        let mut ptr = 0;
+        check(
+            sys::cuMemAllocAsync(&mut ptr, bytes.max(1), stream),
+            "cuMemAllocAsync",
+        )?;
+        Ok(DeviceMem {
+            ptr,
+            bytes,
+            stream: Some(stream),
+        })
     }
 
     /// Allocate and zero, and wait for the zeroing: a memset on the legacy stream does not
@@ -284,9 +312,17 @@ impl DeviceMem {
 
 impl Drop for DeviceMem {
     fn drop(&mut self) {
-        // SAFETY: allocated by cuMemAlloc; unified addressing lets any context free it.
+        // SAFETY: allocated by cuMemAlloc, or by cuMemAllocAsync on a stream that is still
+        // alive (alloc_async's contract); unified addressing lets any context free it.
         unsafe {
-            let _ = sys::cuMemFree_v2(self.ptr);
+            match self.stream {
+                Some(s) => {
+                    let _ = sys::cuMemFreeAsync(self.ptr, s);
+                }
+                None => {
+                    let _ = sys::cuMemFree_v2(self.ptr);
+                }
+            }
         }
     }
 }
@@ -389,6 +425,40 @@ pub unsafe fn launch<A>(
     args: &A,
 ) -> Result<()> {
     let mut params = [args as *const A as *mut c_void];
+    check(
+        sys::cuLaunchKernel(
+            f,
+            grid,
+            1,
+            1,
+            block,
+            1,
+            1,
+            0,
+            stream,
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        ),
+        "cuLaunchKernel",
+    )
+}
+
+/// Launch `f` with one 8-byte parameter per word of `words`.
+///
+/// # Safety
+/// The kernel takes `words.len()` parameters of 8 bytes; every pointer among them must be
+/// valid for the kernel's lifetime.
+pub unsafe fn launch_words(
+    f: CUfunction,
+    grid: u32,
+    block: u32,
+    stream: CUstream,
+    words: &[u64],
+) -> Result<()> {
+    let mut params: Vec<*mut c_void> = words
+        .iter()
+        .map(|w| w as *const u64 as *mut c_void)
+        .collect();
     check(
         sys::cuLaunchKernel(
             f,

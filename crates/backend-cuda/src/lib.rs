@@ -14,7 +14,6 @@ pub mod driver;
 mod fused;
 mod nccl;
 mod runtime;
-pub mod testing;
 
 pub use driver::device_description;
 pub use fused::{CudaFused, NormBuffers, RmsNormKernel};

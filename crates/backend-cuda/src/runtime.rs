@@ -3,13 +3,13 @@
 //! ROCm backend; this file is only the dozen device operations it needs, over [`driver`] and
 //! [`nccl`]. So every test that runs here on the H200 also runs the ROCm backend's group logic.
 
-use std::ffi::CStr;
+use std::ffi::{c_void, CStr};
 
 use allreduce_core::{Call, Device, Error, Link, Result, Stream};
 use allreduce_gpu::{Fill, GpuBackend, GpuComm, GpuRuntime};
 use cudarc::driver::sys;
 
-use crate::driver::{self, check, CUfunction};
+use crate::driver::{self, check, CUfunction, CUstream};
 use crate::nccl;
 
 pub(crate) static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/allreduce.fatbin"));
@@ -21,6 +21,42 @@ pub type CudaComm = GpuComm<CudaRuntime>;
 
 /// The CUDA driver API (through cudarc's `sys` layer, loaded at run time).
 pub struct CudaRuntime;
+
+/// A non-blocking stream of the device API, destroyed on drop.
+pub struct OwnedStream(CUstream);
+
+// SAFETY: a stream handle is usable from any thread of the process.
+unsafe impl Send for OwnedStream {}
+unsafe impl Sync for OwnedStream {}
+
+impl Drop for OwnedStream {
+    fn drop(&mut self) {
+        // SAFETY: created by cuStreamCreate.
+        unsafe {
+            let _ = sys::cuStreamDestroy_v2(self.0);
+        }
+    }
+}
+
+/// A captured graph and its executable instance, destroyed on drop.
+pub struct Graph {
+    exec: sys::CUgraphExec,
+    graph: sys::CUgraph,
+}
+
+// SAFETY: graph handles are usable from any thread; replays are ordered by their stream.
+unsafe impl Send for Graph {}
+unsafe impl Sync for Graph {}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // SAFETY: made by end_capture.
+        unsafe {
+            let _ = sys::cuGraphExecDestroy(self.exec);
+            let _ = sys::cuGraphDestroy(self.graph);
+        }
+    }
+}
 
 /// A kernel handle: `CUfunction` is a raw pointer, valid from any thread while its module is
 /// loaded.
@@ -39,6 +75,8 @@ impl GpuRuntime for CudaRuntime {
     type Module = driver::Module;
     type Function = Function;
     type Vendor = nccl::Comm;
+    type Stream = OwnedStream;
+    type Graph = Graph;
 
     fn device_tag(ordinal: u32) -> Device {
         Device::Cuda(ordinal)
@@ -223,6 +261,7 @@ impl GpuRuntime for CudaRuntime {
             match fill {
                 Fill::U32(v) => check(sys::cuMemsetD32_v2(m.ptr, v, m.bytes / 4), "cuMemsetD32")?,
                 Fill::U16(v) => check(sys::cuMemsetD16_v2(m.ptr, v, m.bytes / 2), "cuMemsetD16")?,
+                Fill::U8(v) => check(sys::cuMemsetD8_v2(m.ptr, v, m.bytes), "cuMemsetD8")?,
             }
         }
         driver::context_synchronize()?;
@@ -310,5 +349,207 @@ impl GpuRuntime for CudaRuntime {
             call.dtype(),
             call.stream,
         )
+    }
+
+    /// Stops the device's default memory pool (what [`GpuRuntime::alloc`] allocates from)
+    /// from reusing memory across streams through internal dependencies: with them, an
+    /// allocation on one rank's stream may be made to wait for a free on another rank's
+    /// stream, which on virtual ranks (whose kernels wait for each other) closes a cycle and
+    /// deadlocks until the deadline. And never hands freed memory back at a
+    /// synchronisation: unmapping it can wait for the whole device, the same cycle. Affects
+    /// every user of the pool in this process.
+    fn prepare_virtual_ranks(dev: &driver::Device) -> Result<()> {
+        dev.bind()?;
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: a valid device; the attribute values are an i32 boolean and a u64.
+        unsafe {
+            check(
+                sys::cuDeviceGetDefaultMemPool(&mut pool, dev.dev),
+                "cuDeviceGetDefaultMemPool",
+            )?;
+            for attr in [
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+            ] {
+                let mut off: i32 = 0;
+                check(
+                    sys::cuMemPoolSetAttribute(pool, attr, &mut off as *mut i32 as *mut c_void),
+                    "cuMemPoolSetAttribute",
+                )?;
+            }
+            let mut keep = u64::MAX;
+            check(
+                sys::cuMemPoolSetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    &mut keep as *mut u64 as *mut c_void,
+                ),
+                "cuMemPoolSetAttribute",
+            )?;
+        }
+        Ok(())
+    }
+
+    fn create_stream(dev: &driver::Device) -> Result<OwnedStream> {
+        dev.bind()?;
+        let mut s = std::ptr::null_mut();
+        // SAFETY: a context is bound; flag 1 is CU_STREAM_NON_BLOCKING.
+        check(unsafe { sys::cuStreamCreate(&mut s, 1) }, "cuStreamCreate")?;
+        Ok(OwnedStream(s))
+    }
+
+    fn stream_handle(s: &OwnedStream) -> Stream {
+        Stream::from_raw(s.0 as *mut c_void)
+    }
+
+    fn stream_synchronize(s: &OwnedStream) -> Result<()> {
+        driver::stream_synchronize(Self::stream_handle(s))
+    }
+
+    /// An empty launch of the copy kernel: a stream's first kernel launch may do lazy setup
+    /// that waits for the device.
+    fn warm_stream(dev: &driver::Device, s: &OwnedStream) -> Result<()> {
+        let module = Self::load_module(dev)?;
+        let f = Self::function(&module, c"ar_copy_f32x4")?;
+        // SAFETY: n_vec = 0: the copy kernel touches no memory.
+        unsafe { driver::launch_words(f.0, 1, 32, s.0, &[0, 0, 0])? };
+        Self::stream_synchronize(s)
+    }
+
+    /// cuMemAllocAsync, freed by cuMemFreeAsync on the same stream.
+    unsafe fn alloc(s: &OwnedStream, bytes: usize) -> Result<driver::DeviceMem> {
+        driver::DeviceMem::alloc_async(bytes, s.0)
+    }
+
+    fn memory_len(mem: &driver::DeviceMem) -> usize {
+        mem.bytes
+    }
+
+    /// cuMemcpyHtoDAsync: from pageable memory the driver stages the bytes before returning,
+    /// so the source is consumed on return without a wait.
+    unsafe fn upload(
+        mem: &driver::DeviceMem,
+        offset: usize,
+        src: &[u8],
+        s: &OwnedStream,
+    ) -> Result<()> {
+        check(
+            sys::cuMemcpyHtoDAsync_v2(
+                mem.ptr + offset as u64,
+                src.as_ptr() as *const c_void,
+                src.len(),
+                s.0,
+            ),
+            "cuMemcpyHtoDAsync",
+        )
+    }
+
+    unsafe fn download(
+        mem: &driver::DeviceMem,
+        offset: usize,
+        dst: &mut [u8],
+        s: &OwnedStream,
+    ) -> Result<()> {
+        check(
+            sys::cuMemcpyDtoHAsync_v2(
+                dst.as_mut_ptr() as *mut c_void,
+                mem.ptr + offset as u64,
+                dst.len(),
+                s.0,
+            ),
+            "cuMemcpyDtoHAsync",
+        )?;
+        Self::stream_synchronize(s)
+    }
+
+    unsafe fn fill(
+        mem: &driver::DeviceMem,
+        offset: usize,
+        bytes: usize,
+        fill: Fill,
+        s: &OwnedStream,
+    ) -> Result<()> {
+        let at = mem.ptr + offset as u64;
+        match fill {
+            Fill::U8(v) => check(sys::cuMemsetD8Async(at, v, bytes, s.0), "cuMemsetD8Async"),
+            Fill::U16(v) => check(
+                sys::cuMemsetD16Async(at, v, bytes / 2, s.0),
+                "cuMemsetD16Async",
+            ),
+            Fill::U32(v) => check(
+                sys::cuMemsetD32Async(at, v, bytes / 4, s.0),
+                "cuMemsetD32Async",
+            ),
+        }
+    }
+
+    unsafe fn copy(
+        dst: &driver::DeviceMem,
+        dst_offset: usize,
+        src: &driver::DeviceMem,
+        src_offset: usize,
+        bytes: usize,
+        s: &OwnedStream,
+    ) -> Result<()> {
+        check(
+            sys::cuMemcpyDtoDAsync_v2(
+                dst.ptr + dst_offset as u64,
+                src.ptr + src_offset as u64,
+                bytes,
+                s.0,
+            ),
+            "cuMemcpyDtoDAsync",
+        )
+    }
+
+    fn begin_capture(s: &OwnedStream) -> Result<()> {
+        // SAFETY: a live stream.
+        check(
+            unsafe {
+                sys::cuStreamBeginCapture_v2(
+                    s.0,
+                    sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                )
+            },
+            "cuStreamBeginCapture",
+        )
+    }
+
+    fn end_capture(s: &OwnedStream) -> Result<Graph> {
+        let mut graph = std::ptr::null_mut();
+        // SAFETY: a live stream; the graph is destroyed with its instance (or below).
+        unsafe {
+            check(
+                sys::cuStreamEndCapture(s.0, &mut graph),
+                "cuStreamEndCapture",
+            )?;
+            let mut exec = std::ptr::null_mut();
+            if let Err(e) = check(
+                sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0),
+                "cuGraphInstantiate",
+            ) {
+                let _ = sys::cuGraphDestroy(graph);
+                return Err(e);
+            }
+            Ok(Graph { exec, graph })
+        }
+    }
+
+    fn launch_graph(graph: &Graph, s: &OwnedStream) -> Result<()> {
+        // SAFETY: an instantiated graph on a live stream.
+        check(
+            unsafe { sys::cuGraphLaunch(graph.exec, s.0) },
+            "cuGraphLaunch",
+        )
+    }
+
+    unsafe fn launch_words(
+        f: Function,
+        grid: u32,
+        block: u32,
+        stream: Stream,
+        words: &[u64],
+    ) -> Result<()> {
+        driver::launch_words(f.0, grid, block, stream.as_raw() as _, words)
     }
 }

@@ -18,7 +18,6 @@ mod loader;
 pub mod rccl;
 mod runtime;
 pub mod select;
-pub mod testing;
 
 use allreduce_gpu::{GpuBackend, GpuComm};
 

@@ -28,7 +28,7 @@ use std::sync::OnceLock;
 use allreduce_core::{Call, Device, Error, GroupConfig, Result, SelectionTable, Stream};
 use allreduce_gpu::{abi::THREADS, Fill, GpuRuntime};
 
-use crate::hip::result::{self as hip, device, memory, module};
+use crate::hip::result::{self as hip, device, graph, memory, module, stream};
 use crate::hip::sys;
 use crate::{kernels, rccl};
 
@@ -161,6 +161,41 @@ impl Drop for HipModule {
     }
 }
 
+/// A non-blocking stream of the device API, destroyed on drop.
+pub struct HipStream(pub sys::hipStream_t);
+
+// SAFETY: a stream handle is usable from any thread of the process.
+unsafe impl Send for HipStream {}
+unsafe impl Sync for HipStream {}
+
+impl Drop for HipStream {
+    fn drop(&mut self) {
+        // SAFETY: created by hipStreamCreateWithFlags.
+        unsafe {
+            let _ = stream::destroy(self.0);
+        }
+    }
+}
+
+/// A captured graph and its executable instance, destroyed on drop.
+pub struct HipGraph {
+    exec: sys::hipGraphExec_t,
+    graph: sys::hipGraph_t,
+}
+
+// SAFETY: graph handles are usable from any thread; replays are ordered by their stream.
+unsafe impl Send for HipGraph {}
+unsafe impl Sync for HipGraph {}
+
+impl Drop for HipGraph {
+    fn drop(&mut self) {
+        // SAFETY: made by end_capture.
+        unsafe {
+            let _ = graph::destroy(self.exec, self.graph);
+        }
+    }
+}
+
 /// A kernel of a loaded module.
 #[derive(Clone, Copy, Debug)]
 pub struct HipFunction(pub sys::hipFunction_t);
@@ -277,6 +312,8 @@ impl GpuRuntime for Hip {
     type Module = HipModule;
     type Function = HipFunction;
     type Vendor = RcclComm;
+    type Stream = HipStream;
+    type Graph = HipGraph;
 
     fn device_tag(ordinal: u32) -> Device {
         Device::Rocm(ordinal)
@@ -504,6 +541,7 @@ impl GpuRuntime for Hip {
             match fill {
                 Fill::U32(v) => memory::memset_d32(m.ptr, v, bytes / 4)?,
                 Fill::U16(v) => memory::memset_d16(m.ptr, v, bytes / 2)?,
+                Fill::U8(v) => memory::memset(m.ptr, v, bytes)?,
             }
         }
         device::synchronize()?;
@@ -512,6 +550,143 @@ impl GpuRuntime for Hip {
 
     fn default_selection(config: &GroupConfig) -> SelectionTable {
         crate::select::default_table(config.cast_bf16_to_f16)
+    }
+
+    fn create_stream(dev: &HipDevice) -> Result<HipStream> {
+        Self::bind(dev)?;
+        Ok(HipStream(stream::create_non_blocking()?))
+    }
+
+    fn stream_handle(s: &HipStream) -> Stream {
+        Stream::from_raw(s.0)
+    }
+
+    fn stream_synchronize(s: &HipStream) -> Result<()> {
+        // SAFETY: our own live stream.
+        Ok(unsafe { stream::synchronize(s.0) }?)
+    }
+
+    /// A memset on the stream, waited for: creates the stream's hardware queue now.
+    fn warm_stream(_dev: &HipDevice, s: &HipStream) -> Result<()> {
+        // SAFETY: the stream outlives the memory, freed below after the wait.
+        let m = unsafe { Self::alloc(s, 16)? };
+        // SAFETY: 16 bytes of live memory.
+        unsafe { memory::memset_async(m.ptr, 0, 16, s.0)? };
+        Self::stream_synchronize(s)
+    }
+
+    /// hipMalloc (freed by hipFree on drop): the stream is not needed.
+    unsafe fn alloc(_s: &HipStream, bytes: usize) -> Result<HipMemory> {
+        Ok(HipMemory {
+            ptr: memory::malloc(bytes)?,
+            bytes,
+        })
+    }
+
+    fn memory_len(mem: &HipMemory) -> usize {
+        mem.bytes
+    }
+
+    /// Waits for the stream: HIP may read pageable memory after hipMemcpyAsync returns.
+    unsafe fn upload(mem: &HipMemory, offset: usize, src: &[u8], s: &HipStream) -> Result<()> {
+        memory::copy_async(
+            (mem.ptr as *mut u8).add(offset) as *mut c_void,
+            src.as_ptr() as *const c_void,
+            src.len(),
+            sys::hipMemcpyHostToDevice,
+            s.0,
+        )?;
+        Self::stream_synchronize(s)
+    }
+
+    unsafe fn download(
+        mem: &HipMemory,
+        offset: usize,
+        dst: &mut [u8],
+        s: &HipStream,
+    ) -> Result<()> {
+        memory::copy_async(
+            dst.as_mut_ptr() as *mut c_void,
+            (mem.ptr as *const u8).add(offset) as *const c_void,
+            dst.len(),
+            sys::hipMemcpyDeviceToHost,
+            s.0,
+        )?;
+        Self::stream_synchronize(s)
+    }
+
+    unsafe fn fill(
+        mem: &HipMemory,
+        offset: usize,
+        bytes: usize,
+        fill: Fill,
+        s: &HipStream,
+    ) -> Result<()> {
+        let at = (mem.ptr as *mut u8).add(offset) as *mut c_void;
+        match fill {
+            Fill::U8(v) => memory::memset_async(at, v, bytes, s.0)?,
+            Fill::U16(v) => memory::memset_d16_async(at, v, bytes / 2, s.0)?,
+            Fill::U32(v) => memory::memset_d32_async(at, v, bytes / 4, s.0)?,
+        }
+        Ok(())
+    }
+
+    unsafe fn copy(
+        dst: &HipMemory,
+        dst_offset: usize,
+        src: &HipMemory,
+        src_offset: usize,
+        bytes: usize,
+        s: &HipStream,
+    ) -> Result<()> {
+        Ok(memory::copy_async(
+            (dst.ptr as *mut u8).add(dst_offset) as *mut c_void,
+            (src.ptr as *const u8).add(src_offset) as *const c_void,
+            bytes,
+            sys::hipMemcpyDeviceToDevice,
+            s.0,
+        )?)
+    }
+
+    fn begin_capture(s: &HipStream) -> Result<()> {
+        // SAFETY: our own live stream.
+        Ok(unsafe { graph::begin_capture(s.0) }?)
+    }
+
+    fn end_capture(s: &HipStream) -> Result<HipGraph> {
+        // SAFETY: our own live stream; the graph is destroyed with its instance (or below).
+        unsafe {
+            let g = graph::end_capture(s.0)?;
+            match graph::instantiate(g) {
+                Ok(exec) => Ok(HipGraph { exec, graph: g }),
+                Err(e) => {
+                    let _ = graph::destroy(std::ptr::null_mut(), g);
+                    Err(e.into())
+                }
+            }
+        }
+    }
+
+    fn launch_graph(g: &HipGraph, s: &HipStream) -> Result<()> {
+        // SAFETY: an instantiated graph on our own stream.
+        Ok(unsafe { graph::launch(g.exec, s.0) }?)
+    }
+
+    unsafe fn launch_words(
+        f: HipFunction,
+        grid: u32,
+        block: u32,
+        stream: Stream,
+        words: &[u64],
+    ) -> Result<()> {
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        Ok(module::launch_packed(
+            f.0,
+            grid,
+            block,
+            stream.as_raw() as sys::hipStream_t,
+            &bytes,
+        )?)
     }
 }
 

@@ -17,6 +17,7 @@ use allreduce_core::{
     FusedConfig, FusedPattern, GroupConfig, Precision, Strategy, Stream,
 };
 use allreduce_gpu::abi::{Args, Desc, FusedKernelArgs};
+use allreduce_gpu::device::{GpuDevice, GpuGraph, GpuStream};
 use allreduce_gpu::GpuRuntime;
 
 /// The stub's record of what the backend did (its `stub_*` functions).
@@ -339,9 +340,10 @@ fn hip_layers_against_a_stub_runtime() {
         "no kernel for the RCCL call"
     );
 
-    // Graph capture (testing::Graph, what the graph-replay test uses): the call launched on a
+    // Graph capture (GpuGraph, what the graph-replay test uses): the call launched on a
     // capturing stream is recorded, not run, and the graph replays it.
-    let s = allreduce_backend_rocm::testing::OwnedStream::new().unwrap();
+    let gpu = GpuDevice::<Hip>::open(0).unwrap();
+    let s = GpuStream::new(&gpu).unwrap();
     // SAFETY: fake device addresses, as above.
     let (input, output) = unsafe {
         (
@@ -361,8 +363,7 @@ fn hip_layers_against_a_stub_runtime() {
         |s, d, p| c.strategy_available(s, d, p),
     )
     .unwrap();
-    let graph =
-        allreduce_backend_rocm::testing::Graph::capture(&s, || c.all_reduce(&call)).unwrap();
+    let graph = GpuGraph::capture(&s, || c.all_reduce(&call)).unwrap();
     assert_eq!(probe.u32("stub_captured"), 1);
     assert_eq!(
         probe.u32("stub_launches"),

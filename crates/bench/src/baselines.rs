@@ -1,4 +1,4 @@
-//! GPU baselines measured in the same run as the sweep (`--baselines`, CUDA only):
+//! GPU baselines measured in the same run as the sweep (`--baselines`, any GPU backend):
 //!
 //! - the copy roofline: the plain 16-byte-vector copy kernel from the same fatbin, over the
 //!   same sizes, with the whole GPU (SMs x 4 blocks of 512), read + write bytes per second;
@@ -9,34 +9,36 @@
 
 use std::time::Instant;
 
-use allreduce::cuda::driver;
-use allreduce::cuda::testing::{
-    bind, Buffer, CodecInput, CodecKernels, CopyKernel, OwnedStream, Segment,
+use allreduce::{AllReduceOptions, BufMut, BufRef, Codec, Communicator, DType, Strategy};
+use allreduce_gpu::device::{
+    CodecInput, CodecKernels, CopyKernel, DeviceBuffer, GpuDevice, GpuStream, Segment,
 };
-use allreduce::{AllReduceOptions, BufMut, BufRef, Codec, Communicator, DType, Device, Strategy};
+use allreduce_gpu::GpuRuntime;
+
+use crate::gpu::open_rank;
 
 const CALLS: usize = 200;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-fn ordinal(comm: &Communicator) -> Result<u32, BoxError> {
-    match comm.device() {
-        Device::Cuda(o) => Ok(o),
-        d => Err(format!("--baselines needs CUDA ranks, not {d}").into()),
-    }
+/// The whole GPU's worth of blocks: 4 of 512 threads per SM or compute unit.
+fn whole_gpu<R: GpuRuntime>(dev: &GpuDevice<R>) -> u32 {
+    R::compute_units(dev.raw()) * 4
 }
 
 /// Copy-kernel time and bandwidth per size, on the first rank's GPU.
-pub fn copy_roofline(
+pub fn copy_roofline<R: GpuRuntime>(
     comm: &Communicator,
     sizes: &[usize],
 ) -> Result<Vec<(usize, f64, f64)>, BoxError> {
-    let dev = bind(ordinal(comm)?)?;
-    let grid = dev.sm_count * 4;
-    let kernel = CopyKernel::load()?;
-    let stream = OwnedStream::new()?;
+    let (dev, stream) = open_rank::<R>(comm)?;
+    let grid = whole_gpu(&dev);
+    let kernel = CopyKernel::load(&dev)?;
     let max = sizes.iter().copied().max().unwrap_or(16).div_ceil(16) * 16;
-    let (src, dst) = (Buffer::zeroed(max, &stream)?, Buffer::zeroed(max, &stream)?);
+    let (src, dst) = (
+        DeviceBuffer::zeroed(max, &stream)?,
+        DeviceBuffer::zeroed(max, &stream)?,
+    );
     let mut rows = Vec::new();
     for &bytes in sizes {
         let bytes = bytes.div_ceil(16) * 16;
@@ -53,12 +55,15 @@ pub fn copy_roofline(
         let secs = t.elapsed().as_secs_f64() / iters as f64;
         rows.push((bytes, secs * 1e6, 2.0 * bytes as f64 / secs / 1e9));
     }
-    drop(dev);
+    drop((src, dst, stream, dev));
     Ok(rows)
 }
 
 /// Mean host time per call, in microseconds: (all_reduce enqueue, bare launch), over ranks.
-pub fn launch_overhead(comms: &[Communicator], bytes: usize) -> Result<(f64, f64), BoxError> {
+pub fn launch_overhead<R: GpuRuntime>(
+    comms: &[Communicator],
+    bytes: usize,
+) -> Result<(f64, f64), BoxError> {
     // Module loads and allocations may wait for the whole device; no rank may make them while
     // a peer's collective is in flight, or the two wait for each other until the deadline.
     let ready = std::sync::Barrier::new(comms.len());
@@ -67,7 +72,7 @@ pub fn launch_overhead(comms: &[Communicator], bytes: usize) -> Result<(f64, f64
         let hs: Vec<_> = comms
             .iter()
             .map(|comm| {
-                s.spawn(move || rank_overhead(comm, bytes, ready).map_err(|e| e.to_string()))
+                s.spawn(move || rank_overhead::<R>(comm, bytes, ready).map_err(|e| e.to_string()))
             })
             .collect();
         hs.into_iter()
@@ -87,18 +92,17 @@ pub fn launch_overhead(comms: &[Communicator], bytes: usize) -> Result<(f64, f64
     Ok((sum.0 / n, sum.1 / n))
 }
 
-fn rank_overhead(
+fn rank_overhead<R: GpuRuntime>(
     comm: &Communicator,
     bytes: usize,
     ready: &std::sync::Barrier,
 ) -> Result<(f64, f64), BoxError> {
     let setup = (|| -> Result<_, BoxError> {
-        let dev: driver::Device = bind(ordinal(comm)?)?;
-        let stream = OwnedStream::new()?;
-        let kernel = CopyKernel::load()?;
+        let (dev, stream) = open_rank::<R>(comm)?;
+        let kernel = CopyKernel::load(&dev)?;
         let bufs = (
-            Buffer::zeroed(bytes, &stream)?,
-            Buffer::zeroed(bytes, &stream)?,
+            DeviceBuffer::zeroed(bytes, &stream)?,
+            DeviceBuffer::zeroed(bytes, &stream)?,
         );
         stream.synchronize()?;
         Ok((dev, stream, kernel, bufs))
@@ -166,8 +170,8 @@ pub struct CodecReport {
 }
 
 /// Mean seconds per launch of `f` over `iters` launches after 3 warm-up ones.
-fn time_launches(
-    stream: &OwnedStream,
+fn time_launches<R: GpuRuntime>(
+    stream: &GpuStream<R>,
     iters: usize,
     mut f: impl FnMut() -> allreduce::Result<()>,
 ) -> Result<f64, BoxError> {
@@ -185,10 +189,12 @@ fn time_launches(
 
 /// Encode + decode of `bytes` of bf16 N(0,1) per codec, and the copy kernel on the same
 /// bytes, on the first rank's GPU with the whole GPU's worth of blocks.
-pub fn codec_speed(comm: &Communicator, bytes: usize) -> Result<CodecReport, BoxError> {
-    let dev = bind(ordinal(comm)?)?;
-    let grid = dev.sm_count * 4;
-    let stream = OwnedStream::new()?;
+pub fn codec_speed<R: GpuRuntime>(
+    comm: &Communicator,
+    bytes: usize,
+) -> Result<CodecReport, BoxError> {
+    let (dev, stream) = open_rank::<R>(comm)?;
+    let grid = whole_gpu(&dev);
     let n = (bytes / 2).div_ceil(32) * 32;
     let bytes = n * 2;
     let mut host = vec![0u8; bytes];
@@ -204,16 +210,16 @@ pub fn codec_speed(comm: &Communicator, bytes: usize) -> Result<CodecReport, Box
         }
         DType::BF16.store_f32(&mut host, i, s * 1.732);
     }
-    let src = Buffer::from_host(&host, &stream)?;
-    let back = Buffer::zeroed(bytes, &stream)?;
-    let enc = Buffer::zeroed(
+    let src = DeviceBuffer::from_host(&host, &stream)?;
+    let back = DeviceBuffer::zeroed(bytes, &stream)?;
+    let enc = DeviceBuffer::zeroed(
         Codec::Int8
             .encoded_len(n)
             .max(Codec::Fp8E4M3.encoded_len(n)),
         &stream,
     )?;
-    let copy = CopyKernel::load()?;
-    let kernels = CodecKernels::load()?;
+    let copy = CopyKernel::load(&dev)?;
+    let kernels = CodecKernels::load(&dev)?;
     let iters = (8_000_000_000 / bytes.max(1)).clamp(5, 200);
     let copy_s = time_launches(&stream, iters, || {
         copy.copy(&src, &back, bytes, grid, &stream)
@@ -236,7 +242,7 @@ pub fn codec_speed(comm: &Communicator, bytes: usize) -> Result<CodecReport, Box
             gbs: moved / (e + d) / 1e9,
         });
     }
-    drop(dev);
+    drop((src, back, enc, stream, dev));
     Ok(CodecReport {
         bytes,
         copy_us: copy_s * 1e6,

@@ -41,7 +41,13 @@ pub fn factory(backend: BackendKind) -> Result<Box<dyn BufferFactory>> {
     match backend {
         BackendKind::Host => Ok(Box::new(HostFactory)),
         #[cfg(feature = "cuda")]
-        BackendKind::Cuda => Ok(Box::new(cuda::CudaFactory)),
+        BackendKind::Cuda => Ok(Box::new(
+            gpu::GpuFactory::<allreduce::cuda::CudaRuntime>::new(),
+        )),
+        #[cfg(feature = "rocm")]
+        BackendKind::Rocm => Ok(Box::new(gpu::GpuFactory::<allreduce::rocm::Hip>::new())),
+        // Unreachable only when every backend is compiled in.
+        #[allow(unreachable_patterns)]
         other => Err(Error::BackendNotBuilt(other.name())),
     }
 }
@@ -105,27 +111,34 @@ impl BenchBuffers for HostBuffers {
     }
 }
 
-#[cfg(feature = "cuda")]
-mod cuda {
-    //! Device buffers on the rank's GPU, and one non-blocking stream per rank.
-    use allreduce::cuda::driver;
-    use allreduce::cuda::testing::{bind, Buffer, OwnedStream};
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+mod gpu {
+    //! Device buffers on the rank's GPU, and one non-blocking stream per rank, for any runtime.
+    use std::marker::PhantomData;
+
+    use allreduce_gpu::device::{DeviceBuffer, GpuDevice, GpuStream};
+    use allreduce_gpu::GpuRuntime;
 
     use super::*;
 
-    pub struct CudaFactory;
+    pub struct GpuFactory<R>(PhantomData<fn() -> R>);
 
-    struct CudaBuffers {
-        dtype: DType,
-        device: allreduce::Device,
-        input: Option<Buffer>,
-        output: Buffer,
-        // Dropped after the buffers, which are freed in its order.
-        stream: OwnedStream,
-        _ctx: driver::Device,
+    impl<R> GpuFactory<R> {
+        pub fn new() -> Self {
+            GpuFactory(PhantomData)
+        }
     }
 
-    impl BufferFactory for CudaFactory {
+    struct GpuBuffers<R: GpuRuntime> {
+        dtype: DType,
+        device: allreduce::Device,
+        input: Option<DeviceBuffer<R>>,
+        output: DeviceBuffer<R>,
+        stream: GpuStream<R>,
+        _dev: GpuDevice<R>,
+    }
+
+    impl<R: GpuRuntime> BufferFactory for GpuFactory<R> {
         fn alloc(
             &self,
             comm: &Communicator,
@@ -133,29 +146,25 @@ mod cuda {
             dtype: DType,
             in_place: bool,
         ) -> Result<Box<dyn BenchBuffers>> {
-            let allreduce::Device::Cuda(ordinal) = comm.device() else {
-                return Err(Error::InvalidConfig("not a CUDA rank".into()));
-            };
-            let ctx = bind(ordinal)?;
-            let stream = OwnedStream::new()?;
+            let (dev, stream) = crate::gpu::open_rank::<R>(comm)?;
             let input = if in_place {
                 None
             } else {
-                Some(Buffer::zeroed(bytes, &stream)?)
+                Some(DeviceBuffer::zeroed(bytes, &stream)?)
             };
-            let output = Buffer::zeroed(bytes, &stream)?;
-            Ok(Box::new(CudaBuffers {
+            let output = DeviceBuffer::zeroed(bytes, &stream)?;
+            Ok(Box::new(GpuBuffers {
                 dtype,
                 device: comm.device(),
                 input,
                 output,
                 stream,
-                _ctx: ctx,
+                _dev: dev,
             }))
         }
     }
 
-    impl BenchBuffers for CudaBuffers {
+    impl<R: GpuRuntime> BenchBuffers for GpuBuffers<R> {
         fn upload(&mut self, host: &[u8]) -> Result<()> {
             let dst = self.input.as_ref().unwrap_or(&self.output);
             dst.upload(host, &self.stream)

@@ -1,4 +1,4 @@
-//! `--fused` (CUDA): the fused all-reduce + residual + RMSNorm against the unfused pipeline,
+//! `--fused` (any GPU backend): the fused all-reduce + residual + RMSNorm against the unfused pipeline,
 //! our all-reduce (`Strategy::Auto`) followed by the residual + RMSNorm kernel, in the same
 //! run, on the same inputs and buffers.
 //!
@@ -12,12 +12,13 @@
 use std::sync::Barrier;
 use std::time::Instant;
 
-use allreduce::cuda::testing::{bind, Buffer, Graph, OwnedStream};
-use allreduce::cuda::{NormBuffers, RmsNormKernel};
 use allreduce::{
-    AllReduceOptions, BufMut, BufRef, Communicator, DType, Device, Fp8BufMut, FusedArgs,
-    FusedConfig, FusedPattern, FusedWorkspace, GroupConfig, HostBytes, Strategy,
+    AllReduceOptions, BufMut, BufRef, Communicator, DType, Fp8BufMut, FusedArgs, FusedConfig,
+    FusedPattern, FusedWorkspace, GroupConfig, HostBytes, Strategy,
 };
+use allreduce_gpu::device::{DeviceBuffer, GpuGraph};
+use allreduce_gpu::fused::{NormBuffers, RmsNormKernel};
+use allreduce_gpu::GpuRuntime;
 
 use crate::cli::Args;
 
@@ -34,17 +35,17 @@ const GRAPH_REPLAYS: usize = 10;
 /// waits for them (near the loop's time: the host, not the GPU, set the eager pace).
 type Times = Vec<(usize, [f64; 8], Strategy)>;
 
-struct Bufs {
-    input: Buffer,
-    residual: Buffer,
-    gamma: Buffer,
-    res_out: Buffer,
-    norm: Buffer,
-    ar: Buffer,
+struct Bufs<R: GpuRuntime> {
+    input: DeviceBuffer<R>,
+    residual: DeviceBuffer<R>,
+    gamma: DeviceBuffer<R>,
+    res_out: DeviceBuffer<R>,
+    norm: DeviceBuffer<R>,
+    ar: DeviceBuffer<R>,
     /// FP8 codes, per-token scales, the static scale (FP8 patterns).
-    quant: Buffer,
-    scales: Buffer,
-    static_scale: Buffer,
+    quant: DeviceBuffer<R>,
+    scales: DeviceBuffer<R>,
+    static_scale: DeviceBuffer<R>,
 }
 
 fn fill(dtype: DType, n: usize, seed: usize) -> HostBytes {
@@ -57,7 +58,7 @@ fn fill(dtype: DType, n: usize, seed: usize) -> HostBytes {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn rank_loop(
+fn rank_loop<R: GpuRuntime>(
     comm: &Communicator,
     ws: &FusedWorkspace,
     dtype: DType,
@@ -67,26 +68,23 @@ fn rank_loop(
     barrier: &Barrier,
 ) -> Result<Times, String> {
     let e = |e: allreduce::Error| e.to_string();
-    let Device::Cuda(ordinal) = comm.device() else {
-        return Err("not a CUDA rank".into());
-    };
     let dev = comm.device();
-    let d = bind(ordinal).map_err(e)?;
-    let stream = OwnedStream::new().map_err(e)?;
-    stream.warm().map_err(e)?;
-    let kernel = RmsNormKernel::load(&d).map_err(e)?;
+    let (d, stream) = crate::gpu::open_rank::<R>(comm).map_err(e)?;
+    stream.warm(&d).map_err(e)?;
+    let kernel = RmsNormKernel::<R>::load(d.raw()).map_err(e)?;
     let max = tokens.iter().copied().max().unwrap_or(1) * hidden;
     let bytes = max * dtype.size();
     let b = Bufs {
-        input: Buffer::from_host(fill(dtype, max, comm.rank()).as_slice(), &stream).map_err(e)?,
-        residual: Buffer::from_host(fill(dtype, max, 99).as_slice(), &stream).map_err(e)?,
-        gamma: Buffer::from_host(fill(dtype, hidden, 5).as_slice(), &stream).map_err(e)?,
-        res_out: Buffer::zeroed(bytes, &stream).map_err(e)?,
-        norm: Buffer::zeroed(bytes, &stream).map_err(e)?,
-        ar: Buffer::zeroed(bytes, &stream).map_err(e)?,
-        quant: Buffer::zeroed(max, &stream).map_err(e)?,
-        scales: Buffer::zeroed(4 * (max / hidden), &stream).map_err(e)?,
-        static_scale: Buffer::from_host(&0.01f32.to_le_bytes(), &stream).map_err(e)?,
+        input: DeviceBuffer::from_host(fill(dtype, max, comm.rank()).as_slice(), &stream)
+            .map_err(e)?,
+        residual: DeviceBuffer::from_host(fill(dtype, max, 99).as_slice(), &stream).map_err(e)?,
+        gamma: DeviceBuffer::from_host(fill(dtype, hidden, 5).as_slice(), &stream).map_err(e)?,
+        res_out: DeviceBuffer::zeroed(bytes, &stream).map_err(e)?,
+        norm: DeviceBuffer::zeroed(bytes, &stream).map_err(e)?,
+        ar: DeviceBuffer::zeroed(bytes, &stream).map_err(e)?,
+        quant: DeviceBuffer::zeroed(max, &stream).map_err(e)?,
+        scales: DeviceBuffer::zeroed(4 * (max / hidden), &stream).map_err(e)?,
+        static_scale: DeviceBuffer::from_host(&0.01f32.to_le_bytes(), &stream).map_err(e)?,
     };
     // FP8 patterns write codes (and scales) instead of norm_out, in both pipelines, as an
     // FP8 model's next GEMM reads them.
@@ -139,7 +137,7 @@ fn rank_loop(
                     BufMut::from_raw(b.ar.addr(), n, dtype, dev),
                     &AllReduceOptions::default().stream(stream.handle()),
                 )?;
-                let addr = |b: &Buffer, yes: bool| if yes { b.addr() as u64 } else { 0 };
+                let addr = |b: &DeviceBuffer<R>, yes: bool| if yes { b.addr() as u64 } else { 0 };
                 kernel.launch(
                     dtype,
                     pattern,
@@ -207,10 +205,10 @@ fn rank_loop(
             f64::NAN
         };
         // Graphs of GRAPH_CALLS calls, replayed.
-        let gf = Graph::capture(&stream, || (0..GRAPH_CALLS).try_for_each(|_| fused_unit()))
+        let gf = GpuGraph::capture(&stream, || (0..GRAPH_CALLS).try_for_each(|_| fused_unit()))
             .map_err(e)?;
-        let gu =
-            Graph::capture(&stream, || (0..GRAPH_CALLS).try_for_each(|_| unfused())).map_err(e)?;
+        let gu = GpuGraph::capture(&stream, || (0..GRAPH_CALLS).try_for_each(|_| unfused()))
+            .map_err(e)?;
         gf.launch(&stream).map_err(e)?;
         gu.launch(&stream).map_err(e)?;
         comm.synchronize(stream.handle()).map_err(e)?;
@@ -230,7 +228,7 @@ fn rank_loop(
     Ok(out)
 }
 
-pub fn run(args: &Args) -> Result<(), BoxError> {
+pub fn run<R: GpuRuntime>(args: &Args) -> Result<(), BoxError> {
     let dtype = args.dtype;
     let pattern = args.fused_pattern;
     let world = args.ranks;
@@ -240,19 +238,6 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
          otherwise), {dtype}, {pattern}; us per call, slowest rank; unfused = \
          all_reduce(Auto) + residual/RMSNorm kernel (same pattern)"
     );
-    // The commit and the GPU, so that a pasted table says where it came from. The group
-    // below uses the default devices: every rank on GPU 0.
-    if let Some(g) = crate::report::Git::detect() {
-        println!(
-            "# git {}{}",
-            g.commit,
-            if g.dirty { " (dirty)" } else { "" }
-        );
-    }
-    let machine = crate::report::Machine::detect();
-    for m in crate::report::device_models(&[allreduce::Device::Cuda(0)], &machine) {
-        println!("# device {m}");
-    }
     println!(
         "# {:>6} {:>6} {:>8} | {:>9} {:>9} {:>6} | {:>9} {:>9} {:>6} | {:>9} {:>9} | {:>9} {:>9}",
         "hidden",
@@ -298,7 +283,7 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
                 .map(|(c, w)| {
                     let barrier = &barrier;
                     let tokens = &args.tokens;
-                    s.spawn(move || rank_loop(c, w, dtype, hidden, tokens, pattern, barrier))
+                    s.spawn(move || rank_loop::<R>(c, w, dtype, hidden, tokens, pattern, barrier))
                 })
                 .collect();
             hs.into_iter()

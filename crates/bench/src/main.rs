@@ -1,13 +1,15 @@
 //! `allreduce-bench`: an nccl-tests-like bandwidth and correctness sweep of the allreduce
 //! library. `--help` describes the flags and the measurements.
 
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 mod baselines;
 mod buffers;
 mod cli;
 mod data;
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 mod fused;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+mod gpu;
 mod metrics;
 mod plot;
 mod report;
@@ -286,26 +288,39 @@ fn run(args: &Args) -> Result<ExitCode, BoxError> {
 }
 
 /// `--baselines`: the copy roofline and the per-call host overhead, same run, same GPU.
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 fn baselines(
     args: &Args,
     comms: &[Communicator],
     sizes: &[usize],
     out: &mut dyn Write,
 ) -> Result<(), BoxError> {
-    if args.backend != allreduce::BackendKind::Cuda {
-        return Err("--baselines measures GPU baselines: use it with --backend cuda".into());
+    struct Job<'a>(&'a [Communicator], &'a [usize], &'a mut dyn Write);
+    impl gpu::WithRuntime for Job<'_> {
+        type Output = Result<(), BoxError>;
+        fn run<R: allreduce_gpu::GpuRuntime>(self) -> Self::Output {
+            baselines_on::<R>(self.0, self.1, self.2)
+        }
     }
+    gpu::with_runtime(args.backend, "--baselines", Job(comms, sizes, out))
+}
+
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn baselines_on<R: allreduce_gpu::GpuRuntime>(
+    comms: &[Communicator],
+    sizes: &[usize],
+    out: &mut dyn Write,
+) -> Result<(), BoxError> {
     writeln!(
         out,
         "#\n# Copy-kernel roofline (same fatbin, whole GPU, read + write bytes)"
     )?;
     writeln!(out, "#       size       time     copy bw")?;
     writeln!(out, "#        (B)       (us)      (GB/s)")?;
-    for (bytes, us, gbs) in baselines::copy_roofline(&comms[0], sizes)? {
+    for (bytes, us, gbs) in baselines::copy_roofline::<R>(&comms[0], sizes)? {
         writeln!(out, "{bytes:>12} {us:>10.2} {gbs:>11.1}")?;
     }
-    let (call, launch) = baselines::launch_overhead(comms, 8192)?;
+    let (call, launch) = baselines::launch_overhead::<R>(comms, 8192)?;
     writeln!(
         out,
         "#\n# Host time per call, 8 KiB bf16 one-shot, mean over {} rank threads",
@@ -318,17 +333,21 @@ fn baselines(
 }
 
 /// `--codec-bench`: encode + decode throughput per codec against the copy kernel.
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 fn codec_bench(
     args: &Args,
     comms: &[Communicator],
     bytes: usize,
     out: &mut dyn Write,
 ) -> Result<(), BoxError> {
-    if args.backend != allreduce::BackendKind::Cuda {
-        return Err("--codec-bench times GPU kernels: use it with --backend cuda".into());
+    struct Job<'a>(&'a Communicator, usize);
+    impl gpu::WithRuntime for Job<'_> {
+        type Output = Result<baselines::CodecReport, BoxError>;
+        fn run<R: allreduce_gpu::GpuRuntime>(self) -> Self::Output {
+            baselines::codec_speed::<R>(self.0, self.1)
+        }
     }
-    let r = baselines::codec_speed(&comms[0], bytes)?;
+    let r = gpu::with_runtime(args.backend, "--codec-bench", Job(&comms[0], bytes))?;
     writeln!(
         out,
         "#\n# Codec kernels, {} MiB of bf16 (N(0,1)), whole GPU; bandwidth = bytes read + written",
@@ -357,29 +376,33 @@ fn codec_bench(
     Ok(())
 }
 
-#[cfg(not(feature = "cuda"))]
+#[cfg(not(any(feature = "cuda", feature = "rocm")))]
 fn codec_bench(_: &Args, _: &[Communicator], _: usize, _: &mut dyn Write) -> Result<(), BoxError> {
-    Err("--codec-bench needs a build with --features cuda".into())
+    Err("--codec-bench needs a build with --features cuda or rocm".into())
 }
 
-#[cfg(not(feature = "cuda"))]
+#[cfg(not(any(feature = "cuda", feature = "rocm")))]
 fn baselines(_: &Args, _: &[Communicator], _: &[usize], _: &mut dyn Write) -> Result<(), BoxError> {
-    Err("--baselines needs a build with --features cuda".into())
+    Err("--baselines needs a build with --features cuda or rocm".into())
 }
 
 /// `--fused`: fused against unfused, same run, same inputs.
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 fn run_fused(args: &Args) -> Result<ExitCode, BoxError> {
-    if args.backend != allreduce::BackendKind::Cuda {
-        return Err("--fused times the CUDA kernels: use it with --backend cuda".into());
+    struct Job<'a>(&'a Args);
+    impl gpu::WithRuntime for Job<'_> {
+        type Output = Result<(), BoxError>;
+        fn run<R: allreduce_gpu::GpuRuntime>(self) -> Self::Output {
+            fused::run::<R>(self.0)
+        }
     }
-    fused::run(args)?;
+    gpu::with_runtime(args.backend, "--fused", Job(args))?;
     Ok(ExitCode::SUCCESS)
 }
 
-#[cfg(not(feature = "cuda"))]
+#[cfg(not(any(feature = "cuda", feature = "rocm")))]
 fn run_fused(_: &Args) -> Result<ExitCode, BoxError> {
-    Err("--fused needs a build with --features cuda".into())
+    Err("--fused needs a build with --features cuda or rocm".into())
 }
 
 /// `--peers`: ours against the peers' kernels, same run, same buffers.

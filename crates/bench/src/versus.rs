@@ -23,13 +23,15 @@ use std::sync::{Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 use allreduce::{
-    AllReduceOptions, BufMut, BufRef, Communicator, DType, Device, GroupConfig, HostBytes, Strategy,
+    AllReduceOptions, BufMut, BufRef, Communicator, DType, GroupConfig, HostBytes, Strategy,
 };
 use allreduce_peers::Vllm;
 
 use crate::cli::Args;
 use crate::data::{DataSet, Inputs};
-use allreduce::cuda::testing::{bind, Buffer, Graph, OwnedStream};
+use allreduce::cuda::CudaRuntime as R;
+use allreduce_gpu::device::{DeviceBuffer, GpuDevice, GpuGraph};
+use allreduce_gpu::GpuRuntime;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -75,12 +77,12 @@ struct RowTimes {
 
 struct Bufs {
     /// This rank's input for the largest size (the integer pattern), registered with vLLM.
-    input: Buffer,
+    input: DeviceBuffer<R>,
     /// vLLM's registered buffer its eager calls copy into.
-    staging: Buffer,
-    output: Buffer,
-    meta: Buffer,
-    rank_data: Buffer,
+    staging: DeviceBuffer<R>,
+    output: DeviceBuffer<R>,
+    meta: DeviceBuffer<R>,
+    rank_data: DeviceBuffer<R>,
 }
 
 /// Addresses every rank must know of every other: (meta, staging, input).
@@ -101,23 +103,19 @@ fn rank_loop(
     let e = |e: allreduce::Error| e.to_string();
     let rank = comm.rank();
 
-    let Device::Cuda(ordinal) = comm.device() else {
-        return Err("not a CUDA rank".into());
-    };
     let dev = comm.device();
-    let _ctx = bind(ordinal).map_err(e)?;
-    let stream = OwnedStream::new().map_err(e)?;
-    stream.warm().map_err(e)?;
+    let (d, stream) = crate::gpu::open_rank::<R>(comm).map_err(e)?;
+    stream.warm(&d).map_err(e)?;
     let max = sizes.iter().copied().max().unwrap_or(0);
     let host = Inputs::new(DataSet::Ints, dtype, max).fill(rank);
     // Every buffer before any rank's first call (virtual ranks: an allocation that waits for
     // the device while a peer's kernel waits for us never ends).
     let b = Bufs {
-        input: Buffer::from_host(host.as_slice(), &stream).map_err(e)?,
-        staging: Buffer::zeroed(max.max(16), &stream).map_err(e)?,
-        output: Buffer::zeroed(max.max(16), &stream).map_err(e)?,
-        meta: Buffer::zeroed(Vllm::meta_bytes(max), &stream).map_err(e)?,
-        rank_data: Buffer::zeroed(RANK_DATA_BYTES, &stream).map_err(e)?,
+        input: DeviceBuffer::from_host(host.as_slice(), &stream).map_err(e)?,
+        staging: DeviceBuffer::zeroed(max.max(16), &stream).map_err(e)?,
+        output: DeviceBuffer::zeroed(max.max(16), &stream).map_err(e)?,
+        meta: DeviceBuffer::zeroed(Vllm::meta_bytes(max), &stream).map_err(e)?,
+        rank_data: DeviceBuffer::zeroed(RANK_DATA_BYTES, &stream).map_err(e)?,
     };
     stream.synchronize().map_err(e)?;
     shared.lock().unwrap()[rank] = (
@@ -283,7 +281,7 @@ fn rank_loop(
                 continue;
             }
             barrier.wait();
-            let graph = Graph::capture(&stream, || {
+            let graph = GpuGraph::capture(&stream, || {
                 (0..GRAPH_CALLS).try_for_each(|_| call(w).map_err(allreduce::Error::InvalidConfig))
             })
             .map_err(e)?;
@@ -365,7 +363,7 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
     let allreduce::Device::Cuda(first) = comms[0].device() else {
         return Err("--peers runs on the CUDA backend".into());
     };
-    let sms = bind(first)?.sm_count;
+    let sms = R::compute_units(GpuDevice::<R>::open(first)?.raw());
     let block_limit = (sms / busiest).clamp(1, Vllm::max_blocks());
     println!(
         "# allreduce-bench --peers: {world} ranks (virtual, one GPU unless --devices says \

@@ -88,6 +88,14 @@ pub enum Error {
         detail: String,
     },
 
+    /// The backend or its device lacks an optional capability (thread-block clusters,
+    /// programmatic dependent launch, memory export to other processes, the fused kernels, a
+    /// multi-process vendor library). Nothing was enqueued and nothing was changed: a
+    /// communicator that meets it is intact, and the caller may take the path that needs no
+    /// such capability. Not a rejection: the same arguments fail again on this backend.
+    #[error("unsupported: {what}")]
+    Unsupported { what: String },
+
     /// The backend is not compiled into this build (see the cargo features).
     #[error("backend {0} is not compiled in (enable its cargo feature)")]
     BackendNotBuilt(&'static str),

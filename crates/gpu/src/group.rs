@@ -1120,4 +1120,4 @@ fn aborted_reason(c: &Control) -> String {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

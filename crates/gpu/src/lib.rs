@@ -17,20 +17,41 @@
 
 use std::ffi::CStr;
 
-use allreduce_core::{Call, Device, GroupConfig, Result, SelectionTable, Stream};
+use allreduce_core::{Call, Device, Error, GroupConfig, Result, SelectionTable, Stream};
 
 pub mod abi;
+pub mod device;
 pub mod fused;
 mod group;
 
 pub use group::{GpuBackend, GpuComm, GroupView};
 
-/// A pattern [`GpuRuntime::alloc_filled`] repeats over a whole allocation: one word of the
-/// width of the elements the memory will hold.
+/// A pattern repeated over device memory ([`GpuRuntime::alloc_filled`], [`GpuRuntime::fill`]):
+/// one word of the width of the elements the memory will hold.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fill {
     U32(u32),
     U16(u16),
+    U8(u8),
+}
+
+impl Fill {
+    /// The word's width in bytes: a filled range must be a whole number of words.
+    pub fn width(self) -> usize {
+        match self {
+            Fill::U32(_) => 4,
+            Fill::U16(_) => 2,
+            Fill::U8(_) => 1,
+        }
+    }
+}
+
+/// What a runtime without an optional capability returns: [`Error::Unsupported`] naming the
+/// backend and the capability.
+pub fn unsupported<R: GpuRuntime>(what: &str) -> Error {
+    Error::Unsupported {
+        what: format!("the {} backend has no {what}", R::NAME),
+    }
 }
 
 /// The device operations the shared group logic needs from a vendor runtime.
@@ -57,6 +78,11 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
     type Function: Copy + Send + Sync;
     /// One rank's communicator of the vendor library (NCCL, RCCL), destroyed on drop.
     type Vendor: Send + Sync;
+    /// A stream of one device that does not synchronise with the legacy/null stream,
+    /// destroyed on drop.
+    type Stream: Send + Sync;
+    /// A captured graph, instantiated and replayable; destroyed on drop.
+    type Graph: Send + Sync;
 
     /// Called first when a group over these device ordinals (one per rank) is built: a
     /// runtime's own checks or warnings about the group's shape.
@@ -162,10 +188,7 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
     /// A vendor-library group id (`ncclGetUniqueId`), made by rank 0 of a multi-process group
     /// and sent to the others over the bootstrap.
     fn vendor_unique_id() -> Result<Vec<u8>> {
-        Err(allreduce_core::Error::InvalidConfig(format!(
-            "the {} backend has no multi-process vendor library",
-            Self::NAME
-        )))
+        Err(unsupported::<Self>("multi-process vendor library"))
     }
 
     /// This process's communicator of a vendor group spanning processes.
@@ -175,10 +198,7 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
         _rank: usize,
         _world: usize,
     ) -> Result<Self::Vendor> {
-        Err(allreduce_core::Error::InvalidConfig(format!(
-            "the {} backend has no multi-process vendor library",
-            Self::NAME
-        )))
+        Err(unsupported::<Self>("multi-process vendor library"))
     }
 
     /// Fused all-reduce workspaces for every rank of `group`, or `None` where the runtime has
@@ -214,10 +234,7 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
         _stream: Stream,
         _args: &A,
     ) -> Result<()> {
-        Err(allreduce_core::Error::InvalidConfig(format!(
-            "the {} backend has no thread-block clusters",
-            Self::NAME
-        )))
+        Err(unsupported::<Self>("thread-block clusters"))
     }
 
     /// Whether `dev` runs programmatic dependent launches ([`GpuRuntime::launch_dependent`]:
@@ -252,10 +269,7 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
     /// Load the fused all-reduce + RMSNorm kernels (a second module, `fused.h`'s) for `dev`,
     /// which the caller has made current.
     fn load_fused_module(_dev: &Self::Device) -> Result<Self::Module> {
-        Err(allreduce_core::Error::InvalidConfig(format!(
-            "the {} backend has no fused kernels",
-            Self::NAME
-        )))
+        Err(unsupported::<Self>("fused kernels"))
     }
 
     /// Device memory of `bytes` that peers' kernels read and write (as
@@ -263,19 +277,13 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
     /// fused kernels' Lamport buffers, whose "not written yet" is -0.0. Runs with `dev`
     /// current (the caller bound it); complete on return.
     fn alloc_filled(_dev: &Self::Device, _bytes: usize, _fill: Fill) -> Result<Self::Memory> {
-        Err(allreduce_core::Error::InvalidConfig(format!(
-            "the {} backend has no fused kernels",
-            Self::NAME
-        )))
+        Err(unsupported::<Self>("fused kernels"))
     }
 
     /// A handle another process can open to map `mem` (CUDA/HIP IPC handles), for groups
     /// that span processes. Not needed by in-process groups, which share one address space.
     fn export_memory(_mem: &Self::Memory) -> Result<Vec<u8>> {
-        Err(allreduce_core::Error::InvalidConfig(format!(
-            "the {} backend cannot export memory to other processes yet",
-            Self::NAME
-        )))
+        Err(unsupported::<Self>("memory export to other processes"))
     }
 
     /// Map a peer process's memory from its [`GpuRuntime::export_memory`] handle; returns
@@ -284,9 +292,110 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
     /// # Safety
     /// `handle` must come from a live allocation of another process of the same group.
     unsafe fn import_memory(_dev: &Self::Device, _handle: &[u8]) -> Result<u64> {
-        Err(allreduce_core::Error::InvalidConfig(format!(
-            "the {} backend cannot import memory from other processes yet",
-            Self::NAME
-        )))
+        Err(unsupported::<Self>("memory import from other processes"))
     }
+
+    // ---- The device API: streams, data memory, graphs ([`device`] wraps it safely) ------
+    //
+    // One contract for every backend. Everything is ordered on the stream passed, never on
+    // the legacy/null stream, and nothing waits for the whole device: ranks sharing a GPU
+    // spin on each other's flags, so a device-wide wait (a synchronous free, memset or copy)
+    // made by one rank's thread while a peer's kernel waits for that rank's next launch is a
+    // cycle only the deadline breaks. `upload` returns once the host bytes are consumed (the
+    // caller may reuse the slice at once; the device copy may still be in flight);
+    // `download` returns once the bytes are in the host slice. Memory from [`GpuRuntime::alloc`]
+    // is usable by work enqueued on its stream after the call, and is freed on drop in that
+    // stream's order where the vendor allocates in stream order. Every call runs with the
+    // stream's device current on the calling thread (the caller bound it).
+
+    /// Process-wide settings of `dev` that virtual ranks (several ranks of one group on one
+    /// device) need before their data memory is allocated with [`GpuRuntime::alloc`]. Called
+    /// explicitly (`device::GpuDevice::prepare_virtual_ranks`), never as a side effect. The
+    /// default: none needed.
+    fn prepare_virtual_ranks(_dev: &Self::Device) -> Result<()> {
+        Ok(())
+    }
+
+    /// A new stream on `dev` (bound by this call).
+    fn create_stream(dev: &Self::Device) -> Result<Self::Stream>;
+    /// The raw handle calls take (`AllReduceOptions::stream`).
+    fn stream_handle(s: &Self::Stream) -> Stream;
+    /// Wait for the work enqueued on `s` so far.
+    fn stream_synchronize(s: &Self::Stream) -> Result<()>;
+    /// Do the stream's first-use work (a first kernel launch's lazy setup, a hardware queue's
+    /// creation) now, and wait for it: made later, while peers wait for this rank's launches,
+    /// it may wait for the device.
+    fn warm_stream(dev: &Self::Device, s: &Self::Stream) -> Result<()>;
+
+    /// `bytes` of uninitialised device memory for data, usable by work on `s` from now on.
+    ///
+    /// # Safety
+    /// `s` outlives the memory (it may be freed in `s`'s order).
+    unsafe fn alloc(s: &Self::Stream, bytes: usize) -> Result<Self::Memory>;
+    /// Bytes of `mem` (as allocated; at least what was asked for).
+    fn memory_len(mem: &Self::Memory) -> usize;
+    /// Copy `src` to `mem` at byte `offset`, ordered on `s`; returns once `src` is consumed.
+    ///
+    /// # Safety
+    /// The range lies inside `mem`, which stays alive until `s` passes the copy.
+    unsafe fn upload(mem: &Self::Memory, offset: usize, src: &[u8], s: &Self::Stream)
+        -> Result<()>;
+    /// Copy `mem` at byte `offset` into `dst`, after the work enqueued on `s` so far; returns
+    /// once the bytes are in `dst`.
+    ///
+    /// # Safety
+    /// The range lies inside `mem`.
+    unsafe fn download(
+        mem: &Self::Memory,
+        offset: usize,
+        dst: &mut [u8],
+        s: &Self::Stream,
+    ) -> Result<()>;
+    /// Repeat `fill` over `bytes` (a multiple of its width) of `mem` from byte `offset`
+    /// (a multiple of its width), ordered on `s`.
+    ///
+    /// # Safety
+    /// The range lies inside `mem`, which stays alive until `s` passes the fill.
+    unsafe fn fill(
+        mem: &Self::Memory,
+        offset: usize,
+        bytes: usize,
+        fill: Fill,
+        s: &Self::Stream,
+    ) -> Result<()>;
+    /// Copy `bytes` from `src` at `src_offset` to `dst` at `dst_offset`, ordered on `s`.
+    ///
+    /// # Safety
+    /// Both ranges lie inside their memory, which stays alive until `s` passes the copy.
+    unsafe fn copy(
+        dst: &Self::Memory,
+        dst_offset: usize,
+        src: &Self::Memory,
+        src_offset: usize,
+        bytes: usize,
+        s: &Self::Stream,
+    ) -> Result<()>;
+
+    /// Start capturing what this thread enqueues on `s` into a graph (thread-local capture
+    /// mode: other ranks' threads keep enqueueing eagerly or capture their own).
+    fn begin_capture(s: &Self::Stream) -> Result<()>;
+    /// End the capture [`GpuRuntime::begin_capture`] started and instantiate the graph.
+    fn end_capture(s: &Self::Stream) -> Result<Self::Graph>;
+    /// Replay `graph` on `s`.
+    fn launch_graph(graph: &Self::Graph, s: &Self::Stream) -> Result<()>;
+
+    /// Launch `f` (on the current device) with one 8-byte parameter per word of `words`,
+    /// for kernels that take separate parameters rather than one argument block (the copy
+    /// kernel).
+    ///
+    /// # Safety
+    /// The kernel takes `words.len()` parameters of 8 bytes, and every pointer among them
+    /// stays valid until the kernel has run.
+    unsafe fn launch_words(
+        f: Self::Function,
+        grid: u32,
+        block: u32,
+        stream: Stream,
+        words: &[u64],
+    ) -> Result<()>;
 }

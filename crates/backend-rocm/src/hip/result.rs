@@ -1,7 +1,7 @@
 //! A thin `Result` layer over [`super::sys`]: one function per HIP call, grouped the way
 //! cudarc's `result` modules are, each returning [`HipError`] (the code and the runtime's own
 //! name and message) instead of a status code. Nothing is owned here; RAII types live in
-//! `runtime` and `testing`.
+//! `runtime`.
 //!
 //! Every function is `unsafe` where the HIP call can touch memory through a pointer argument;
 //! the rest only need the library, which each call loads (once) and reports if absent.
@@ -338,6 +338,42 @@ pub mod memory {
         check(lib, (lib.hipMemsetD16)(dst, value, count), "hipMemsetD16")
     }
 
+    /// Fill `count` 32-bit words with `value`, ordered on `stream`.
+    ///
+    /// # Safety
+    /// `dst` holds `4 * count` bytes of device memory, alive until the stream passes the fill.
+    pub unsafe fn memset_d32_async(
+        dst: *mut c_void,
+        value: u32,
+        count: usize,
+        stream: sys::hipStream_t,
+    ) -> Result<(), HipError> {
+        let lib = lib()?;
+        check(
+            lib,
+            (lib.hipMemsetD32Async)(dst, value as c_int, count, stream),
+            "hipMemsetD32Async",
+        )
+    }
+
+    /// Fill `count` 16-bit words with `value`, ordered on `stream`.
+    ///
+    /// # Safety
+    /// `dst` holds `2 * count` bytes of device memory, alive until the stream passes the fill.
+    pub unsafe fn memset_d16_async(
+        dst: *mut c_void,
+        value: u16,
+        count: usize,
+        stream: sys::hipStream_t,
+    ) -> Result<(), HipError> {
+        let lib = lib()?;
+        check(
+            lib,
+            (lib.hipMemsetD16Async)(dst, value, count, stream),
+            "hipMemsetD16Async",
+        )
+    }
+
     /// # Safety
     /// `dst` holds `bytes` of device memory, alive until the stream passes the memset.
     pub unsafe fn memset_async(
@@ -654,11 +690,32 @@ pub mod module {
         stream: sys::hipStream_t,
         args: &A,
     ) -> Result<(), HipError> {
+        launch_packed(
+            f,
+            grid,
+            block,
+            stream,
+            std::slice::from_raw_parts(args as *const A as *const u8, size_of::<A>()),
+        )
+    }
+
+    /// Launch `f` on a 1-D grid with `params`, its parameters packed as the kernel lays them
+    /// out, as its whole argument block (copied at launch).
+    ///
+    /// # Safety
+    /// As [`launch`].
+    pub unsafe fn launch_packed(
+        f: sys::hipFunction_t,
+        grid: u32,
+        block: u32,
+        stream: sys::hipStream_t,
+        params: &[u8],
+    ) -> Result<(), HipError> {
         let lib = lib()?;
-        let mut size = size_of::<A>();
+        let mut size = params.len();
         let mut extra = [
             sys::HIP_LAUNCH_PARAM_BUFFER_POINTER,
-            args as *const A as *mut c_void,
+            params.as_ptr() as *mut c_void,
             sys::HIP_LAUNCH_PARAM_BUFFER_SIZE,
             &mut size as *mut usize as *mut c_void,
             sys::HIP_LAUNCH_PARAM_END,

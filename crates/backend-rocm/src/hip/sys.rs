@@ -63,6 +63,7 @@ pub const hipHostMallocCoherent: c_uint = 0x4000_0000;
 
 pub const hipMemcpyHostToDevice: hipMemcpyKind = 1;
 pub const hipMemcpyDeviceToHost: hipMemcpyKind = 2;
+pub const hipMemcpyDeviceToDevice: hipMemcpyKind = 3;
 
 pub const hipStreamNonBlocking: c_uint = 0x1;
 pub const hipEventDefault: c_uint = 0x0;
@@ -125,6 +126,10 @@ loader::function_table! {
         -> hipError_t;
     fn hipMemsetD32(dst: *mut c_void, value: c_int, count: usize) -> hipError_t;
     fn hipMemsetD16(dst: *mut c_void, value: u16, count: usize) -> hipError_t;
+    fn hipMemsetD32Async(dst: *mut c_void, value: c_int, count: usize, stream: hipStream_t)
+        -> hipError_t;
+    fn hipMemsetD16Async(dst: *mut c_void, value: u16, count: usize, stream: hipStream_t)
+        -> hipError_t;
     fn hipMemcpy(dst: *mut c_void, src: *const c_void, size: usize, kind: hipMemcpyKind)
         -> hipError_t;
     fn hipMemcpyAsync(

@@ -10,9 +10,9 @@ use crate::{Fill, GpuRuntime};
 use allreduce_core::{AllReduceOptions, BufMut, BufRef, Device, FusedPattern};
 
 #[derive(Clone, Debug)]
-struct Launch {
-    kernel: &'static str,
-    grid: u32,
+pub(crate) struct Launch {
+    pub(crate) kernel: &'static str,
+    pub(crate) grid: u32,
     /// Blocks per cluster (`launch_cluster`), 0 for a plain launch.
     cluster: u32,
     /// Launched as a programmatic dependent launch (`launch_dependent`).
@@ -22,7 +22,7 @@ struct Launch {
     /// The argument block when it is an `Args` (zeroed for other kernels' blocks).
     args: Args,
     /// The argument block's bytes, whatever its type.
-    raw: Vec<u8>,
+    pub(crate) raw: Vec<u8>,
 }
 
 impl Launch {
@@ -46,7 +46,7 @@ thread_local! {
     static PREPARED: RefCell<Vec<Vec<u32>>> = const { RefCell::new(Vec::new()) };
 }
 
-fn take_launches() -> Vec<Launch> {
+pub(crate) fn take_launches() -> Vec<Launch> {
     LAUNCHES.with(|l| std::mem::take(&mut *l.borrow_mut()))
 }
 
@@ -116,9 +116,9 @@ thread_local! {
     static FILLS: RefCell<Vec<(usize, Fill)>> = const { RefCell::new(Vec::new()) };
 }
 
-struct Mock;
+pub(crate) struct Mock;
 
-struct MockDevice {
+pub(crate) struct MockDevice {
     ordinal: u32,
 }
 
@@ -130,6 +130,8 @@ impl GpuRuntime for Mock {
     type Module = ();
     type Function = &'static str;
     type Vendor = ();
+    type Stream = ();
+    type Graph = ();
 
     fn prepare_group(ordinals: &[u32]) -> Result<()> {
         if ordinals.len() > 6 {
@@ -187,6 +189,7 @@ impl GpuRuntime for Mock {
         KERNELS
             .iter()
             .chain(fused_kernels())
+            .chain(&["ar_copy_f32x4"])
             .find(|k| k.as_bytes() == name.to_bytes())
             .copied()
             .ok_or_else(|| Error::InvalidConfig(format!("no kernel {name:?}")))
@@ -284,6 +287,7 @@ impl GpuRuntime for Mock {
         let word = match fill {
             Fill::U32(v) => u64::from(v) * 0x1_0000_0001,
             Fill::U16(v) => u64::from(v) * 0x0001_0001_0001_0001,
+            Fill::U8(v) => u64::from(v) * 0x0101_0101_0101_0101,
         };
         Ok(vec![word; bytes.div_ceil(8)].into_boxed_slice())
     }
@@ -295,6 +299,90 @@ impl GpuRuntime for Mock {
     }
     unsafe fn vendor_all_reduce(_comm: &(), _dev: &MockDevice, _call: &Call) -> Result<()> {
         unreachable!()
+    }
+    // The device API over host memory: the mock's "device memory" is a host allocation, so
+    // copies and fills are plain memory operations.
+    fn create_stream(_dev: &MockDevice) -> Result<()> {
+        Ok(())
+    }
+    fn stream_handle(_s: &()) -> Stream {
+        Stream::NULL
+    }
+    fn stream_synchronize(_s: &()) -> Result<()> {
+        Ok(())
+    }
+    fn warm_stream(_dev: &MockDevice, _s: &()) -> Result<()> {
+        Ok(())
+    }
+    unsafe fn alloc(_s: &(), bytes: usize) -> Result<Box<[u64]>> {
+        Ok(vec![0xdead_beef_dead_beef_u64; bytes.div_ceil(8)].into_boxed_slice())
+    }
+    fn memory_len(mem: &Box<[u64]>) -> usize {
+        mem.len() * 8
+    }
+    unsafe fn upload(mem: &Box<[u64]>, offset: usize, src: &[u8], _s: &()) -> Result<()> {
+        let dst = (mem.as_ptr() as *mut u8).add(offset);
+        std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len());
+        Ok(())
+    }
+    unsafe fn download(mem: &Box<[u64]>, offset: usize, dst: &mut [u8], _s: &()) -> Result<()> {
+        let src = (mem.as_ptr() as *const u8).add(offset);
+        std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len());
+        Ok(())
+    }
+    unsafe fn fill(
+        mem: &Box<[u64]>,
+        offset: usize,
+        bytes: usize,
+        fill: Fill,
+        _s: &(),
+    ) -> Result<()> {
+        let word: Vec<u8> = match fill {
+            Fill::U32(v) => v.to_le_bytes().to_vec(),
+            Fill::U16(v) => v.to_le_bytes().to_vec(),
+            Fill::U8(v) => vec![v],
+        };
+        let dst = std::slice::from_raw_parts_mut((mem.as_ptr() as *mut u8).add(offset), bytes);
+        for chunk in dst.chunks_mut(word.len()) {
+            chunk.copy_from_slice(&word);
+        }
+        Ok(())
+    }
+    unsafe fn copy(
+        dst: &Box<[u64]>,
+        dst_offset: usize,
+        src: &Box<[u64]>,
+        src_offset: usize,
+        bytes: usize,
+        _s: &(),
+    ) -> Result<()> {
+        std::ptr::copy(
+            (src.as_ptr() as *const u8).add(src_offset),
+            (dst.as_ptr() as *mut u8).add(dst_offset),
+            bytes,
+        );
+        Ok(())
+    }
+    fn begin_capture(_s: &()) -> Result<()> {
+        Ok(())
+    }
+    fn end_capture(_s: &()) -> Result<()> {
+        Ok(())
+    }
+    fn launch_graph(_g: &(), _s: &()) -> Result<()> {
+        Ok(())
+    }
+    unsafe fn launch_words(
+        f: &'static str,
+        grid: u32,
+        block: u32,
+        stream: Stream,
+        words: &[u64],
+    ) -> Result<()> {
+        let raw: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        Self::launch(f, grid, block, stream, &())?;
+        LAUNCHES.with(|l| l.borrow_mut().last_mut().unwrap().raw = raw);
+        Ok(())
     }
 }
 

@@ -1,0 +1,211 @@
+//! The GPU codecs against the Rust reference, byte for byte: every codec encodes random and
+//! adversarial blocks (zeros, -0.0, one huge value, subnormals, Inf, NaN, ties, first-maximum
+//! ties, the adaptive range's edges, f32 extremes) from f32 and from bf16 input on the GPU,
+//! and the bytes (codes, scales, padding) must equal `allreduce::codec::encode`'s; decoding the
+//! reference's bytes on the GPU must give `codec::decode`'s values (NaN as NaN).
+//! Skips with the reason when no GPU is usable.
+
+use allreduce::codec::{self, BLOCK};
+use allreduce::{Codec, DType};
+use allreduce_gpu::device::{
+    CodecInput, CodecKernels, DeviceBuffer, GpuDevice, GpuStream, Segment,
+};
+
+use crate::data::Rng;
+use crate::{gpu_available, GpuTestRuntime};
+
+/// Blocks chosen to reach every branch of the format, then random blocks over the whole
+/// f32 range of scales, then a ragged tail.
+fn data() -> Vec<f32> {
+    let mut v: Vec<f32> = Vec::new();
+    let mut block = |f: &dyn Fn(usize) -> f32| v.extend((0..BLOCK).map(f));
+    block(&|_| 0.0);
+    block(&|_| -0.0);
+    block(&|i| if i == 7 { 1e30 } else { 1.0 });
+    block(&|i| if i == 31 { f32::MAX } else { -1.0 });
+    block(&|i| if i == 0 { -f32::MAX } else { f32::MIN_POSITIVE });
+    block(&|i| (i as f32 - 16.0) * 1e-45); // f32 subnormals
+    block(&|i| f32::from_bits(i as u32 + 1)); // the smallest subnormals
+    block(&|i| if i == 3 { f32::INFINITY } else { i as f32 });
+    block(&|i| if i == 30 { f32::NEG_INFINITY } else { 1.0 });
+    block(&|i| if i == 12 { f32::NAN } else { 2.0 });
+    block(&|i| if i % 2 == 0 { 3.0 } else { -3.0 }); // first-maximum tie, + first
+    block(&|i| if i % 2 == 0 { -3.0 } else { 3.0 }); // first-maximum tie, - first
+    block(&|i| (i as f32 - 15.5) * 0.5); // halves: rounding ties
+    block(&|i| i as f32 * 8.0 - 128.0); // the integer grid of q4/q8
+    block(&|_| 5.0); // constant
+    block(&|i| if i == 9 { 100.0 } else { 0.01 * i as f32 }); // spike
+    block(&|i| (i as f32 * 0.7).sin()); // smooth
+    block(&|i| if i == 5 { 448.0 * 3.0 } else { 1.0 / 64.0 }); // fp8 subnormal codes
+    block(&|i| if i == 0 { 2f32.powi(-48) } else { 0.0 }); // adaptive range's lower edge
+    block(&|i| {
+        if i == 0 {
+            2f32.powi(-48) * 0.999
+        } else {
+            1e-20
+        }
+    });
+    block(&|i| if i == 1 { 2f32.powi(48) } else { 3.0 }); // upper edge
+    block(&|i| if i == 1 { 2f32.powi(48) * 1.001 } else { 3.0 });
+    block(&|i| {
+        if i == 2 {
+            65504.0
+        } else {
+            -65504.0 * (i as f32 / 40.0)
+        }
+    });
+    // Scales of exactly -1 (m = H) and 1 (fp8, amax = 448): quotients on and next to
+    // the codes' rounding boundaries, where the kernels fall back to a true division.
+    for h in [128.0f32, 32.0, 8.0] {
+        let ulp = f32::EPSILON * 16.0;
+        block(&|i| match i {
+            0 => h,
+            _ if i % 3 == 0 => (i % 8) as f32 - 4.5,
+            _ if i % 3 == 1 => (i % 8) as f32 - 4.5 + ulp,
+            _ => -((i % 8) as f32) + 2.5 - ulp,
+        });
+    }
+    block(&|i| match i {
+        0 => 448.0,
+        _ if i % 4 == 0 => 1.0625, // midpoint of 1 and 1.125
+        _ if i % 4 == 1 => f32::from_bits(1.0625f32.to_bits() + 1),
+        _ if i % 4 == 2 => -f32::from_bits(1.0625f32.to_bits() - 1),
+        _ => 3.0 / 1024.0 + (i as f32) / 512.0, // E4M3 subnormal halves
+    });
+    let mut rng = Rng::new(20261203);
+    for b in 0..2048i32 {
+        // Scales from 2^-140 to 2^120, and every tenth block with outliers.
+        let scale = 2f64.powi(b % 261 - 140);
+        for i in 0..BLOCK {
+            let mut x = rng.normal() * scale;
+            if b % 10 == 0 && i % 11 == 3 {
+                x *= 30.0;
+            }
+            v.push(x as f32);
+        }
+    }
+    v.extend((0..19).map(|i| i as f32 - 9.0)); // a ragged tail block
+    v
+}
+
+fn same(a: f32, b: f32) -> bool {
+    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+}
+
+fn check_codec<R: GpuTestRuntime>(
+    k: &CodecKernels<R>,
+    stream: &GpuStream<R>,
+    codec: Codec,
+    input: CodecInput,
+    x: &[f32],
+) -> Result<(), String> {
+    let e = |e: allreduce::Error| e.to_string();
+    let n = x.len();
+    // The values the encoder sees: bf16 input is widened exactly, so its reference input
+    // is the bf16-rounded data.
+    let (bytes, xs): (Vec<u8>, Vec<f32>) = match input {
+        CodecInput::F32 => (x.iter().flat_map(|v| v.to_le_bytes()).collect(), x.to_vec()),
+        CodecInput::Bf16 => {
+            let mut b = vec![0u8; 2 * n];
+            for (i, &v) in x.iter().enumerate() {
+                DType::BF16.store_f32(&mut b, i, v);
+            }
+            let xs = (0..n).map(|i| DType::BF16.load_f32(&b, i)).collect();
+            (b, xs)
+        }
+    };
+    let mut want = vec![0u8; codec.encoded_len(n)];
+    codec::encode(codec, &xs, &mut want);
+
+    let src = DeviceBuffer::from_host(&bytes, stream).map_err(e)?;
+    let enc = DeviceBuffer::zeroed(want.len(), stream).map_err(e)?;
+    let job = |grid| Segment {
+        input,
+        codec,
+        n,
+        grid,
+    };
+    k.encode(job(7), &src, &enc, stream).map_err(e)?;
+    let mut got = vec![0u8; want.len()];
+    enc.download(&mut got, stream).map_err(e)?;
+    if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
+        let so = codec.scales_offset(n);
+        let place = if i < so {
+            format!(
+                "code byte {} of block {}",
+                i % codec.code_bytes(),
+                i / codec.code_bytes()
+            )
+        } else {
+            format!("scale of block {}", (i - so) / 2)
+        };
+        let blk = if i < so {
+            i / codec.code_bytes()
+        } else {
+            (i - so) / 2
+        };
+        return Err(format!(
+            "{codec} {input:?} encode: byte {i} ({place}) is {:#04x}, reference {:#04x}; block input {:?}",
+            got[i],
+            want[i],
+            &xs[blk * BLOCK..((blk + 1) * BLOCK).min(n)]
+        ));
+    }
+
+    // Decode the reference's bytes.
+    let elem = if input == CodecInput::F32 { 4 } else { 2 };
+    let mut dec_want = vec![0f32; n];
+    codec::decode(codec, &want, &mut dec_want);
+    let encoded = DeviceBuffer::from_host(&want, stream).map_err(e)?;
+    let out = DeviceBuffer::zeroed(n * elem, stream).map_err(e)?;
+    k.decode(job(5), &encoded, &out, stream).map_err(e)?;
+    let mut raw = vec![0u8; n * elem];
+    out.download(&mut raw, stream).map_err(e)?;
+    for i in 0..n {
+        let (g, w) = match input {
+            CodecInput::F32 => (
+                f32::from_le_bytes(raw[4 * i..4 * i + 4].try_into().unwrap()),
+                dec_want[i],
+            ),
+            CodecInput::Bf16 => {
+                let mut b = [0u8; 2];
+                DType::BF16.store_f32(&mut b, 0, dec_want[i]);
+                (DType::BF16.load_f32(&raw, i), DType::BF16.load_f32(&b, 0))
+            }
+        };
+        if !same(g, w) {
+            return Err(format!(
+                "{codec} {input:?} decode: element {i} is {g:e}, reference {w:e}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Panics (a failing test) on the first difference.
+pub fn run<R: GpuTestRuntime>() {
+    if !gpu_available::<R>("codecs") {
+        return;
+    }
+    let dev = GpuDevice::<R>::open(0).expect("device");
+    dev.prepare_virtual_ranks().expect("memory pool");
+    let stream = GpuStream::new(&dev).expect("stream");
+    let k = CodecKernels::load(&dev).expect("codec kernels");
+    let x = data();
+    let mut failures = Vec::new();
+    for codec in Codec::ALL {
+        for input in [CodecInput::F32, CodecInput::Bf16] {
+            // The whole set, and a short prefix (a single partial block).
+            for len in [x.len(), 19] {
+                match check_codec(&k, &stream, codec, input, &x[..len]) {
+                    Ok(()) => println!("{codec} {input:?} n={len}: bytes and values match"),
+                    Err(e) => {
+                        println!("{e}");
+                        failures.push(e);
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} codec mismatches", failures.len());
+}
