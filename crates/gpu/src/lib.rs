@@ -22,6 +22,7 @@ use allreduce_core::{Call, Device, GroupConfig, Result, SelectionTable, Stream};
 pub mod abi;
 pub mod fused;
 mod group;
+pub mod kernels;
 
 pub use group::{GpuBackend, GpuComm, GroupView};
 
