@@ -1,6 +1,11 @@
 // HIP twin of kernels-cuda/fused.cu: the same bodies (kernels-common/include/allreduce/
 // fused.h), the launch bounds of kernels-hip/allreduce.hip. Launched by the ROCm backend
-// through allreduce_core::gpu::fused (Hip::load_fused_module); never yet run on AMD hardware.
+// through allreduce_gpu::fused (Hip::load_fused_module); never yet run on AMD hardware.
+// Which instances exist is fused_kernels.inc, generated from the kernel table
+// (crates/gpu/src/kernels.rs): only the generic one (w0: the world from the arguments), and no
+// split one-shot. The per-world instances of fused.cu would quadruple the compile time (about
+// 80 s per target on CI's two cores) for code never yet run on AMD hardware; adding them is
+// listing them in the table's Vendor::fused_worlds.
 
 #include "allreduce/fused.h"
 
@@ -14,17 +19,7 @@ constexpr int kWavesPerSimd = kBlocksPerCu * (kThreads / kWarpSize) / kSimdsPerC
 #define AR_KERNEL                                                                     \
   extern "C" __global__ void __attribute__((amdgpu_flat_work_group_size(1, kThreads), \
                                             amdgpu_waves_per_eu(kWavesPerSimd)))
-// Only the generic instance (w0: the world from the arguments): the per-world instances of
-// fused.cu would quadruple the compile time (about 80 s per target on CI's two cores) for code
-// never yet run on AMD hardware. Adding them means listing them in Hip::FUSED_WORLDS
-// (backend-rocm's kernels test checks the two agree).
-#define AR_FUSED_WORLD(SUFFIX, T, W)                                                            \
-  AR_KERNEL ar_fused_oneshot_##SUFFIX##_w##W(AR_GRID_CONSTANT const FusedKernelArgs a) { oneshot<T, W>(a); } \
-  AR_KERNEL ar_fused_twoshot_##SUFFIX##_w##W(AR_GRID_CONSTANT const FusedKernelArgs a) { twoshot<T, W>(a); }
-#define AR_FUSED_KERNELS(SUFFIX, T) \
-  AR_FUSED_WORLD(SUFFIX, T, 0)      \
-  AR_KERNEL ar_rmsnorm_##SUFFIX(AR_GRID_CONSTANT const FusedKernelArgs a) { norm_only<T>(a); }
+#define AR_FUSED_KERNEL(NAME, ...) \
+  AR_KERNEL NAME(AR_GRID_CONSTANT const FusedKernelArgs a) { __VA_ARGS__(a); }
 
-AR_FUSED_KERNELS(f32, float)
-AR_FUSED_KERNELS(f16, ar_half)
-AR_FUSED_KERNELS(bf16, ar_bf16)
+#include "fused_kernels.inc"

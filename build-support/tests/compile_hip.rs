@@ -1,27 +1,22 @@
-//! Compiles the real HIP kernels (kernels-hip/allreduce.hip + kernels-common) with whatever
-//! compiler `find_hip_compiler` finds, so a broken kernel fails `cargo test` on a machine
-//! without a GPU or ROCm. Without a compiler the tests say so and pass, unless
+//! Compiles the real HIP kernels (kernels-hip/allreduce.hip and fused.hip + kernels-common)
+//! with whatever compiler `find_hip_compiler` finds, and checks that they export every kernel
+//! of the table, so a broken or missing kernel fails `cargo test` on a machine without a GPU
+//! or ROCm. Without a compiler the tests say so and pass, unless
 //! `ALLREDUCE_REQUIRE_HIP=1` (CI's HIP step), which turns every skip into a failure.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use allreduce_build_support::{compile_hip_code_objects, find_hip_compiler, HipOptions};
+use allreduce_gpu::kernels::{self, Module, Vendor};
 
-/// The entry points a ROCm backend looks up by name: the same as kernels-cuda's.
-const KERNELS: &[&str] = &[
-    "ar_oneshot_f32",
-    "ar_oneshot_f16",
-    "ar_oneshot_bf16",
-    "ar_twoshot_f32",
-    "ar_twoshot_f16",
-    "ar_twoshot_bf16",
-    "ar_copy_f32x4",
-    "ar_quantized_bf16_fp8",
-    "ar_hierarchical_f16_fp8",
-    "ar_hierarchical_bf16_fp8",
-    "ar_hierarchical_bf16_q4a",
-];
+/// What `module` must export: every kernel of the table for HIP.
+fn kernel_names(module: Module) -> Vec<String> {
+    kernels::kernels(Vendor::Hip, module)
+        .iter()
+        .map(|k| k.name())
+        .collect()
+}
 
 const REQUIRE_ENV: &str = "ALLREDUCE_REQUIRE_HIP";
 
@@ -69,8 +64,9 @@ fn mach_of(arch: &str) -> Option<u32> {
     }
 }
 
-/// An AMDGPU HSA code object for `arch`, exporting every kernel (symbol and descriptor).
-fn check_code_object(arch: &str, bytes: &[u8]) {
+/// An AMDGPU HSA code object for `arch`, exporting every kernel of `module` (symbol and
+/// descriptor).
+fn check_code_object(module: Module, arch: &str, bytes: &[u8]) {
     assert!(
         bytes.len() > 64 && &bytes[..4] == b"\x7fELF",
         "{arch}: not an ELF"
@@ -94,8 +90,8 @@ fn check_code_object(arch: &str, bytes: &[u8]) {
             "{arch}: e_flags {flags:#x} name another processor"
         );
     }
-    for k in KERNELS {
-        for name in [k.to_string(), format!("{k}.kd")] {
+    for k in kernel_names(module) {
+        for name in [k.clone(), format!("{k}.kd")] {
             assert!(
                 bytes
                     .windows(name.len() + 1)
@@ -127,7 +123,7 @@ fn compile(cc: &Path, root: &Path, archs: Option<&[&str]>, out: &Path) -> Vec<St
     for o in &objs {
         let bytes = std::fs::read(&o.path).unwrap();
         println!("  {}: {} bytes", o.path.display(), bytes.len());
-        check_code_object(&o.arch, &bytes);
+        check_code_object(Module::AllReduce, &o.arch, &bytes);
     }
     let listing = std::fs::read_to_string(out.join("allreduce.hip.rs")).unwrap();
     assert_eq!(
@@ -183,19 +179,7 @@ fn hip_fused_kernels_compile_for_gfx942() {
     let objs = compile_hip_code_objects(&opts).unwrap_or_else(|e| panic!("{e}"));
     for o in &objs {
         let bytes = std::fs::read(&o.path).unwrap();
-        assert!(bytes.starts_with(b"\x7fELF"), "{}: not an ELF", o.arch);
-        for k in [
-            "ar_fused_oneshot_bf16_w0",
-            "ar_fused_twoshot_f16_w0",
-            "ar_rmsnorm_f32",
-        ] {
-            let name = format!("{k}.kd");
-            assert!(
-                bytes.windows(name.len()).any(|w| w == name.as_bytes()),
-                "{}: kernel {k} missing",
-                o.arch
-            );
-        }
+        check_code_object(Module::Fused, &o.arch, &bytes);
     }
     assert_eq!(objs.len(), 1);
     let _ = std::fs::remove_dir_all(&dir);

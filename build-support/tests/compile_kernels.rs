@@ -1,26 +1,22 @@
-//! Compiles the real kernels (kernels-cuda/allreduce.cu) with whatever nvcc `find_nvcc`
-//! finds, so a broken kernel fails `cargo test` on a machine without a GPU. Without nvcc (or
-//! away from the source tree, e.g. on the GPU machine) the tests say so and pass.
+//! Compiles the real kernels (kernels-cuda/allreduce.cu and fused.cu) with whatever nvcc
+//! `find_nvcc` finds, so a broken kernel, or one of the kernel table that is not compiled,
+//! fails `cargo test` on a machine without a GPU. Without nvcc (or away from the source tree,
+//! e.g. on the GPU machine) the tests say so and pass.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
 use allreduce_build_support::{compile_fatbin, find_nvcc, FatbinOptions, DEFAULT_ARCHS};
+use allreduce_gpu::kernels::{self, Module, Vendor};
 
-const KERNELS: &[&str] = &[
-    "ar_oneshot_f32",
-    "ar_oneshot_f16",
-    "ar_oneshot_bf16",
-    "ar_twoshot_f32",
-    "ar_twoshot_f16",
-    "ar_twoshot_bf16",
-    "ar_copy_f32x4",
-    "ar_quantized_bf16_fp8",
-    "ar_hierarchical_f16_fp8",
-    "ar_hierarchical_bf16_fp8",
-    "ar_hierarchical_bf16_q4a",
-];
+/// What `module` must export: every kernel of the table, as the backend looks it up.
+fn kernel_names(module: Module) -> Vec<String> {
+    kernels::kernels(Vendor::Cuda, module)
+        .iter()
+        .map(|k| k.name())
+        .collect()
+}
 
 /// The nvcc and the workspace root, or None after printing why the test is skipped.
 fn setup() -> Option<(PathBuf, PathBuf)> {
@@ -41,10 +37,11 @@ fn setup() -> Option<(PathBuf, PathBuf)> {
     }
 }
 
-fn compile(nvcc: &Path, root: &Path, archs: &[&str], out: &Path) -> PathBuf {
+fn compile(nvcc: &Path, root: &Path, module: Module, archs: &[&str], out: &Path) -> PathBuf {
+    let stem = module.stem();
     let opts = FatbinOptions {
-        name: "allreduce".into(),
-        source: root.join("kernels-cuda/allreduce.cu"),
+        name: stem.into(),
+        source: root.join(format!("kernels-cuda/{stem}.cu")),
         include_dirs: vec![root.join("kernels-common/include")],
         archs: Some(archs.iter().map(|a| a.to_string()).collect()),
         out_dir: Some(out.to_path_buf()),
@@ -55,13 +52,28 @@ fn compile(nvcc: &Path, root: &Path, archs: &[&str], out: &Path) -> PathBuf {
     let path = compile_fatbin(&opts).unwrap_or_else(|e| panic!("{e}"));
     let bytes = std::fs::metadata(&path).unwrap().len();
     println!(
-        "{archs:?}: {bytes} bytes in {:.2?} with {}",
+        "{stem} {archs:?}: {bytes} bytes in {:.2?} with {}",
         start.elapsed(),
         nvcc.display()
     );
-    assert_eq!(path, out.join("allreduce.fatbin"));
+    assert_eq!(path, out.join(format!("{stem}.fatbin")));
     assert!(bytes > 0);
     path
+}
+
+/// Every kernel of the table for `module` is exported (extern "C", unmangled). This reads the
+/// names straight out of the fatbin, which nvcc leaves uncompressed; the terminating NUL keeps
+/// `ar_quantized_f16_q8` from matching inside `ar_quantized_f16_q8a`.
+fn check_exports(module: Module, fatbin: &Path) {
+    let bytes = std::fs::read(fatbin).unwrap();
+    for k in kernel_names(module) {
+        let symbol = format!("{k}\0");
+        assert!(
+            bytes.windows(symbol.len()).any(|w| w == symbol.as_bytes()),
+            "{k} missing from {}",
+            fatbin.display()
+        );
+    }
 }
 
 fn scratch(name: &str) -> PathBuf {
@@ -75,17 +87,8 @@ fn scratch(name: &str) -> PathBuf {
 fn kernels_compile_for_sm_90() {
     let Some((nvcc, root)) = setup() else { return };
     let dir = scratch("sm90");
-    let fatbin = compile(&nvcc, &root, &["sm_90"], &dir);
-
-    // Every kernel the backend looks up by name is exported (extern "C", unmangled). This
-    // reads the names straight out of the fatbin, which nvcc leaves uncompressed.
-    let bytes = std::fs::read(&fatbin).unwrap();
-    for k in KERNELS {
-        assert!(
-            bytes.windows(k.len()).any(|w| w == k.as_bytes()),
-            "{k} missing from the fatbin"
-        );
-    }
+    let fatbin = compile(&nvcc, &root, Module::AllReduce, &["sm_90"], &dir);
+    check_exports(Module::AllReduce, &fatbin);
 
     let cuobjdump = nvcc.with_file_name("cuobjdump");
     match Command::new(&cuobjdump)
@@ -109,6 +112,17 @@ fn kernels_compile_for_sm_90() {
 fn kernels_compile_for_default_archs() {
     let Some((nvcc, root)) = setup() else { return };
     let dir = scratch("default");
-    compile(&nvcc, &root, DEFAULT_ARCHS, &dir);
+    compile(&nvcc, &root, Module::AllReduce, DEFAULT_ARCHS, &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The fused module (fused.cu), sm_90 only: the architecture its split one-shot needs, and
+/// the slowest of the two to build.
+#[test]
+fn fused_kernels_compile_for_sm_90() {
+    let Some((nvcc, root)) = setup() else { return };
+    let dir = scratch("fused");
+    let fatbin = compile(&nvcc, &root, Module::Fused, &["sm_90"], &dir);
+    check_exports(Module::Fused, &fatbin);
     let _ = std::fs::remove_dir_all(&dir);
 }

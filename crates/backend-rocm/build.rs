@@ -20,7 +20,12 @@ fn main() {
     let mut why = None;
     for name in ["allreduce", "fused"] {
         let mut opts = HipOptions::new(name, root.join(format!("kernels-hip/{name}.hip")));
-        opts.include_dirs = vec![root.join("kernels-common/include")];
+        // kernels-hip too, though nothing includes through it: every file under an include
+        // directory is watched, and the generated instance lists live there.
+        opts.include_dirs = vec![
+            root.join("kernels-common/include"),
+            root.join("kernels-hip"),
+        ];
         match compile_hip_code_objects(&opts) {
             Ok(objs) => {
                 // Both sources get the same targets (one ALLREDUCE_HIP_ARCHS search).

@@ -244,7 +244,8 @@ impl GpuRuntime for CudaRuntime {
         allreduce_gpu::fused::create_group(group, config).map(Some)
     }
 
-    const FUSED_WORLDS: &'static [usize] = &[2, 4, 8];
+    /// The instances fused.cu holds: the kernel table's.
+    const FUSED_WORLDS: &'static [usize] = allreduce_gpu::kernels::Vendor::Cuda.fused_worlds();
 
     /// On the context the caller made current (no bind of our own).
     fn load_fused_module(_dev: &driver::Device) -> Result<driver::Module> {

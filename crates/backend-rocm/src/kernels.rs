@@ -45,6 +45,29 @@ pub fn missing() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use allreduce_gpu::kernels::{self, Module, Vendor};
+
+    /// Every kernel of the table for `module` is in `image` (as a NUL-terminated symbol, so
+    /// `..._q8` is not found inside `..._q8a`), and with it every name the generic fused code
+    /// asks for at each world the runtime promises.
+    fn assert_exports(arch: &str, image: &[u8], module: Module) {
+        let has = |k: &str| {
+            let symbol = format!("{k}\0");
+            image.windows(symbol.len()).any(|w| w == symbol.as_bytes())
+        };
+        for k in kernels::kernels(Vendor::Hip, module) {
+            assert!(has(&k.name()), "{arch} lacks {}", k.name());
+        }
+        if module == Module::Fused {
+            let worlds = <crate::Hip as allreduce_gpu::GpuRuntime>::FUSED_WORLDS;
+            for w in [0].iter().chain(worlds) {
+                let names = allreduce_gpu::fused::kernel_names::<crate::Hip>(*w);
+                for k in names.iter().flatten() {
+                    assert!(has(k), "{arch} lacks {k}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn embedded_code_objects_are_amdgpu_elfs_or_absent_with_a_reason() {
@@ -67,19 +90,7 @@ mod tests {
             assert_eq!(&image[..4], b"\x7fELF", "{arch}");
             assert_eq!((image[4], image[5], image[7]), (2, 1, 64), "{arch}");
             assert_eq!(u16::from_le_bytes([image[18], image[19]]), 224, "{arch}");
-            for k in [
-                "ar_oneshot_f32",
-                "ar_oneshot_f16",
-                "ar_oneshot_bf16",
-                "ar_twoshot_f32",
-                "ar_twoshot_f16",
-                "ar_twoshot_bf16",
-            ] {
-                assert!(
-                    image.windows(k.len()).any(|w| w == k.as_bytes()),
-                    "{arch} lacks {k}"
-                );
-            }
+            assert_exports(arch, image, Module::AllReduce);
         }
         assert_eq!(
             fused_code_objects()
@@ -90,25 +101,15 @@ mod tests {
         );
         for (arch, image) in fused_code_objects() {
             assert_eq!(&image[..4], b"\x7fELF", "{arch}");
-            // The generic instance every world can fall back to, and each one Hip::FUSED_WORLDS
-            // promises (the names the generic host code asks for).
+            assert_exports(arch, image, Module::Fused);
+            // And no per-world instance the host would never ask for (Hip::FUSED_WORLDS).
             let worlds = <crate::Hip as allreduce_gpu::GpuRuntime>::FUSED_WORLDS;
-            // And no instance the host would never ask for.
             for w in (1..=8).filter(|w| !worlds.contains(w)) {
                 let k = format!("ar_fused_oneshot_f32_w{w}");
                 assert!(
                     !image.windows(k.len()).any(|x| x == k.as_bytes()),
                     "{arch} has {k}, which Hip::FUSED_WORLDS does not list"
                 );
-            }
-            for w in [0].iter().chain(worlds) {
-                let names = allreduce_gpu::fused::kernel_names::<crate::Hip>(*w);
-                for k in names.iter().flatten() {
-                    assert!(
-                        image.windows(k.len()).any(|w| w == k.as_bytes()),
-                        "{arch} lacks {k}"
-                    );
-                }
             }
         }
         assert!(targets().contains(&"gfx942"), "{:?}", targets());

@@ -523,9 +523,8 @@ impl GpuRuntime for Hip {
         allreduce_gpu::fused::create_group(group, config).map(Some)
     }
 
-    /// None: fused.hip compiles only the generic instance (`_w0`), since per-world ones would
-    /// quadruple its compile time for kernels never yet run on AMD hardware.
-    const FUSED_WORLDS: &'static [usize] = &[];
+    /// The instances fused.hip holds: the kernel table's (none: only the generic `_w0`).
+    const FUSED_WORLDS: &'static [usize] = allreduce_gpu::kernels::Vendor::Hip.fused_worlds();
 
     fn load_fused_module(dev: &HipDevice) -> Result<HipModule> {
         load_code_object(dev, kernels::fused_code_objects())

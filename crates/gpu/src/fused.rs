@@ -12,10 +12,10 @@
 //! error reports, so a poll that times out shows up in `Communicator::synchronize` like any
 //! other timeout (group.rs maps `ERROR_FUSED_MISMATCH` the same way).
 
-use std::ffi::CString;
 use std::sync::Arc;
 
 use crate::abi::{FusedKernelArgs, MAX_WORLD, THREADS};
+use crate::kernels::Kernel;
 use crate::{Fill, GpuRuntime, GroupView};
 use allreduce_core::fused::MAX_BLOCKS;
 use allreduce_core::{
@@ -31,20 +31,21 @@ fn dtype_index(d: DType) -> usize {
     }
 }
 
-/// The kernel names of the fused module for groups of `world` ranks: one-shot, two-shot and
-/// the unfused norm, each for f32, f16 and bf16. A world the module has no instance for
+/// The kernels of the fused module for groups of `world` ranks: one-shot, two-shot and the
+/// unfused norm, each for f32, f16 and bf16. A world the module has no instance for
 /// (`R::FUSED_WORLDS`) uses the generic one (`_w0`), which reads the world from its arguments.
-pub fn kernel_names<R: GpuRuntime>(world: usize) -> [[String; 3]; 3] {
+fn kernel_set<R: GpuRuntime>(world: usize) -> [[Kernel; 3]; 3] {
     let w = instance_world::<R>(world);
-    let set = |prefix: &str, tail: &str| {
-        ["f32", "f16", "bf16"].map(|dtype| format!("{prefix}_{dtype}{tail}"))
-    };
-    let tail = format!("_w{w}");
     [
-        set("ar_fused_oneshot", &tail),
-        set("ar_fused_twoshot", &tail),
-        set("ar_rmsnorm", ""),
+        DType::ALL.map(|d| Kernel::FusedOneShot(d, w)),
+        DType::ALL.map(|d| Kernel::FusedTwoShot(d, w)),
+        DType::ALL.map(Kernel::RmsNorm),
     ]
+}
+
+/// The names of [`kernel_set`]'s kernels, as the module exports them.
+pub fn kernel_names<R: GpuRuntime>(world: usize) -> [[String; 3]; 3] {
+    kernel_set::<R>(world).map(|set| set.map(Kernel::name))
 }
 
 /// The world a kernel instance is compiled for: `world` where the module specialises it
@@ -57,11 +58,16 @@ fn instance_world<R: GpuRuntime>(world: usize) -> usize {
     }
 }
 
-/// The split one-shot's names (`oneshot_split` in fused.h: a row shared by the blocks of a
-/// cluster), f32, f16, bf16; CUDA only.
-pub fn split_kernel_names<R: GpuRuntime>(world: usize) -> [String; 3] {
+/// The split one-shot (`oneshot_split` in fused.h: a row shared by the blocks of a cluster),
+/// f32, f16, bf16; CUDA only.
+fn split_kernel_set<R: GpuRuntime>(world: usize) -> [Kernel; 3] {
     let w = instance_world::<R>(world);
-    ["f32", "f16", "bf16"].map(|dtype| format!("ar_fused_oneshot_split_{dtype}_w{w}"))
+    DType::ALL.map(|d| Kernel::FusedOneShotSplit(d, w))
+}
+
+/// The names of [`split_kernel_set`]'s kernels.
+pub fn split_kernel_names<R: GpuRuntime>(world: usize) -> [String; 3] {
+    split_kernel_set::<R>(world).map(Kernel::name)
 }
 
 /// The fused module's kernels on one device.
@@ -78,22 +84,14 @@ impl<R: GpuRuntime> Kernels<R> {
     /// Look up (eagerly: see [`GpuRuntime::function`]) the instances for groups of `world`
     /// ranks in a loaded fused module.
     fn from_module(module: R::Module, world: usize, clusters: bool) -> Result<Self> {
-        let [oneshot, twoshot, norm] = kernel_names::<R>(world);
-        let set = |names: &[String; 3]| -> Result<[R::Function; 3]> {
-            let f = |name: &String| {
-                let name = CString::new(name.as_str()).map_err(|_| {
-                    Error::InvalidArgument(format!("kernel name {name:?} holds a NUL"))
-                })?;
-                R::function(&module, &name)
-            };
-            Ok([f(&names[0])?, f(&names[1])?, f(&names[2])?])
-        };
+        let [oneshot, twoshot, norm] = kernel_set::<R>(world);
+        let set = |kernels: [Kernel; 3]| crate::kernels::functions::<R, 3>(&module, kernels);
         Ok(Kernels {
-            oneshot: set(&oneshot)?,
-            twoshot: set(&twoshot)?,
-            norm: set(&norm)?,
+            oneshot: set(oneshot)?,
+            twoshot: set(twoshot)?,
+            norm: set(norm)?,
             split: if clusters {
-                Some(set(&split_kernel_names::<R>(world))?)
+                Some(set(split_kernel_set::<R>(world))?)
             } else {
                 None
             },
@@ -291,7 +289,7 @@ fn grid_setting<R: GpuRuntime>(group: &GroupView<R>, config: &FusedConfig) -> Re
 /// group's next collective (an exact all-reduce: up to one block per SM too) while a peer's
 /// fused grid still waits for SMs, and both poll: past one per SM for the fused grids the
 /// two no longer co-reside, and the polls time out (H100, 8 ranks at 32 blocks,
-/// docs/history/benchmarks-2026-12.md).
+/// docs/benchmarks.md).
 pub(crate) fn blocks_setting(v: &str, source: &str, busiest: u32, sms: u32) -> Result<u32> {
     let most = MAX_BLOCKS.min(sms / busiest.max(1)).max(1);
     match v.trim().parse::<u32>() {

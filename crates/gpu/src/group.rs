@@ -9,13 +9,14 @@
 //! arguments once, at creation, so nothing per call comes from the host but the caller's
 //! buffers.
 
-use std::ffi::{c_void, CStr};
+use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::abi::{self, Args, Control, Desc, MAX_BLOCKS, MAX_WORLD, THREADS};
+use crate::kernels::{self, Kernel};
 use crate::GpuRuntime;
 use allreduce_core::{
     Backend, BackendComm, Bootstrap, Call, Codec, DType, Error, GroupConfig, Limits, Precision,
@@ -130,21 +131,6 @@ struct Kernels<R: GpuRuntime> {
     _module: R::Module,
 }
 
-/// `ar_{family}_{dtype}_{codec}` for every codec.
-fn codec_functions<R: GpuRuntime>(
-    module: &R::Module,
-    family: &str,
-    dtype: &str,
-) -> Result<[R::Function; Codec::ALL.len()]> {
-    let mut out = Vec::with_capacity(Codec::ALL.len());
-    for codec in Codec::ALL {
-        let name = std::ffi::CString::new(format!("ar_{family}_{dtype}_{}", codec.name()))
-            .expect("no NUL in kernel names");
-        out.push(R::function(module, &name)?);
-    }
-    Ok(out.try_into().ok().expect("one per codec"))
-}
-
 /// Bytes of each staging buffer (and of `reduced`): `max_bytes` plus room for the quantized
 /// path's per-slot padding, so every call within `max_bytes` fits whatever the codec
 /// ([`quantized_fits`], tested).
@@ -163,32 +149,30 @@ pub(crate) fn quantized_fits(codec: Codec, n: usize, world: usize, stage: usize)
 impl<R: GpuRuntime> Kernels<R> {
     fn load(dev: &R::Device) -> Result<Self> {
         let module = R::load_module(dev)?;
-        let f = |name: &CStr| R::function(&module, name);
+        let per_dtype = |kernel: fn(DType) -> Kernel| {
+            kernels::functions::<R, 3>(&module, DType::ALL.map(kernel))
+        };
+        // [f16, bf16][codec], as `Kernels::quantized` is indexed.
+        let per_codec = |kernel: fn(DType, Codec) -> Kernel| -> Result<_> {
+            let codecs = |d| {
+                kernels::functions::<R, { Codec::ALL.len() }>(
+                    &module,
+                    Codec::ALL.map(|c| kernel(d, c)),
+                )
+            };
+            Ok([codecs(DType::F16)?, codecs(DType::BF16)?])
+        };
         Ok(Kernels {
-            oneshot: [
-                f(c"ar_oneshot_f32")?,
-                f(c"ar_oneshot_f16")?,
-                f(c"ar_oneshot_bf16")?,
-            ],
-            twoshot: [
-                f(c"ar_twoshot_f32")?,
-                f(c"ar_twoshot_f16")?,
-                f(c"ar_twoshot_bf16")?,
-            ],
+            oneshot: per_dtype(Kernel::OneShot)?,
+            twoshot: per_dtype(Kernel::TwoShot)?,
             quantized: match R::quantized_unavailable() {
                 Some(_) => None,
-                None => Some([
-                    codec_functions::<R>(&module, "quantized", "f16")?,
-                    codec_functions::<R>(&module, "quantized", "bf16")?,
-                ]),
+                None => Some(per_codec(Kernel::Quantized)?),
             },
             // Built from the same source as the quantized kernels, so present with them.
             hierarchical: match R::quantized_unavailable() {
                 Some(_) => None,
-                None => Some([
-                    codec_functions::<R>(&module, "hierarchical", "f16")?,
-                    codec_functions::<R>(&module, "hierarchical", "bf16")?,
-                ]),
+                None => Some(per_codec(Kernel::Hierarchical)?),
             },
             _module: module,
         })

@@ -23,6 +23,7 @@ pub mod abi;
 pub mod device;
 pub mod fused;
 mod group;
+pub mod kernels;
 
 pub use group::{GpuBackend, GpuComm, GroupView};
 

@@ -108,6 +108,35 @@ AR_DEVICE bool skipped_piece(const Args& a, Header* h, unsigned b) {
   return sync_block_or(thread_x() == 0 && h->skip[b] != 0);
 }
 
+// Where a kernel on the exact workspace stands in a call once it has entered it.
+struct CallEntry {
+  unsigned b;       // this block
+  char* self;       // our own workspace
+  Header* h;        // its header
+  unsigned parity;  // the call's parity: picks the staging and descriptor slots
+  bool aborted;     // the abort word at entry, in thread 0 (false elsewhere)
+};
+
+// The prologue of every kernel on the exact workspace (one-shot, two-shot, quantized,
+// hierarchical). False: the block returns at once. The order is the contract:
+// - The skip check comes first, so a skipped piece reads nothing more of the header (every
+//   rank's block leaves having touched the same nothing), and a first piece clears its mark
+//   before anything else of the call runs.
+// - The abort word is read now but acted on only at the first barrier (flag_barrier's
+//   leave_now), so the load's latency overlaps phase 1; running phase 1 after an abort is
+//   harmless, as it touches only our own workspace.
+// - The parity is read before phase 1 by every thread: calls[b] changes only after the
+//   call's last barrier (or in agree), so all threads of the block agree on it.
+AR_DEVICE bool enter_call(const Args& a, CallEntry& c) {
+  c.b = block_x();
+  c.self = a.peers[a.rank];
+  c.h = header_of(c.self);
+  if (skipped_piece(a, c.h, c.b)) return false;
+  c.aborted = thread_x() == 0 && ld_relaxed_sys(&c.h->abort) != 0;
+  c.parity = c.h->calls[c.b] & 1;
+  return true;
+}
+
 // ---- Kernel bodies ---------------------------------------------------------------------------
 
 // Vector geometry of one call: nvec 16-byte vectors, the last one holding `tail` elements
@@ -172,29 +201,23 @@ AR_DEVICE void store_output(const Args& a, const Geometry<T>& g, u64 v, const ui
 // call k+1's barrier, which the peer only enters once done reading call k.
 template <typename T>
 __device__ void oneshot(const Args& a) {
-  const unsigned b = block_x();
-  char* self = a.peers[a.rank];
-  Header* h = header_of(self);
-  if (skipped_piece(a, h, b)) return;
-  // Read now, used at the barrier: phase 1 only touches our own workspace, so doing it
-  // regardless costs nothing.
-  const bool aborted = thread_x() == 0 && ld_relaxed_sys(&h->abort) != 0;
-  const unsigned parity = h->calls[b] & 1;
+  CallEntry c;
+  if (!enter_call(a, c)) return;
   const Geometry<T> g(a.n);
 
   // ---- Phase 1: stage our input.
-  stage_input<T>(a, g, staging_of(self, a, parity));
-  if (!barrier(a, h, b, parity, aborted)) return;
-  if (!agree(a, h, b, parity)) return;
+  stage_input<T>(a, g, staging_of(c.self, a, c.parity));
+  if (!barrier(a, c.h, c.b, c.parity, c.aborted)) return;
+  if (!agree(a, c.h, c.b, c.parity)) return;
 
   // ---- Phase 2: reduce every rank's staged input into our output.
-  auto staging = [&](char* ws) { return staging_of(ws, a, parity); };
+  auto staging = [&](char* ws) { return staging_of(ws, a, c.parity); };
   const u64 stride = (u64)grid_dim_x() * kThreads;
-  for (u64 v = (u64)b * kThreads + thread_x(); v < g.nvec; v += stride)
+  for (u64 v = (u64)c.b * kThreads + thread_x(); v < g.nvec; v += stride)
     store_output<T>(a, g, v, reduce_vector<T>(a, staging, v));
 
   // Every thread read calls[b] before the barrier; only this write follows it.
-  if (thread_x() == 0) h->calls[b] += 1;
+  if (thread_x() == 0) c.h->calls[c.b] += 1;
 }
 
 // Two barriers: stage; each rank reduces its shard and rounds it once; everyone gathers the
@@ -202,36 +225,32 @@ __device__ void oneshot(const Args& a) {
 // 16 / sizeof(T)): rank r owns vectors [r * sv, (r + 1) * sv), sv = ceil(nvec / world).
 template <typename T>
 __device__ void twoshot(const Args& a) {
-  const unsigned b = block_x();
-  char* self = a.peers[a.rank];
-  Header* h = header_of(self);
-  if (skipped_piece(a, h, b)) return;
-  const bool aborted = thread_x() == 0 && ld_relaxed_sys(&h->abort) != 0;
   // Parity-indexed staging like one-shot, though two-shot alone could use one buffer: a
   // one-shot call has no closing barrier, so right after one a peer may still be reading the
   // staging of that call's parity.
-  const unsigned parity = h->calls[b] & 1;
+  CallEntry c;
+  if (!enter_call(a, c)) return;
   const Geometry<T> g(a.n);
   const u64 stride = (u64)grid_dim_x() * kThreads;
-  const u64 first = (u64)b * kThreads + thread_x();  // this thread's first vector
+  const u64 first = (u64)c.b * kThreads + thread_x();  // this thread's first vector
   const u64 sv = (g.nvec + a.world - 1) / a.world;
 
   // ---- Phase 1: stage our input.
-  stage_input<T>(a, g, staging_of(self, a, parity));
-  if (!barrier(a, h, b, parity, aborted)) return;
-  if (!agree(a, h, b, parity)) return;
+  stage_input<T>(a, g, staging_of(c.self, a, c.parity));
+  if (!barrier(a, c.h, c.b, c.parity, c.aborted)) return;
+  if (!agree(a, c.h, c.b, c.parity)) return;
 
   // ---- Phase 2: reduce-scatter. Our shard, rounded once, into our `reduced` at the same
   // offsets. Start at the grid-stride step that reaches our shard instead of scanning from 0.
-  auto staging = [&](char* ws) { return staging_of(ws, a, parity); };
+  auto staging = [&](char* ws) { return staging_of(ws, a, c.parity); };
   const u64 lo = (u64)a.rank * sv, hi = min_u64(lo + sv, g.nvec);
-  uint4* reduced = reinterpret_cast<uint4*>(reduced_of(self, a));
+  uint4* reduced = reinterpret_cast<uint4*>(reduced_of(c.self, a));
   for (u64 v = lo / stride * stride + first; v < hi; v += stride)
     if (v >= lo) reduced[v] = reduce_vector<T>(a, staging, v);
   // Every owner's shard is complete past this point. (`reduced` needs no parity: a peer reads
   // ours in phase 3 and only then enters the next call's first barrier, which we must pass
   // before our next phase 2 writes it.)
-  if (!barrier(a, h, b, parity)) return;
+  if (!barrier(a, c.h, c.b, c.parity)) return;
 
   // ---- Phase 3: all-gather. Every vector from its owner's `reduced`, bit for bit. The owner
   // is tracked incrementally: a 64-bit division per vector costs registers we do not have to
@@ -243,7 +262,7 @@ __device__ void twoshot(const Args& a) {
     store_output<T>(a, g, v, load_peer(src + v));
   }
 
-  if (thread_x() == 0) h->calls[b] += 1;
+  if (thread_x() == 0) c.h->calls[c.b] += 1;
 }
 
 // The roofline a measurement is compared against: the plain copy the hardware can do, in the

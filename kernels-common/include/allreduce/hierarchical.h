@@ -57,12 +57,8 @@ struct HierGroups {
 
 template <typename T, typename C>
 __device__ void hierarchical_quantized(const Args& a) {
-  const unsigned b = block_x();
-  char* self = a.peers[a.rank];
-  Header* h = header_of(self);
-  if (skipped_piece(a, h, b)) return;
-  const bool aborted = thread_x() == 0 && ld_relaxed_sys(&h->abort) != 0;
-  const unsigned parity = h->calls[b] & 1;
+  CallEntry c;
+  if (!enter_call(a, c)) return;
   const QuadLoop L;
   const int q = L.q;
   const u64 n = a.n;
@@ -77,17 +73,17 @@ __device__ void hierarchical_quantized(const Args& a) {
     const u64 jlo = min_u64(u64(j) * shard, n), jhi = min_u64(jlo + shard, n);
     if (j == G.local || jlo == jhi) continue;
     encode_range<T, C>(L, a.input, jlo, jhi,
-                       staging_of(a.peers[G.base + j], a, parity) + u64(G.local) * slot_bytes);
+                       staging_of(a.peers[G.base + j], a, c.parity) + u64(G.local) * slot_bytes);
   }
-  if (!barrier(a, h, b, parity, aborted)) return;
-  if (!agree(a, h, b, parity)) return;
+  if (!barrier(a, c.h, c.b, c.parity, c.aborted)) return;
+  if (!agree(a, c.h, c.b, c.parity)) return;
 
   // ---- Stage 2: the group's partial of our shard (own piece unquantized, as in quantized.h),
   // encoded once, to the partner and to our stash.
   {
-    const char* staging = staging_of(self, a, parity);
-    char* to_partner = staging_of(a.peers[G.partner], a, parity) + u64(G.local) * slot_bytes;
-    char* stash = reduced_of(self, a) + u64(G.local) * slot_bytes;
+    const char* staging = staging_of(c.self, a, c.parity);
+    char* to_partner = staging_of(a.peers[G.partner], a, c.parity) + u64(G.local) * slot_bytes;
+    char* stash = reduced_of(c.self, a) + u64(G.local) * slot_bytes;
     for (u64 k0 = L.warp_quad; k0 < mine.nb; k0 += L.stride) {
       const u64 k = k0 + (L.quad - L.warp_quad);
       const bool live = k < mine.nb;
@@ -111,13 +107,13 @@ __device__ void hierarchical_quantized(const Args& a) {
       }
     }
   }
-  if (!barrier(a, h, b, parity)) return;
+  if (!barrier(a, c.h, c.b, c.parity)) return;
 
   // ---- Stage 3: both groups' encoded partials, decoded and summed in group order, encoded
   // once and pushed to every rank of our group.
   {
-    const char* ours = reduced_of(self, a) + u64(G.local) * slot_bytes;
-    const char* theirs = staging_of(self, a, parity) + u64(G.local) * slot_bytes;
+    const char* ours = reduced_of(c.self, a) + u64(G.local) * slot_bytes;
+    const char* theirs = staging_of(c.self, a, c.parity) + u64(G.local) * slot_bytes;
     const bool first_group = G.base == 0;
     for (u64 k0 = L.warp_quad; k0 < mine.nb; k0 += L.stride) {
       const u64 k = k0 + (L.quad - L.warp_quad);
@@ -139,15 +135,15 @@ __device__ void hierarchical_quantized(const Args& a) {
                      field);
     }
   }
-  if (!barrier(a, h, b, parity)) return;
+  if (!barrier(a, c.h, c.b, c.parity)) return;
 
   // ---- Stage 4: every in-group owner's bytes, decoded from our own `reduced`.
   for (unsigned j = 0; j < G.g; ++j) {
     const u64 jlo = min_u64(u64(j) * shard, n), jhi = min_u64(jlo + shard, n);
-    if (jlo < jhi) decode_range<T, C>(L, reduced_of(self, a) + u64(j) * slot_bytes, a.output, jlo, jhi);
+    if (jlo < jhi) decode_range<T, C>(L, reduced_of(c.self, a) + u64(j) * slot_bytes, a.output, jlo, jhi);
   }
 
-  if (thread_x() == 0) h->calls[b] += 1;
+  if (thread_x() == 0) c.h->calls[c.b] += 1;
 }
 
 }  // namespace ar

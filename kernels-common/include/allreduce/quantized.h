@@ -163,12 +163,8 @@ AR_DEVICE void zero_past(float (&acc)[kPerLane], u64 e0, u64 hi) {
 
 template <typename T, typename C>
 __device__ void quantized_twoshot(const Args& a) {
-  const unsigned b = block_x();
-  char* self = a.peers[a.rank];
-  Header* h = header_of(self);
-  if (skipped_piece(a, h, b)) return;
-  const bool aborted = thread_x() == 0 && ld_relaxed_sys(&h->abort) != 0;
-  const unsigned parity = h->calls[b] & 1;
+  CallEntry c;
+  if (!enter_call(a, c)) return;
   const QuadLoop L;
   const int q = L.q;
   const u64 n = a.n;
@@ -179,10 +175,10 @@ __device__ void quantized_twoshot(const Args& a) {
   for (unsigned j = 0; j < a.world; ++j) {
     const u64 lo = min_u64(u64(j) * shard, n), hi = min_u64(lo + shard, n);
     if (j == a.rank || lo == hi) continue;
-    encode_range<T, C>(L, a.input, lo, hi, staging_of(a.peers[j], a, parity) + u64(a.rank) * slot_bytes);
+    encode_range<T, C>(L, a.input, lo, hi, staging_of(a.peers[j], a, c.parity) + u64(a.rank) * slot_bytes);
   }
-  if (!barrier(a, h, b, parity, aborted)) return;
-  if (!agree(a, h, b, parity)) return;
+  if (!barrier(a, c.h, c.b, c.parity, c.aborted)) return;
+  if (!agree(a, c.h, c.b, c.parity)) return;
 
   // ---- Phase 2: our shard. Rank order from rank 0, our own piece unquantized (one
   // quantization fewer than QuickReduce, docs/codecs.md), one encode of the f32 sum, pushed
@@ -190,7 +186,7 @@ __device__ void quantized_twoshot(const Args& a) {
   {
     const u64 lo = min_u64(u64(a.rank) * shard, n), hi = min_u64(lo + shard, n);
     const Segment<C> seg(hi - lo);
-    const char* staging = staging_of(self, a, parity);
+    const char* staging = staging_of(c.self, a, c.parity);
     for (u64 k0 = L.warp_quad; k0 < seg.nb; k0 += L.stride) {
       const u64 k = k0 + (L.quad - L.warp_quad);
       const bool live = k < seg.nb;
@@ -212,15 +208,15 @@ __device__ void quantized_twoshot(const Args& a) {
           seg.store(reduced_of(a.peers[p], a) + u64(a.rank) * slot_bytes, k, q, u, field);
     }
   }
-  if (!barrier(a, h, b, parity)) return;
+  if (!barrier(a, c.h, c.b, c.parity)) return;
 
   // ---- Phase 3: every owner's bytes, decoded from our own `reduced`.
   for (unsigned j = 0; j < a.world; ++j) {
     const u64 lo = min_u64(u64(j) * shard, n), hi = min_u64(lo + shard, n);
-    if (lo < hi) decode_range<T, C>(L, reduced_of(self, a) + u64(j) * slot_bytes, a.output, lo, hi);
+    if (lo < hi) decode_range<T, C>(L, reduced_of(c.self, a) + u64(j) * slot_bytes, a.output, lo, hi);
   }
 
-  if (thread_x() == 0) h->calls[b] += 1;
+  if (thread_x() == 0) c.h->calls[c.b] += 1;
 }
 
 // ---- Segment kernels: codec::encode / codec::decode of one buffer ----------------------------

@@ -3,11 +3,10 @@
 //! segment kernels (`ar_encode_*` / `ar_decode_*`, kernels-common quantized.h), which the
 //! bit-exactness tests compare with the Rust reference and the bench times.
 
-use std::ffi::CString;
-
-use allreduce_core::{Codec, Error, Result};
+use allreduce_core::{Codec, DType, Error, Result};
 
 use super::{DeviceBuffer, GpuDevice, GpuStream};
+use crate::kernels::{self, Kernel};
 use crate::GpuRuntime;
 
 /// The roofline copy kernel: a plain device copy, and a bare launch.
@@ -20,7 +19,7 @@ impl<R: GpuRuntime> CopyKernel<R> {
     /// Load on `dev`.
     pub fn load(dev: &GpuDevice<R>) -> Result<Self> {
         let module = R::load_module(dev.raw())?;
-        let f = R::function(&module, c"ar_copy_f32x4")?;
+        let f = kernels::function::<R>(&module, Kernel::Copy)?;
         Ok(CopyKernel { f, _module: module })
     }
 
@@ -94,15 +93,16 @@ impl<R: GpuRuntime> CodecKernels<R> {
         let module = R::load_module(dev.raw())?;
         let mut f = Vec::with_capacity(Codec::ALL.len());
         for codec in Codec::ALL {
-            let get = |ty: &str, dir: &str| {
-                let name = CString::new(format!("ar_{dir}_{ty}_{}", codec.name()))
-                    .map_err(|e| Error::InvalidArgument(e.to_string()))?;
-                R::function(&module, &name)
-            };
-            f.push([
-                [get("f32", "encode")?, get("f32", "decode")?],
-                [get("bf16", "encode")?, get("bf16", "decode")?],
-            ]);
+            let [ef, df, eb, db] = kernels::functions::<R, 4>(
+                &module,
+                [
+                    Kernel::Encode(DType::F32, codec),
+                    Kernel::Decode(DType::F32, codec),
+                    Kernel::Encode(DType::BF16, codec),
+                    Kernel::Decode(DType::BF16, codec),
+                ],
+            )?;
+            f.push([[ef, df], [eb, db]]);
         }
         Ok(CodecKernels { f, _module: module })
     }

@@ -6,6 +6,7 @@ use std::cell::RefCell;
 use std::ffi::CStr;
 
 use super::*;
+use crate::kernels::Vendor;
 use crate::{Fill, GpuRuntime};
 use allreduce_core::{AllReduceOptions, BufMut, BufRef, Device, FusedPattern};
 
@@ -50,62 +51,34 @@ pub(crate) fn take_launches() -> Vec<Launch> {
     LAUNCHES.with(|l| std::mem::take(&mut *l.borrow_mut()))
 }
 
-const KERNELS: [&str; 34] = [
-    "ar_oneshot_f32",
-    "ar_oneshot_f16",
-    "ar_oneshot_bf16",
-    "ar_twoshot_f32",
-    "ar_twoshot_f16",
-    "ar_twoshot_bf16",
-    "ar_quantized_f16_fp8",
-    "ar_quantized_f16_q8",
-    "ar_quantized_f16_q6",
-    "ar_quantized_f16_q4",
-    "ar_quantized_f16_q8a",
-    "ar_quantized_f16_q6a",
-    "ar_quantized_f16_q4a",
-    "ar_quantized_bf16_fp8",
-    "ar_quantized_bf16_q8",
-    "ar_quantized_bf16_q6",
-    "ar_quantized_bf16_q4",
-    "ar_quantized_bf16_q8a",
-    "ar_quantized_bf16_q6a",
-    "ar_quantized_bf16_q4a",
-    "ar_hierarchical_f16_fp8",
-    "ar_hierarchical_f16_q8",
-    "ar_hierarchical_f16_q6",
-    "ar_hierarchical_f16_q4",
-    "ar_hierarchical_f16_q8a",
-    "ar_hierarchical_f16_q6a",
-    "ar_hierarchical_f16_q4a",
-    "ar_hierarchical_bf16_fp8",
-    "ar_hierarchical_bf16_q8",
-    "ar_hierarchical_bf16_q6",
-    "ar_hierarchical_bf16_q4",
-    "ar_hierarchical_bf16_q8a",
-    "ar_hierarchical_bf16_q6a",
-    "ar_hierarchical_bf16_q4a",
-];
+/// `kernels`' names, for the mock's `&'static str` functions.
+fn leak_names(kernels: impl Iterator<Item = Kernel>) -> Vec<&'static str> {
+    kernels.map(|k| &*k.name().leak()).collect()
+}
 
-/// The fused module's kernels as the CUDA fatbin has them: per-world instances for 2, 4 and 8
-/// ranks, the generic `_w0`, and the unfused norm.
-fn fused_kernels() -> &'static [&'static str] {
+/// The all-reduce kernels the engine looks up, in the order it warms them: exact one-shot and
+/// two-shot by dtype, then the quantized and the hierarchical kernels by dtype and codec.
+fn engine_kernels() -> &'static [&'static str] {
     static NAMES: std::sync::OnceLock<Vec<&'static str>> = std::sync::OnceLock::new();
     NAMES.get_or_init(|| {
-        let mut v = Vec::new();
-        for dtype in ["f32", "f16", "bf16"] {
-            for w in [0, 2, 4, 8] {
-                for s in ["oneshot", "twoshot"] {
-                    v.push(&*format!("ar_fused_{s}_{dtype}_w{w}").leak());
-                }
-            }
-            v.push(&*format!("ar_rmsnorm_{dtype}").leak());
-            for w in [0, 2, 4, 8] {
-                v.push(&*format!("ar_fused_oneshot_split_{dtype}_w{w}").leak());
-            }
-        }
-        v
+        let codec_kernels = |k: fn(DType, Codec) -> Kernel| {
+            [DType::F16, DType::BF16]
+                .into_iter()
+                .flat_map(move |d| Codec::ALL.map(|c| k(d, c)))
+        };
+        let all = (DType::ALL.map(Kernel::OneShot).into_iter())
+            .chain(DType::ALL.map(Kernel::TwoShot))
+            .chain(codec_kernels(Kernel::Quantized))
+            .chain(codec_kernels(Kernel::Hierarchical));
+        leak_names(all)
     })
+}
+
+/// What the mock's modules hold: everything the CUDA build compiles (the mock's
+/// `FUSED_WORLDS` are CUDA's, and it may run clusters).
+fn compiled_kernels() -> &'static [&'static str] {
+    static NAMES: std::sync::OnceLock<Vec<&'static str>> = std::sync::OnceLock::new();
+    NAMES.get_or_init(|| leak_names(kernels::all(Vendor::Cuda).into_iter()))
 }
 
 thread_local! {
@@ -114,6 +87,8 @@ thread_local! {
     static PDL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// Fills asked of `alloc_filled`, with their sizes.
     static FILLS: RefCell<Vec<(usize, Fill)>> = const { RefCell::new(Vec::new()) };
+    /// Every name `function` was asked for.
+    static LOOKED_UP: RefCell<Vec<String>> = const { RefCell::new(Vec::new()) };
 }
 
 pub(crate) struct Mock;
@@ -186,10 +161,9 @@ impl GpuRuntime for Mock {
         Ok(())
     }
     fn function(_module: &(), name: &CStr) -> Result<&'static str> {
-        KERNELS
+        LOOKED_UP.with(|l| l.borrow_mut().push(name.to_string_lossy().into_owned()));
+        compiled_kernels()
             .iter()
-            .chain(fused_kernels())
-            .chain(&["ar_copy_f32x4"])
             .find(|k| k.as_bytes() == name.to_bytes())
             .copied()
             .ok_or_else(|| Error::InvalidConfig(format!("no kernel {name:?}")))
@@ -278,7 +252,7 @@ impl GpuRuntime for Mock {
     ) -> Result<Option<Vec<Box<dyn allreduce_core::FusedComm>>>> {
         crate::fused::create_group(group, config).map(Some)
     }
-    const FUSED_WORLDS: &'static [usize] = &[2, 4, 8];
+    const FUSED_WORLDS: &'static [usize] = Vendor::Cuda.fused_worlds();
     fn load_fused_module(_dev: &MockDevice) -> Result<()> {
         Ok(())
     }
@@ -423,10 +397,11 @@ fn creation_enables_peers_and_warms_every_kernel_alone() {
         "every ordered pair of distinct GPUs: {peers:?}"
     );
     let warm = take_launches();
-    assert_eq!(warm.len(), 4 * KERNELS.len());
+    let kernels = engine_kernels();
+    assert_eq!(warm.len(), 4 * kernels.len());
     for (i, l) in warm.iter().enumerate() {
-        let rank = i / KERNELS.len();
-        assert_eq!(l.kernel, KERNELS[i % KERNELS.len()]);
+        let rank = i / kernels.len();
+        assert_eq!(l.kernel, kernels[i % kernels.len()]);
         assert_eq!((l.grid, l.block, l.stream), (20, THREADS, 0));
         // Alone: world 1, its own workspace as rank 0, nothing to move.
         assert_eq!((l.args.world, l.args.rank, l.args.n), (1, 0, 0));
@@ -875,7 +850,7 @@ fn ranks_built_one_per_process_map_each_other() {
             .map(|h| {
                 let (comm, warm) = h.join().unwrap();
                 // Only this rank's kernels, alone (world 1).
-                assert_eq!(warm.len(), KERNELS.len());
+                assert_eq!(warm.len(), engine_kernels().len());
                 assert!(warm.iter().all(|&w| w == 1));
                 comm
             })
@@ -1316,4 +1291,33 @@ fn a_workspace_launches_the_grid_its_config_names() {
         .blocks(65)
         .validate()
         .is_err());
+}
+
+/// The kernels the engine looks up are exactly the table's engine kernels: so every one is
+/// compiled (the compile tests check that the table's are exported), and the table lists none
+/// the engine has stopped using.
+#[test]
+fn the_engine_looks_up_exactly_the_tables_engine_kernels() {
+    LOOKED_UP.with(|l| l.borrow_mut().clear());
+    CLUSTERS.with(|c| c.set(true));
+    // Worlds 2 and 4 have their own fused instances, 3 the generic one.
+    for devices in [vec![0, 1], vec![0, 1, 2, 3], vec![0, 1, 2]] {
+        let config = allreduce_core::FusedConfig::new(16, 1024, DType::BF16);
+        drop(fused_group(devices, &config));
+    }
+    CLUSTERS.with(|c| c.set(false));
+    crate::fused::RmsNormKernel::<Mock>::from_module(()).unwrap();
+    let mut looked_up: Vec<String> = LOOKED_UP.with(|l| std::mem::take(&mut *l.borrow_mut()));
+    // The mock refuses more than 6 ranks: world 8's names, from what the fused group asks.
+    looked_up.extend(crate::fused::kernel_names::<Mock>(8).into_iter().flatten());
+    looked_up.extend(crate::fused::split_kernel_names::<Mock>(8));
+    looked_up.sort();
+    looked_up.dedup();
+    let mut engine: Vec<String> = kernels::all(Vendor::Cuda)
+        .into_iter()
+        .filter(|k| k.engine())
+        .map(|k| k.name())
+        .collect();
+    engine.sort();
+    assert_eq!(looked_up, engine);
 }
