@@ -23,7 +23,9 @@ for line in open(sys.argv[1]):
         shutil.copy2(m["executable"], "gpu-bin/" + m["target"]["name"])
 PY
 rm -f "$json"
-cargo build --release -p allreduce-bench --features cuda
+# With the peers fetched (scripts/peers/fetch.sh), the bench times them too (--peers).
+if [ -f .peers/VERSIONS ]; then bench_features=peers; else bench_features=cuda; fi
+cargo build --release -p allreduce-bench --features "$bench_features"
 cp "${CARGO_TARGET_DIR:-target}/release/allreduce-bench" gpu-bin/
 strip gpu-bin/conformance gpu-bin/cuda_graphs gpu-bin/cuda_codecs gpu-bin/cuda_processes gpu-bin/cuda_fused gpu-bin/allreduce-bench
 cat >gpu-bin/run.sh <<'RUN'
