@@ -198,9 +198,9 @@ pub fn run<R: GpuTestRuntime>() {
             // The whole set, and a short prefix (a single partial block).
             for len in [x.len(), 19] {
                 match check_codec(&k, &stream, codec, input, &x[..len]) {
-                    Ok(()) => println!("{codec} {input:?} n={len}: bytes and values match"),
+                    Ok(()) => crate::say!(R, "{codec} {input:?} n={len}: bytes and values match"),
                     Err(e) => {
-                        println!("{e}");
+                        crate::say!(R, "{e}");
                         failures.push(e);
                     }
                 }

@@ -308,10 +308,16 @@ fn mixed_cases(
 }
 
 /// Print a group's outcome (the first failures in full) and add it to the totals.
-fn tally(label: &str, cases: &[Case], f: Vec<String>, run: &mut usize, failures: &mut Vec<String>) {
-    println!("{label}: {} cases, {} failures", cases.len(), f.len());
+fn tally<R: allreduce_gpu::GpuRuntime>(
+    label: &str,
+    cases: &[Case],
+    f: Vec<String>,
+    run: &mut usize,
+    failures: &mut Vec<String>,
+) {
+    crate::say!(R, "{label}: {} cases, {} failures", cases.len(), f.len());
     for m in f.iter().take(5) {
-        println!("  FAIL {m}");
+        crate::say!(R, "  FAIL {m}");
     }
     *run += cases.len();
     failures.extend(f);
@@ -1025,14 +1031,14 @@ pub fn run<R: GpuTestRuntime>() {
                     "{world} ranks {dtype} hidden {hidden} ({:.1} s)",
                     start.elapsed().as_secs_f64()
                 );
-                tally(&label, &cases, f, &mut cases_run, &mut failures);
+                tally::<R>(&label, &cases, f, &mut cases_run, &mut failures);
             }
         }
     }
     // 3 ranks: the generic kernels (the world read from the arguments, not compiled in).
     let cases = mixed_cases(&[1, 7, 128], 40, |i, _| i);
     let f = run_group::<R>(3, DType::BF16, 4096, Launch::Default, &cases);
-    tally(
+    tally::<R>(
         "3 ranks bf16 hidden 4096",
         &cases,
         f,
@@ -1052,41 +1058,49 @@ pub fn run<R: GpuTestRuntime>() {
                 Launch::Default => "defaults".to_string(),
             };
             let label = format!("{world} ranks {dtype} hidden {hidden}, {how}");
-            tally(&label, &cases, f, &mut cases_run, &mut failures);
+            tally::<R>(&label, &cases, f, &mut cases_run, &mut failures);
         }
     }
     for &world in worlds {
         for k in 1..=4 {
             let start = Instant::now();
             match run_graphs::<R>(world, k) {
-                Ok(()) => println!(
+                Ok(()) => crate::say!(
+                    R,
                     "{world} ranks, graph of {k} fused calls x {REPLAYS} replays: ok ({:.2} s)",
                     start.elapsed().as_secs_f64()
                 ),
                 Err(m) => {
-                    println!("{world} ranks, graph of {k} fused calls: FAIL {m}");
+                    crate::say!(R, "{world} ranks, graph of {k} fused calls: FAIL {m}");
                     failures.push(m);
                 }
             }
         }
     }
     match run_timeout::<R>() {
-        Ok(()) => println!("a missing rank: Timeout at the deadline, then Aborted: ok"),
+        Ok(()) => crate::say!(
+            R,
+            "a missing rank: Timeout at the deadline, then Aborted: ok"
+        ),
         Err(m) => {
-            println!("a missing rank: FAIL {m}");
+            crate::say!(R, "a missing rank: FAIL {m}");
             failures.push(m);
         }
     }
     match run_mismatch::<R>() {
         Ok(()) => {
-            println!("ranks disagreeing on tokens: RankMismatch on both, then Aborted: ok")
+            crate::say!(
+                R,
+                "ranks disagreeing on tokens: RankMismatch on both, then Aborted: ok"
+            )
         }
         Err(m) => {
-            println!("ranks disagreeing on tokens: FAIL {m}");
+            crate::say!(R, "ranks disagreeing on tokens: FAIL {m}");
             failures.push(m);
         }
     }
-    println!(
+    crate::say!(
+        R,
         "{}_fused: {} cases, {} failures",
         R::NAME,
         cases_run,

@@ -208,7 +208,8 @@ pub fn run<R: GpuTestRuntime>() {
                 r.unwrap();
             }
             let kind = if hierarchical { "hierarchical " } else { "" };
-            println!(
+            crate::say!(
+                R,
                 "{world} ranks, graph of {k} {kind}all-reduces x {REPLAYS} replays: ok ({:.2} s)",
                 start.elapsed().as_secs_f64()
             );

@@ -5,6 +5,15 @@
 //! `[backend] test`, the way wgpu's test harness does. A backend that is absent is skipped
 //! with the reason printed.
 
+/// `println!` with the backend's name in front (`[cuda] ...`), so every GPU list's lines say
+/// which backend ran them.
+#[macro_export]
+macro_rules! say {
+    ($r:ty, $($arg:tt)*) => {
+        println!("[{}] {}", <$r as allreduce_gpu::GpuRuntime>::NAME, format_args!($($arg)*))
+    };
+}
+
 pub mod check;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub mod codecs;
