@@ -238,6 +238,8 @@ pub fn run<R: GpuRuntime>(args: &Args) -> Result<(), BoxError> {
          otherwise), {dtype}, {pattern}; us per call, slowest rank; unfused = \
          all_reduce(Auto) + residual/RMSNorm kernel (same pattern)"
     );
+    // The group below uses the default devices: every rank on GPU 0.
+    crate::report::print_origin(&[R::device_tag(0)]);
     println!(
         "# {:>6} {:>6} {:>8} | {:>9} {:>9} {:>6} | {:>9} {:>9} {:>6} | {:>9} {:>9} | {:>9} {:>9}",
         "hidden",

@@ -114,6 +114,22 @@ pub fn device_models(devices: &[allreduce::Device], machine: &Machine) -> Vec<St
         .collect()
 }
 
+/// `# git ...` and `# device ...` lines for the modes that print their own table (`--fused`,
+/// `--peers`), so that a pasted table says which commit and which GPU it came from.
+#[cfg_attr(not(any(feature = "cuda", feature = "rocm")), allow(dead_code))]
+pub fn print_origin(devices: &[allreduce::Device]) {
+    if let Some(g) = Git::detect() {
+        println!(
+            "# git {}{}",
+            g.commit,
+            if g.dirty { " (dirty)" } else { "" }
+        );
+    }
+    for m in device_models(devices, &Machine::detect()) {
+        println!("# device {m}");
+    }
+}
+
 impl Git {
     /// The commit the binary was built from, when its build said so (`ALLREDUCE_BUILD_GIT`,
     /// `<commit>` or `<commit>-dirty`, set by scripts/build-gpu-bin.sh): a binary carried to

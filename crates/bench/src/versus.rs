@@ -370,6 +370,7 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
          otherwise), {dtype}, out of place, integer inputs; us per call, slowest rank; \
          every grid {block_limit} blocks"
     );
+    crate::report::print_origin(&comms.iter().map(|c| c.device()).collect::<Vec<_>>());
     match allreduce_peers::versions() {
         Some(v) => println!("# peers: vLLM custom all-reduce from {v}"),
         None => println!(
