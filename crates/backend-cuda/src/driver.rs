@@ -424,7 +424,26 @@ pub unsafe fn launch<A>(
     stream: CUstream,
     args: &A,
 ) -> Result<()> {
-    let mut params = [args as *const A as *mut c_void];
+    launch_params(
+        f,
+        grid,
+        block,
+        stream,
+        &mut [args as *const A as *mut c_void],
+    )
+}
+
+/// `cuLaunchKernel` on a 1-D grid with the parameter pointers given.
+///
+/// # Safety
+/// `params` match the kernel's parameters, as for [`launch`].
+unsafe fn launch_params(
+    f: CUfunction,
+    grid: u32,
+    block: u32,
+    stream: CUstream,
+    params: &mut [*mut c_void],
+) -> Result<()> {
     check(
         sys::cuLaunchKernel(
             f,
@@ -459,22 +478,7 @@ pub unsafe fn launch_words(
         .iter()
         .map(|w| w as *const u64 as *mut c_void)
         .collect();
-    check(
-        sys::cuLaunchKernel(
-            f,
-            grid,
-            1,
-            1,
-            block,
-            1,
-            1,
-            0,
-            stream,
-            params.as_mut_ptr(),
-            std::ptr::null_mut(),
-        ),
-        "cuLaunchKernel",
-    )
+    launch_params(f, grid, block, stream, &mut params)
 }
 
 /// [`launch`] in clusters of `cluster` blocks along x (`grid` a multiple of it).
