@@ -578,15 +578,6 @@ impl<R: GpuRuntime> Group<R> {
             args.peers[0] = self.peers[rank];
             args.rank = 0;
             args.world = 1;
-            let registered = RegisteredArgs {
-                a: args,
-                inputs: [0; MAX_WORLD],
-                desc2: 0,
-            };
-            for &f in k.oneshot_registered.iter().chain(&k.twoshot_registered) {
-                // SAFETY: as below; no input is read for n = 0.
-                unsafe { R::launch(f, self.grid, THREADS, Stream::NULL, &registered)? };
-            }
             let quantized = k.quantized.iter().flatten().flatten();
             let hierarchical = k.hierarchical.iter().flatten().flatten();
             for &f in k
@@ -598,6 +589,15 @@ impl<R: GpuRuntime> Group<R> {
             {
                 // SAFETY: n = 0 and world = 1: the kernel touches only this rank's workspace.
                 unsafe { R::launch(f, self.grid, THREADS, Stream::NULL, &args)? };
+            }
+            let registered = RegisteredArgs {
+                a: args,
+                inputs: [0; MAX_WORLD],
+                desc2: 0,
+            };
+            for &f in k.oneshot_registered.iter().chain(&k.twoshot_registered) {
+                // SAFETY: as above; no input is read for n = 0.
+                unsafe { R::launch(f, self.grid, THREADS, Stream::NULL, &registered)? };
             }
         }
         for d in &self.devices {
