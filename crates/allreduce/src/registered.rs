@@ -21,6 +21,11 @@ impl RegisteredBuffer {
         RegisteredBuffer { mem }
     }
 
+    /// The backend's allocation (what backend-specific code fills it through).
+    pub fn memory(&self) -> &RegisteredMemory {
+        &self.mem
+    }
+
     /// The device address of the first byte.
     pub fn addr(&self) -> usize {
         self.mem.addr

@@ -1291,6 +1291,37 @@ impl<R: GpuRuntime> Drop for GpuRegistered<R> {
     }
 }
 
+/// Copy `src` into `mem` (an allocation of a group of runtime `R`, from
+/// `alloc_registered_group`) at byte `offset`, ordered on `stream`: how tests and the bench
+/// fill registered inputs. Memory of another runtime, or a range outside it, is an error.
+pub fn upload_registered<R: GpuRuntime>(
+    mem: &RegisteredMemory,
+    offset: usize,
+    src: &[u8],
+    stream: &crate::device::GpuStream<R>,
+) -> Result<()> {
+    let Some(owned) = mem.owner.downcast_ref::<GpuRegistered<R>>() else {
+        return Err(Error::InvalidArgument(format!(
+            "not a registered allocation of the {} backend",
+            R::NAME
+        )));
+    };
+    if offset
+        .checked_add(src.len())
+        .is_none_or(|end| end > mem.bytes)
+    {
+        return Err(Error::InvalidArgument(format!(
+            "{} bytes at offset {offset} do not fit a registered allocation of {}",
+            src.len(),
+            mem.bytes
+        )));
+    }
+    let m = owned.mem.as_ref().expect("alive until dropped");
+    // SAFETY: the range lies inside `m`, which lives as long as `mem`; the caller keeps `mem`
+    // until its stream has passed the copy, as with any buffer it enqueues work on.
+    unsafe { R::upload(m, offset, src, stream.raw()) }
+}
+
 /// Registration in a group of one process per rank: peers would have to map the memory from
 /// another process, and exporting a caller's allocation needs its allocation base (an IPC
 /// handle names a whole allocation), which the caller's address alone does not give.
