@@ -60,7 +60,7 @@ static_assert(kDescOffset + 2 * kMaxBlocks * kMaxWorld * sizeof(uint64_t) <= kDe
 static_assert(kDesc2Offset + 2 * kMaxBlocks * kMaxWorld * sizeof(uint64_t) <= kStagingOffset, "desc2");
 
 // Call descriptors. The host encodes (n << 16 | dtype << 12 | strategy << 8 | precision << 4
-// | 1); a rank whose arguments were refused on the host still launches, with kDescRejected
+// | 1), with kDescRegistered or-ed in on the registered path; a rank whose arguments were refused on the host still launches, with kDescRejected
 // and n = 0, so its peers learn of it at the first barrier instead of timing out.
 constexpr unsigned long long kDescRejected = 2;
 // Or-ed into the descriptor of every piece but the first of a call the host splits because it
