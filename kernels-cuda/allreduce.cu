@@ -22,6 +22,8 @@ using namespace ar;
 #define AR_KERNEL extern "C" __global__ void __launch_bounds__(kThreads, 2)
 #define AR_ARGS_KERNEL(NAME, ...) \
   AR_KERNEL NAME(AR_GRID_CONSTANT const Args a) { __VA_ARGS__(a); }
+#define AR_REGISTERED_KERNEL(NAME, ...) \
+  AR_KERNEL NAME(AR_GRID_CONSTANT const RegisteredArgs a) { __VA_ARGS__(a); }
 
 #define AR_COPY_KERNEL(NAME) \
   extern "C" __global__ void NAME(const uint4* src, uint4* dst, u64 n_vec) { copy_vectors(src, dst, n_vec); }

@@ -3,10 +3,14 @@
 //! parity; QuickReduce's was, and replays silently returned stale data), exact and quantized,
 //! each replayed 1000 times with new input between replays, must give the expected results;
 //! eager calls between replays must stay in step with them. Then graphs of 1, 2 and 3
-//! hierarchical quantized calls on 8 ranks forced into two NUMA groups (`pcie:2x4`). Generic
+//! hierarchical quantized calls on 8 ranks forced into two NUMA groups (`pcie:2x4`). Then
+//! graphs whose calls read registered inputs in place (captured after the registration),
+//! beside a staged call, with new input written into the registered memory between replays.
+//! Generic
 //! over the runtime; the test binaries (tests/cuda_graphs.rs, tests/rocm_graphs.rs) call
 //! [`run`] with theirs.
 
+use allreduce::RegisteredBuffer;
 use allreduce::{
     AllReduceOptions, BufMut, BufRef, Codec, Communicator, DType, GroupConfig, HostBytes,
     Precision, Strategy, Topology,
@@ -178,6 +182,127 @@ fn run_rank<R: GpuTestRuntime>(
     Ok(())
 }
 
+/// The registered graph's calls: (length, dtype, strategy, byte offset in the registered
+/// memory, or `None` for a staged input).
+const REGISTERED_CALLS: [(usize, DType, Strategy, Option<usize>); 4] = [
+    (70_001, DType::BF16, Strategy::TwoShot, Some(0)),
+    (1000, DType::F16, Strategy::OneShot, Some(140_032 + 16)),
+    (5, DType::F32, Strategy::OneShot, None),
+    (4097, DType::F32, Strategy::Auto, Some(160_000)),
+];
+const REGISTERED_BYTES: usize = 160_000 + 4097 * 4;
+
+fn run_rank_registered<R: GpuTestRuntime>(
+    comm: &Communicator,
+    reg: &RegisteredBuffer,
+) -> Result<(), String> {
+    let e = |e: allreduce::Error| e.to_string();
+    let (_dev, stream) = open_rank::<R>(comm).map_err(e)?;
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let mut bufs = Vec::new();
+    for &(n, dtype, _, _) in &REGISTERED_CALLS {
+        let bytes = n * dtype.size();
+        bufs.push((
+            DeviceBuffer::<R>::zeroed(bytes, &stream).map_err(e)?,
+            DeviceBuffer::<R>::zeroed(bytes, &stream).map_err(e)?,
+        ));
+    }
+    let enqueue = || -> allreduce::Result<()> {
+        for (&(n, dtype, strategy, at), (inp, out)) in REGISTERED_CALLS.iter().zip(&bufs) {
+            let iv = match at {
+                Some(at) => reg.view(at, n, dtype)?,
+                // SAFETY: the buffer holds n elements and outlives the graph.
+                None => unsafe { BufRef::from_raw(inp.addr(), n, dtype, comm.device()) },
+            };
+            // SAFETY: as above.
+            let ov = unsafe { BufMut::from_raw(out.addr(), n, dtype, comm.device()) };
+            let o = AllReduceOptions::default()
+                .strategy(strategy)
+                .stream(stream.handle());
+            comm.all_reduce(iv, ov, &o)?;
+        }
+        Ok(())
+    };
+    let upload = |iteration: usize| -> Result<(), String> {
+        for (&(n, dtype, _, at), (inp, _)) in REGISTERED_CALLS.iter().zip(&bufs) {
+            let data = input(n, dtype, rank, iteration);
+            match at {
+                Some(at) => allreduce_gpu::upload_registered::<R>(
+                    reg.memory(),
+                    at,
+                    data.as_slice(),
+                    &stream,
+                )
+                .map_err(e)?,
+                None => inp.upload(data.as_slice(), &stream).map_err(e)?,
+            }
+        }
+        Ok(())
+    };
+    let check = |iteration: usize, what: &str| -> Result<(), String> {
+        for (&(n, dtype, _, at), (_, out)) in REGISTERED_CALLS.iter().zip(&bufs) {
+            let mut h = HostBytes::zeroed(n * dtype.size());
+            out.download(h.as_mut_slice(), &stream).map_err(e)?;
+            let want = expected(n, world, iteration);
+            if let Some(i) = (0..n).find(|&i| dtype.load_f32(h.as_slice(), i) != want[i]) {
+                return Err(format!(
+                    "rank {rank}, registered graph ({at:?}), {what} {iteration}: element {i} of \
+                     {n} {dtype} is {} not {}",
+                    dtype.load_f32(h.as_slice(), i),
+                    want[i]
+                ));
+            }
+        }
+        Ok(())
+    };
+    upload(0)?;
+    enqueue().map_err(e)?;
+    comm.synchronize(stream.handle()).map_err(e)?;
+    check(0, "eager")?;
+    let graph = GpuGraph::capture(&stream, enqueue).map_err(e)?;
+    for it in 1..=REPLAYS {
+        upload(it)?;
+        graph.launch(&stream).map_err(e)?;
+        comm.synchronize(stream.handle()).map_err(e)?;
+        check(it, "replay")?;
+        if it == REPLAYS / 2 {
+            upload(it + 7)?;
+            enqueue().map_err(e)?;
+            comm.synchronize(stream.handle()).map_err(e)?;
+            check(it + 7, "eager between replays")?;
+        }
+    }
+    Ok(())
+}
+
+/// Graphs of registered calls on 2, 4 and 8 ranks.
+fn run_registered<R: GpuTestRuntime>() {
+    for world in [2usize, 4, 8] {
+        let config = GroupConfig::new(world).max_bytes(1 << 20);
+        let comms = Communicator::new_group(R::KIND, config).expect("group");
+        let regs =
+            Communicator::alloc_registered_group(&comms, REGISTERED_BYTES).expect("registered");
+        let start = std::time::Instant::now();
+        let results: Vec<Result<(), String>> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .iter()
+                .zip(&regs)
+                .map(|(c, reg)| s.spawn(move || run_rank_registered::<R>(c, reg)))
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().expect("rank thread"))
+                .collect()
+        });
+        for r in results {
+            r.unwrap();
+        }
+        println!(
+            "{world} ranks, graph of registered calls x {REPLAYS} replays: ok ({:.2} s)",
+            start.elapsed().as_secs_f64()
+        );
+    }
+}
+
 /// Panics (a failing test) on the first wrong replay.
 pub fn run<R: GpuTestRuntime>() {
     if !gpu_available::<R>("graphs") {
@@ -215,4 +340,5 @@ pub fn run<R: GpuTestRuntime>() {
             );
         }
     }
+    run_registered::<R>();
 }

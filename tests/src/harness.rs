@@ -26,6 +26,10 @@ pub struct RankArgs {
     /// Wait for the call to finish before the next one (GPU harnesses otherwise enqueue a
     /// whole sequence with no synchronisation in between, and wait once at the end).
     pub sync_after: bool,
+    /// Place the input in memory every rank registered ([`Communicator::alloc_registered_group`])
+    /// this many bytes past the start of the step's own region of it (out of place only).
+    /// Every step has its own region, filled before the sequence starts.
+    pub registered: Option<usize>,
 }
 
 impl RankArgs {
@@ -42,8 +46,45 @@ impl RankArgs {
             skip: false,
             misalign: 0,
             sync_after: false,
+            registered: None,
         }
     }
+
+    /// The input in registered memory, `offset` bytes into the step's region.
+    pub fn registered(mut self, offset: usize) -> Self {
+        self.registered = Some(offset);
+        self
+    }
+}
+
+/// Where each step's registered input starts in the group's registered allocation (`None`:
+/// not registered), and the allocation's size: the same on every rank, as the inputs'
+/// lengths are. Regions are 256-byte aligned, one per step.
+pub fn registered_layout(steps: &[Vec<RankArgs>]) -> (Vec<Option<usize>>, usize) {
+    let mut cursor = 0;
+    let offsets = steps
+        .iter()
+        .map(|step| {
+            let bytes = step.iter().map(|a| a.input.len()).max().unwrap_or(0);
+            let extra = step.iter().find_map(|a| a.registered)?;
+            let at = cursor + extra;
+            cursor = (at + bytes).div_ceil(256) * 256;
+            Some(at)
+        })
+        .collect();
+    (offsets, cursor)
+}
+
+/// The group's registered allocation for `steps`, if any step asks for one.
+pub fn alloc_registered(
+    comms: &[Communicator],
+    steps: &[Vec<RankArgs>],
+) -> Result<Option<Vec<allreduce::RegisteredBuffer>>> {
+    let (_, bytes) = registered_layout(steps);
+    if bytes == 0 {
+        return Ok(None);
+    }
+    Communicator::alloc_registered_group(comms, bytes).map(Some)
 }
 
 /// A call's outcome on one rank: the output bytes, or the error.
@@ -77,15 +118,34 @@ impl Harness for HostHarness {
     }
 
     fn run(&self, comms: &[Communicator], steps: &[Vec<RankArgs>]) -> Vec<Vec<Outcome>> {
+        let registered = match alloc_registered(comms, steps) {
+            Ok(r) => r,
+            Err(e) => {
+                return steps
+                    .iter()
+                    .map(|_| vec![Err(e.clone()); comms.len()])
+                    .collect()
+            }
+        };
+        let (offsets, _) = registered_layout(steps);
         let per_rank: Vec<Vec<Outcome>> = std::thread::scope(|s| {
+            let offsets = &offsets;
+            let registered = &registered;
             let handles: Vec<_> = comms
                 .iter()
                 .enumerate()
                 .map(|(r, comm)| {
                     s.spawn(move || {
+                        let mine = registered.as_ref().map(|b| &b[r]);
                         steps
                             .iter()
-                            .map(|step| run_one_host(comm, &step[r]))
+                            .zip(offsets)
+                            .map(|(step, &at)| match (mine, at) {
+                                (Some(buf), Some(at)) => {
+                                    run_one_registered(comm, &step[r], buf, at)
+                                }
+                                _ => run_one_host(comm, &step[r]),
+                            })
                             .collect::<Vec<_>>()
                     })
                 })
@@ -123,6 +183,32 @@ fn run_one_host(comm: &Communicator, a: &RankArgs) -> Outcome {
         let input = unsafe { BufRef::from_raw(addr, len, a.dtype, Device::Host) };
         comm.all_reduce(input, out.view_mut(a.out_dtype), &a.options)?;
     }
+    Ok(out)
+}
+
+/// A host call whose input is copied into the rank's registered allocation at `at` first.
+fn run_one_registered(
+    comm: &Communicator,
+    a: &RankArgs,
+    buf: &allreduce::RegisteredBuffer,
+    at: usize,
+) -> Outcome {
+    if a.skip {
+        return Ok(HostBytes::zeroed(0));
+    }
+    let len = a.input.len() / a.dtype.size();
+    let input = buf.view(at, len, a.dtype)?;
+    // SAFETY: the view lies inside this rank's host allocation, which only this rank's thread
+    // touches, and no call reads it now.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            a.input.as_slice().as_ptr(),
+            input.raw().addr as *mut u8,
+            a.input.len(),
+        )
+    };
+    let mut out = HostBytes::zeroed(a.out_len * a.out_dtype.size());
+    comm.all_reduce(input, out.view_mut(a.out_dtype), &a.options)?;
     Ok(out)
 }
 

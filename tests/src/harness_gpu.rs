@@ -10,10 +10,11 @@
 use std::marker::PhantomData;
 use std::sync::Barrier;
 
-use allreduce::{BackendKind, BufMut, BufRef, Communicator, HostBytes, Result};
+use allreduce::{BackendKind, BufMut, BufRef, Communicator, HostBytes, RegisteredBuffer, Result};
 use allreduce_gpu::device::{DeviceBuffer, GpuStream};
+use allreduce_gpu::upload_registered;
 
-use crate::harness::{transpose, Harness, Outcome, RankArgs};
+use crate::harness::{alloc_registered, registered_layout, transpose, Harness, Outcome, RankArgs};
 use crate::{open_rank, GpuTestRuntime};
 
 /// The suite on the GPUs of runtime `R`.
@@ -76,13 +77,27 @@ impl<R: GpuTestRuntime> Harness for GpuHarness<R> {
     }
 
     fn run(&self, comms: &[Communicator], steps: &[Vec<RankArgs>]) -> Vec<Vec<Outcome>> {
+        // Collective, before any rank's first call (it allocates on every rank's device).
+        let registered = match alloc_registered(comms, steps) {
+            Ok(r) => r,
+            Err(e) => {
+                return steps
+                    .iter()
+                    .map(|_| vec![Err(e.clone()); comms.len()])
+                    .collect()
+            }
+        };
         let barrier = Barrier::new(comms.len());
         let per_rank: Vec<Vec<Outcome>> = std::thread::scope(|s| {
             let barrier = &barrier;
+            let registered = &registered;
             let handles: Vec<_> = comms
                 .iter()
                 .enumerate()
-                .map(|(r, comm)| s.spawn(move || run_rank::<R>(comm, r, steps, barrier)))
+                .map(|(r, comm)| {
+                    let mine = registered.as_ref().map(|b| &b[r]);
+                    s.spawn(move || run_rank::<R>(comm, r, steps, mine, barrier))
+                })
                 .collect();
             handles
                 .into_iter()
@@ -99,14 +114,21 @@ struct Prepared<R: GpuTestRuntime> {
     /// The buffer the result is read from (the input itself in place).
     out: Option<DeviceBuffer<R>>,
     out_bytes: usize,
+    /// The input's view in the group's registered allocation, instead of `input`.
+    registered: Option<usize>,
 }
 
-fn prepare<R: GpuTestRuntime>(a: &RankArgs, stream: &GpuStream<R>) -> Result<Prepared<R>> {
+fn prepare<R: GpuTestRuntime>(
+    a: &RankArgs,
+    stream: &GpuStream<R>,
+    registered: Option<(&RegisteredBuffer, usize)>,
+) -> Result<Prepared<R>> {
     if a.skip {
         return Ok(Prepared {
             input: None,
             out: None,
             out_bytes: 0,
+            registered: None,
         });
     }
     if a.in_place {
@@ -115,15 +137,26 @@ fn prepare<R: GpuTestRuntime>(a: &RankArgs, stream: &GpuStream<R>) -> Result<Pre
             input: None,
             out: Some(buf),
             out_bytes: a.input.len(),
+            registered: None,
+        });
+    }
+    let out_bytes = a.out_len * a.out_dtype.size();
+    if let Some((buf, at)) = registered {
+        upload_registered::<R>(buf.memory(), at, a.input.as_slice(), stream)?;
+        return Ok(Prepared {
+            input: None,
+            out: Some(DeviceBuffer::zeroed(out_bytes, stream)?),
+            out_bytes,
+            registered: Some(buf.addr() + at),
         });
     }
     let mut staged = vec![0u8; a.input.len() + a.misalign];
     staged[a.misalign..].copy_from_slice(a.input.as_slice());
-    let out_bytes = a.out_len * a.out_dtype.size();
     Ok(Prepared {
         input: Some(DeviceBuffer::from_host(&staged, stream)?),
         out: Some(DeviceBuffer::zeroed(out_bytes, stream)?),
         out_bytes,
+        registered: None,
     })
 }
 
@@ -131,14 +164,17 @@ fn run_rank<R: GpuTestRuntime>(
     comm: &Communicator,
     r: usize,
     steps: &[Vec<RankArgs>],
+    registered: Option<&RegisteredBuffer>,
     barrier: &Barrier,
 ) -> Vec<Outcome> {
+    let (offsets, _) = registered_layout(steps);
     let setup = (|| -> Result<_> {
         let (dev, stream) = open_rank::<R>(comm)?;
         stream.warm(&dev)?;
         let prepared = steps
             .iter()
-            .map(|step| prepare(&step[r], &stream))
+            .zip(&offsets)
+            .map(|(step, at)| prepare(&step[r], &stream, registered.zip(*at)))
             .collect::<Vec<_>>();
         stream.synchronize()?;
         Ok((dev, stream, prepared))
@@ -224,12 +260,15 @@ fn enqueue<R: GpuTestRuntime>(
         let view = unsafe { BufMut::from_raw(out.addr(), len, a.dtype, dev) };
         return comm.all_reduce_in_place(view, &opts).map(|_| ());
     }
-    let input = p.input.as_ref().expect("prepared");
     let in_len = a.input.len() / a.dtype.size();
+    let in_addr = match p.registered {
+        Some(addr) => addr,
+        None => p.input.as_ref().expect("prepared").addr() + a.misalign,
+    };
     // SAFETY: both buffers hold what the views claim and outlive the sequence.
     let (iv, ov) = unsafe {
         (
-            BufRef::from_raw(input.addr() + a.misalign, in_len, a.dtype, dev),
+            BufRef::from_raw(in_addr, in_len, a.dtype, dev),
             BufMut::from_raw(out.addr(), a.out_len, a.out_dtype, dev),
         )
     };

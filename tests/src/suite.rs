@@ -43,6 +43,14 @@ pub const TESTS: &[Test] = &[
         run: larger_than_the_workspace,
     },
     Test {
+        name: "registered_inputs_read_in_place",
+        run: registered_inputs_read_in_place,
+    },
+    Test {
+        name: "registration_is_checked",
+        run: registration_is_checked,
+    },
+    Test {
         name: "thousand_calls_changing_sizes",
         run: thousand_calls_changing_sizes,
     },
@@ -137,6 +145,126 @@ fn exact_all_shapes(h: &dyn Harness) -> Result<(), String> {
                 }
             }
         }
+    }
+    Ok(())
+}
+
+/// Inputs in memory every rank registered, read by the peers in place: one-shot, two-shot and
+/// Auto at offsets 0 and a nonzero multiple of 16 bytes, mixed with staged calls (in place
+/// and out of place) in one sequence, up to past the workspace. Every result is bitwise
+/// equal across ranks, to the staged one-shot's and within the exact bound of the reference.
+fn registered_inputs_read_in_place(h: &dyn Harness) -> Result<(), String> {
+    let max = 64 << 10;
+    for world in 1..=h.max_world() {
+        let comms = h
+            .group(GroupConfig::new(world).max_bytes(max))
+            .map_err(|e| format!("group of {world}: {e}"))?;
+        let splits = comms[0].splits_large_calls();
+        for &n in &[1usize, 7, 33, 4097, (max / 4) * 3 + 5] {
+            for dtype in DType::ALL {
+                if n * dtype.size() > max && !splits {
+                    continue; // the host backend refuses calls past its workspace
+                }
+                let inputs: Vec<HostBytes> = (0..world)
+                    .map(|r| gauss(n, dtype, 500 + n as u64, r))
+                    .collect();
+                let exact = |s| opts(s, Precision::Exact);
+                let staged = |s, in_place| step(&inputs, dtype, in_place, exact(s));
+                let registered = |s, offset| -> Vec<RankArgs> {
+                    staged(s, false)
+                        .into_iter()
+                        .map(|a| a.registered(offset))
+                        .collect()
+                };
+                let plan = [
+                    ("staged oneshot", staged(Strategy::OneShot, false)),
+                    ("registered oneshot +0", registered(Strategy::OneShot, 0)),
+                    ("registered twoshot +48", registered(Strategy::TwoShot, 48)),
+                    ("staged twoshot", staged(Strategy::TwoShot, false)),
+                    ("registered twoshot +0", registered(Strategy::TwoShot, 0)),
+                    ("staged oneshot in place", staged(Strategy::OneShot, true)),
+                    ("registered oneshot +16", registered(Strategy::OneShot, 16)),
+                    ("registered auto +32", registered(Strategy::Auto, 32)),
+                    ("staged auto", staged(Strategy::Auto, false)),
+                ];
+                let steps: Vec<Vec<RankArgs>> = plan.iter().map(|(_, s)| s.clone()).collect();
+                let results = h.run(&comms, &steps);
+                let reference = Reference::new(&inputs, dtype);
+                let mut first: Option<&HostBytes> = None;
+                for (outcomes, (name, _)) in results.iter().zip(&plan) {
+                    let what = format!("world {world} n {n} {dtype} {name}");
+                    let out = check::bitwise_equal(outcomes, &what)?;
+                    match first {
+                        None => {
+                            check::exact(out, &reference, &what)?;
+                            first = Some(out);
+                        }
+                        Some(f) if f.as_slice() != out.as_slice() => {
+                            return Err(format!("{what}: differs from the staged one-shot"));
+                        }
+                        Some(_) => {}
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Registrations of the wrong shape are refused with an error, deregistration forgets, and a
+/// collective allocation gives every rank one buffer of the size asked on its device.
+fn registration_is_checked(h: &dyn Harness) -> Result<(), String> {
+    let world = 2.min(h.max_world());
+    let comms = group(h, world)?;
+    let bufs = allreduce::Communicator::alloc_registered_group(&comms, 4096)
+        .map_err(|e| format!("alloc_registered_group: {e}"))?;
+    if bufs.len() != world {
+        return Err(format!("{} buffers for {world} ranks", bufs.len()));
+    }
+    for (r, b) in bufs.iter().enumerate() {
+        if b.bytes() != 4096 || b.device() != comms[r].device() || b.addr() % 16 != 0 {
+            return Err(format!("rank {r}'s buffer: {b:?}"));
+        }
+    }
+    let ranges: Vec<allreduce::RegisteredRange> = bufs
+        .iter()
+        .map(|b| allreduce::RegisteredRange {
+            addr: b.addr(),
+            bytes: 2048,
+        })
+        .collect();
+    let refused = |what: &str, r: allreduce::Result<allreduce::RegistrationId>| match r {
+        Ok(_) => Err(format!("{what}: registered")),
+        Err(_) => Ok(()),
+    };
+    refused(
+        "one range too few",
+        allreduce::Communicator::register_group(&comms, &ranges[1..]),
+    )?;
+    if world > 1 {
+        let mut uneven = ranges.clone();
+        uneven[1].bytes = 1024;
+        refused(
+            "ranges of different lengths",
+            allreduce::Communicator::register_group(&comms, &uneven),
+        )?;
+        refused(
+            "not the whole group",
+            allreduce::Communicator::register_group(&comms[..1], &ranges[..1]),
+        )?;
+    }
+    let mut misaligned = ranges.clone();
+    misaligned[0].addr += 8;
+    refused(
+        "a misaligned range",
+        allreduce::Communicator::register_group(&comms, &misaligned),
+    )?;
+    let id = allreduce::Communicator::register_group(&comms, &ranges)
+        .map_err(|e| format!("register_group: {e}"))?;
+    allreduce::Communicator::deregister_group(&comms, id)
+        .map_err(|e| format!("deregister_group: {e}"))?;
+    if allreduce::Communicator::deregister_group(&comms, id).is_ok() {
+        return Err("a registration was deregistered twice".into());
     }
     Ok(())
 }

@@ -38,6 +38,11 @@ pub use allreduce_core::{
     SelectionTable, Strategy, Stream, Topology, TopologyClass,
 };
 pub use allreduce_core::{Fp8BufMut, FusedArgs, FusedConfig, FusedMetadata, FusedPattern};
+pub use allreduce_core::{RegisteredRange, RegistrationId};
+
+/// Memory every rank of a group registered, which peers read in place.
+pub mod registered;
+pub use registered::RegisteredBuffer;
 
 /// The fused all-reduce + residual + RMSNorm (+ FP8): core's specification and reference, and
 /// the facade's workspace.
@@ -336,6 +341,79 @@ impl Communicator {
         tracing::debug!(strategy = %call.strategy, "enqueue");
         comm.all_reduce(&call)?;
         Ok(call.strategy)
+    }
+
+    /// Register memory the caller already has with every rank of an in-process group:
+    /// `ranges[r]` is rank r's device address and length (one length for all; 16-byte aligned
+    /// starts). Out-of-place exact one-shot and two-shot calls (as `Auto` or the caller
+    /// picks them) whose input lies in this rank's range then read every peer's input in place
+    /// at the peer's base + the same offset, instead of staging a copy: every rank must then
+    /// call with its input at the same offset of the same registration (ranks that do not get
+    /// `Error::RankMismatch`, and the group stays usable). In-place, lossy and other calls are
+    /// unchanged.
+    ///
+    /// `comms` is the whole group in rank order (what [`Communicator::new_group`] returned).
+    /// Memory from a stream-ordered pool on one GPU is reachable from another only if the
+    /// pool grants it; plain allocations are, as peer access is enabled between the group's
+    /// GPUs. Groups of one process per rank refuse it with `Error::Unsupported`: a peer
+    /// process would have to map the caller's memory, and exporting an allocation needs its
+    /// base, which an address alone does not give. The memory must stay allocated until
+    /// [`Communicator::deregister_group`] and until every call that read it has completed; a
+    /// captured graph keeps the peers' addresses it was captured with.
+    pub fn register_group(
+        comms: &[Communicator],
+        ranges: &[RegisteredRange],
+    ) -> Result<RegistrationId> {
+        Self::whole_group(comms)?.comm.register_group(ranges)
+    }
+
+    /// Forget a registration made by [`Communicator::register_group`] (calls that read it
+    /// must have completed). Later calls on that memory take the staged path.
+    pub fn deregister_group(comms: &[Communicator], id: RegistrationId) -> Result<()> {
+        Self::whole_group(comms)?.comm.deregister_group(id)
+    }
+
+    /// Allocate `bytes` on every rank's device and register them with the group (see
+    /// [`Communicator::register_group`]); element r is rank r's. Dropping any of them
+    /// deregisters all (later calls on the others are staged); each frees its own memory.
+    pub fn alloc_registered_group(
+        comms: &[Communicator],
+        bytes: usize,
+    ) -> Result<Vec<RegisteredBuffer>> {
+        let first = Self::whole_group(comms)?;
+        Ok(first
+            .comm
+            .alloc_registered_group(bytes)?
+            .into_iter()
+            .map(RegisteredBuffer::new)
+            .collect())
+    }
+
+    /// `comms[0]`, once `comms` is checked to be one whole in-process group in rank order.
+    fn whole_group(comms: &[Communicator]) -> Result<&Communicator> {
+        let first = comms
+            .first()
+            .ok_or_else(|| Error::InvalidArgument("no communicators given".into()))?;
+        let Some(key) = first.comm.group_key() else {
+            return Err(Error::Unsupported {
+                what: format!("memory registration on the {} backend", first.backend),
+            });
+        };
+        if comms.len() != first.world_size() {
+            return Err(Error::InvalidArgument(format!(
+                "registration takes every rank of the group: {} communicators for {} ranks",
+                comms.len(),
+                first.world_size()
+            )));
+        }
+        for (r, c) in comms.iter().enumerate() {
+            if c.rank() != r || c.comm.group_key() != Some(key) {
+                return Err(Error::InvalidArgument(format!(
+                    "communicator {r} is not rank {r} of the same group as communicator 0"
+                )));
+            }
+        }
+        Ok(first)
     }
 
     /// Wait for the work enqueued on `stream` and report any asynchronous error (a device-side

@@ -34,8 +34,9 @@ use std::time::Duration;
 use allreduce_core::codec;
 use allreduce_core::layout::{exact_granule, shard_range, QUANT_GRANULE};
 use allreduce_core::{
-    Backend, BackendComm, Call, Codec, DType, Device, Element, Error, FusedComm, FusedConfig,
-    GroupConfig, Limits, Precision, Result, SelectionTable, Strategy, Stream, Topology,
+    Backend, BackendComm, Call, Codec, DType, Deregister, Device, Element, Error, FusedComm,
+    FusedConfig, GroupConfig, Limits, Precision, RegisteredMemory, RegisteredRange, RegistrationId,
+    Registry, Result, SelectionTable, Strategy, Stream, Topology,
 };
 use half::{bf16, f16};
 
@@ -59,6 +60,7 @@ impl Backend for Host {
             barrier: DeadlineBarrier::new(world),
             slots: (0..world).map(|_| Slot::new()).collect(),
             calls: (0..world).map(|_| AtomicU64::new(0)).collect(),
+            registry: Arc::new(Mutex::new(Registry::new())),
         });
         let table = config.selection.clone().unwrap_or_default();
         Ok((0..world)
@@ -79,6 +81,15 @@ struct Group {
     /// workspace runs its all-reduce as that rank, so its calls are numbered in the same
     /// sequence as the rank's plain calls.
     calls: Vec<AtomicU64>,
+    /// Registered memory: validated and recorded so that code written for the GPU paths runs
+    /// here too; the host reads every input where it is anyway.
+    registry: Arc<Mutex<Registry>>,
+}
+
+/// A registered host allocation: deregistered first, then freed.
+struct HostRegistered {
+    _deregister: Deregister,
+    _mem: allreduce_core::HostBytes,
 }
 
 #[derive(Default)]
@@ -390,6 +401,59 @@ unsafe fn output_slice<'a, T: Element>(call: &Call) -> &'a mut [T] {
 impl BackendComm for HostComm {
     fn rank(&self) -> usize {
         self.rank
+    }
+
+    fn group_key(&self) -> Option<usize> {
+        Some(Arc::as_ptr(&self.group) as usize)
+    }
+
+    fn register_group(&self, ranges: &[RegisteredRange]) -> Result<RegistrationId> {
+        let mut reg = self
+            .group
+            .registry
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        reg.register(self.group.world, ranges)
+    }
+
+    fn deregister_group(&self, id: RegistrationId) -> Result<()> {
+        let mut reg = self
+            .group
+            .registry
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        reg.deregister(id)
+    }
+
+    fn alloc_registered_group(&self, bytes: usize) -> Result<Vec<RegisteredMemory>> {
+        let mems: Vec<_> = (0..self.group.world)
+            .map(|_| allreduce_core::HostBytes::zeroed(bytes))
+            .collect();
+        let ranges: Vec<RegisteredRange> = mems
+            .iter()
+            .map(|m| RegisteredRange {
+                addr: m.view(DType::F32).raw().addr,
+                bytes,
+            })
+            .collect();
+        let id = self.register_group(&ranges)?;
+        Ok(mems
+            .into_iter()
+            .zip(ranges)
+            .map(|(mem, range)| RegisteredMemory {
+                addr: range.addr,
+                bytes,
+                device: Device::Host,
+                id,
+                owner: Box::new(HostRegistered {
+                    _deregister: Deregister {
+                        registry: self.group.registry.clone(),
+                        id,
+                    },
+                    _mem: mem,
+                }),
+            })
+            .collect())
     }
 
     fn world_size(&self) -> usize {

@@ -7,6 +7,9 @@
 //! one launch per call. Graph: `GRAPH_CALLS` calls captured into a CUDA graph and replayed.
 //! Contenders:
 //! - ours: `Communicator::all_reduce` with `Auto`, and one-shot / two-shot forced;
+//! - ours on a registered input (`ours reg`: `Auto` on memory from
+//!   `Communicator::alloc_registered_group`, which the peers read in place), eager and in
+//!   graphs (captured after the registration);
 //! - vLLM as its engine runs it eagerly: the input copied into its registered buffer, then its
 //!   kernel (vLLM's `all_reduce(..., reg_buffer)`);
 //! - vLLM on a registered input (no copy: what its graph mode does, and any caller that
@@ -23,7 +26,8 @@ use std::sync::{Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 use allreduce::{
-    AllReduceOptions, BufMut, BufRef, Communicator, DType, GroupConfig, HostBytes, Strategy,
+    AllReduceOptions, BufMut, BufRef, Communicator, DType, GroupConfig, HostBytes,
+    RegisteredBuffer, Strategy,
 };
 use allreduce_peers::Vllm;
 
@@ -52,26 +56,30 @@ enum Who {
     Vllm,
     /// vLLM's kernel on a registered input.
     VllmRegistered,
+    /// Ours (Auto) on an input in memory every rank registered.
+    OursRegistered,
 }
 
-const EAGER: [Who; 5] = [
+const EAGER: [Who; 6] = [
     Who::Auto,
     Who::OneShot,
     Who::TwoShot,
     Who::Vllm,
     Who::VllmRegistered,
+    Who::OursRegistered,
 ];
-/// In graphs: ours (Auto) and vLLM's captured calls (registered after capture).
-const GRAPH: [Who; 2] = [Who::Auto, Who::VllmRegistered];
+/// In graphs: ours (Auto), vLLM's captured calls (registered after capture), and ours on a
+/// registered input (captured after registration).
+const GRAPH: [Who; 3] = [Who::Auto, Who::VllmRegistered, Who::OursRegistered];
 
 /// One rank's results for one size: eager and graph seconds per call per contender
 /// (NaN: not run), and each contender's wrong elements.
 #[derive(Clone, Debug, Default)]
 struct RowTimes {
-    eager: [f64; 5],
-    graph: [f64; 2],
-    wrong: [usize; 5],
-    graph_wrong: [usize; 2],
+    eager: [f64; 6],
+    graph: [f64; 3],
+    wrong: [usize; 6],
+    graph_wrong: [usize; 3],
     ran: Option<Strategy>,
 }
 
@@ -98,7 +106,8 @@ fn rank_loop(
     shared: &Shared,
     heartbeat: &AtomicU64,
     expected: &[f32],
-    wrongs: &Mutex<Vec<[usize; 5]>>,
+    wrongs: &Mutex<Vec<[usize; 6]>>,
+    registered: &RegisteredBuffer,
 ) -> Result<Vec<RowTimes>, String> {
     let e = |e: allreduce::Error| e.to_string();
     let rank = comm.rank();
@@ -117,6 +126,8 @@ fn rank_loop(
         meta: DeviceBuffer::zeroed(Vllm::meta_bytes(max), &stream).map_err(e)?,
         rank_data: DeviceBuffer::zeroed(RANK_DATA_BYTES, &stream).map_err(e)?,
     };
+    allreduce_gpu::upload_registered::<R>(registered.memory(), 0, host.as_slice(), &stream)
+        .map_err(e)?;
     stream.synchronize().map_err(e)?;
     shared.lock().unwrap()[rank] = (
         b.meta.addr() as u64,
@@ -151,8 +162,8 @@ fn rank_loop(
     for &bytes in sizes {
         let n = bytes / dtype.size();
         let mut row = RowTimes {
-            eager: [f64::NAN; 5],
-            graph: [f64::NAN; 2],
+            eager: [f64::NAN; 6],
+            graph: [f64::NAN; 3],
             ..Default::default()
         };
         let opts = |s: Strategy| {
@@ -180,6 +191,14 @@ fn rank_loop(
                 Who::Auto => ours(Strategy::Auto),
                 Who::OneShot => ours(Strategy::OneShot),
                 Who::TwoShot => ours(Strategy::TwoShot),
+                Who::OursRegistered => {
+                    let input = registered.view(0, n, dtype).map_err(e)?;
+                    // SAFETY: a prefix of this rank's live output buffer, 16-byte aligned.
+                    let output = unsafe { BufMut::from_raw(b.output.addr(), n, dtype, dev) };
+                    comm.all_reduce(input, output, &opts(Strategy::Auto))
+                        .map(|_| ())
+                        .map_err(e)
+                }
                 Who::Vllm => unsafe {
                     v()?.all_reduce(
                         stream.handle().as_raw() as u64,
@@ -233,7 +252,7 @@ fn rank_loop(
         // Every rank must time the same contenders: a contender wrong on any rank is not timed.
         wrongs.lock().unwrap()[rank] = row.wrong;
         barrier.wait();
-        row.wrong = wrongs.lock().unwrap().iter().fold([0; 5], |mut acc, w| {
+        row.wrong = wrongs.lock().unwrap().iter().fold([0; 6], |mut acc, w| {
             for (a, x) in acc.iter_mut().zip(w) {
                 *a += x;
             }
@@ -379,7 +398,7 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
         ),
     }
     println!(
-        "# {:>10} {:>8} | {:>8} {:>8} {:>8} | {:>8} {:>8} | {:>7} | {:>8} {:>8} {:>7} | #wrong (auto 1s 2s vllm reg; graphs auto vllm)",
+        "# {:>10} {:>8} | {:>8} {:>8} {:>8} | {:>8} {:>8} | {:>7} | {:>8} {:>8} {:>7} | {:>8} {:>7} | {:>8} {:>7} | #wrong (auto 1s 2s vllm vllm-reg ours-reg; graphs auto vllm ours-reg)",
         "bytes",
         "auto ran",
         "auto",
@@ -390,6 +409,10 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
         "ratio",
         "graph",
         "vllm",
+        "ratio",
+        "ours reg",
+        "ratio",
+        "g.reg",
         "ratio"
     );
     // The exact sum of the integer inputs, once for every rank to check against.
@@ -403,7 +426,9 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
     let barrier = Barrier::new(world);
     let shared: Shared = Mutex::new(vec![(0, 0, 0); world]);
     let heartbeat = AtomicU64::new(0);
-    let wrongs = Mutex::new(vec![[0usize; 5]; world]);
+    let wrongs = Mutex::new(vec![[0usize; 6]; world]);
+    // Collective, before the ranks' threads start (it allocates on every rank's device).
+    let registered = Communicator::alloc_registered_group(&comms, max.max(16))?;
     let done = std::sync::atomic::AtomicBool::new(false);
     let results: Vec<Result<Vec<RowTimes>, String>> = std::thread::scope(|s| {
         // vLLM's kernels wait for their peers without a deadline: a row that stops
@@ -423,7 +448,8 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
         });
         let hs: Vec<_> = comms
             .iter()
-            .map(|c| {
+            .zip(&registered)
+            .map(|(c, reg)| {
                 let (barrier, shared, heartbeat, sizes, expected, wrongs) = (
                     &barrier,
                     &shared,
@@ -443,6 +469,7 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
                         heartbeat,
                         expected,
                         wrongs,
+                        reg,
                     )
                 })
             })
@@ -471,11 +498,11 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
                 }
             })
         };
-        let eager: Vec<f64> = (0..5).map(|i| slowest(&|r| r.eager[i])).collect();
-        let graph: Vec<f64> = (0..2).map(|i| slowest(&|r| r.graph[i])).collect();
+        let eager: Vec<f64> = (0..6).map(|i| slowest(&|r| r.eager[i])).collect();
+        let graph: Vec<f64> = (0..3).map(|i| slowest(&|r| r.graph[i])).collect();
         // Summed over ranks already (the ranks agreed on them), graphs summed here.
         let mut wrong: Vec<usize> = per_rank[0][k].wrong.to_vec();
-        wrong.extend((0..2).map(|g| per_rank.iter().map(|r| r[k].graph_wrong[g]).sum::<usize>()));
+        wrong.extend((0..3).map(|g| per_rank.iter().map(|r| r[k].graph_wrong[g]).sum::<usize>()));
         let peer = eager[3].min(eager[4]);
         let peer = if eager[3].is_nan() {
             eager[4]
@@ -492,7 +519,7 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
             }
         };
         println!(
-            "  {:>10} {:>8} | {:>8} {:>8} {:>8} | {:>8} {:>8} | {:>7} | {:>8} {:>8} {:>7} | {:?}",
+            "  {:>10} {:>8} | {:>8} {:>8} {:>8} | {:>8} {:>8} | {:>7} | {:>8} {:>8} {:>7} | {:>8} {:>7} | {:>8} {:>7} | {:?}",
             bytes,
             per_rank[0][k]
                 .ran
@@ -506,6 +533,10 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
             us(graph[0]),
             us(graph[1]),
             ratio(graph[0], graph[1]),
+            us(eager[5]),
+            ratio(eager[5], peer),
+            us(graph[2]),
+            ratio(graph[2], graph[1]),
             wrong
         );
     }

@@ -361,6 +361,38 @@ pub trait BackendComm: Send + Sync {
         None
     }
 
+    /// Register memory with every rank of this rank's in-process group: `ranges[r]` is rank
+    /// r's (see [`crate::registration`]). Out-of-place exact calls whose input lies in a
+    /// registration may then read the peers' inputs in place. Backends without it refuse.
+    fn register_group(&self, _ranges: &[crate::RegisteredRange]) -> Result<crate::RegistrationId> {
+        Err(Error::Unsupported {
+            what: "memory registration on this backend".into(),
+        })
+    }
+
+    /// Forget a registration of this rank's group. Calls already enqueued that read it must
+    /// have completed (as with freeing their buffers).
+    fn deregister_group(&self, _id: crate::RegistrationId) -> Result<()> {
+        Err(Error::Unsupported {
+            what: "memory registration on this backend".into(),
+        })
+    }
+
+    /// One allocation of `bytes` per rank of this rank's in-process group, on each rank's
+    /// device, registered with every rank (element r is rank r's).
+    fn alloc_registered_group(&self, _bytes: usize) -> Result<Vec<crate::RegisteredMemory>> {
+        Err(Error::Unsupported {
+            what: "registered allocations on this backend".into(),
+        })
+    }
+
+    /// Identifies this rank's group among the groups of this process: equal for the ranks
+    /// of one in-process group (the facade checks collective calls with it).
+    /// `None` where the backend has no collective registration.
+    fn group_key(&self) -> Option<usize> {
+        None
+    }
+
     /// Fused all-reduce workspaces for every rank of this rank's group (element r is rank
     /// r's), or `None` when the backend has no fused op: the facade then refuses fused calls.
     /// A backend without fused kernels may compose the op from its all-reduce and the

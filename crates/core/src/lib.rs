@@ -14,6 +14,7 @@
 //! | [`codec`]   | the reference codecs GPU kernels must match bit for bit                |
 //! | [`layout`]  | how buffers are cut into per-rank shards                               |
 //! | [`hierarchical`] | the two-NUMA-group quantized all-reduce: groups, shards, reference |
+//! | [`registration`] | registered memory: ranges peers read in place, the registry     |
 //! | [`select`]  | the table behind `Strategy::Auto`                                      |
 //! | [`fused`]   | the fused all-reduce + residual + RMSNorm (+ FP8): validation, reference |
 
@@ -26,6 +27,7 @@ pub mod fused;
 pub mod hierarchical;
 pub mod layout;
 pub mod op;
+pub mod registration;
 pub mod select;
 pub mod topology;
 
@@ -40,5 +42,8 @@ pub use fused::{
     Fp8BufMut, FusedArgs, FusedCall, FusedComm, FusedConfig, FusedMetadata, FusedPattern,
 };
 pub use op::{Codec, Precision, ReduceOp, Strategy};
+pub use registration::{
+    Deregister, RegisteredInput, RegisteredMemory, RegisteredRange, RegistrationId, Registry,
+};
 pub use select::{Rule, SelectionTable};
 pub use topology::{Link, Topology, TopologyClass};

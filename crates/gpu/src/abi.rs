@@ -12,10 +12,12 @@ pub const THREADS: u32 = 512;
 pub const HEADER_BYTES: usize = 4096;
 pub const FLAGS_OFFSET: usize = 4096;
 pub const DESC_OFFSET: usize = 8192;
-pub const STAGING_OFFSET: usize = 16384;
+pub const DESC2_OFFSET: usize = 16384;
+pub const STAGING_OFFSET: usize = 24576;
 
 const _: () = assert!(FLAGS_OFFSET + MAX_BLOCKS * MAX_WORLD * 4 <= DESC_OFFSET);
-const _: () = assert!(DESC_OFFSET + 2 * MAX_BLOCKS * MAX_WORLD * 8 <= STAGING_OFFSET);
+const _: () = assert!(DESC_OFFSET + 2 * MAX_BLOCKS * MAX_WORLD * 8 <= DESC2_OFFSET);
+const _: () = assert!(DESC2_OFFSET + 2 * MAX_BLOCKS * MAX_WORLD * 8 <= STAGING_OFFSET);
 // Header: epoch[64], calls[64], abort, skip[64] (abi.h asserts 772 bytes).
 const _: () = assert!(3 * MAX_BLOCKS * 4 + 4 <= HEADER_BYTES);
 
@@ -68,6 +70,9 @@ impl Desc {
     /// Or-ed into every piece but the first of a call split because it is larger than the
     /// workspace (`kDescContinued`).
     pub const CONTINUED: u64 = 4;
+    /// Or-ed into the descriptor of a call that reads registered inputs in place
+    /// (`kDescRegistered`): the path is part of what ranks compare.
+    pub const REGISTERED: u64 = 8;
 
     pub fn new(n: usize, dtype: u64, strategy: u64, precision: u64) -> Desc {
         Desc(((n as u64) << 16) | (dtype << 12) | (strategy << 8) | (precision << 4) | 1)
@@ -86,6 +91,34 @@ impl Desc {
     }
     pub fn precision(self) -> u64 {
         (self.0 >> 4) & 0xF
+    }
+    pub fn registered(self) -> bool {
+        self.0 & Self::REGISTERED != 0
+    }
+    /// Whether this is a [`Desc2`] word (a registered call's second word), as a mismatch
+    /// report may hold: descriptors have bit 0 or bit 1 set, second words neither.
+    pub fn is_desc2(self) -> bool {
+        self.0 & 3 == 0
+    }
+}
+
+/// A registered call's second descriptor word: the registration and the byte offset of the
+/// inputs in it, `id << 40 | (offset / 16) << 2` (`RegisteredArgs::desc2`). Offsets are
+/// multiples of 16 (inputs are 16-byte aligned and registrations start so).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Desc2(pub u64);
+
+impl Desc2 {
+    /// Offsets up to 4 TiB and 2^24 registrations are told apart; beyond, the word wraps, which
+    /// can only make two different calls look alike to the comparison, never fail one.
+    pub fn new(id: u64, offset: usize) -> Desc2 {
+        Desc2((id << 40) | ((((offset / 16) as u64) & ((1 << 38) - 1)) << 2))
+    }
+    pub fn id(self) -> u64 {
+        self.0 >> 40
+    }
+    pub fn offset(self) -> u64 {
+        ((self.0 >> 2) & ((1 << 38) - 1)) * 16
     }
 }
 
@@ -115,6 +148,20 @@ const _: () = assert!(std::mem::offset_of!(Args, world) == 116);
 const _: () = assert!(std::mem::offset_of!(Args, desc) == 120);
 const _: () = assert!(std::mem::offset_of!(Control, waited_ns) == 16);
 const _: () = assert!(std::mem::offset_of!(Control, theirs) == 32);
+
+/// The registered kernels' parameter (`RegisteredArgs` in abi.h): [`Args`], every rank's
+/// input of the call (in rank order, ours included), and the second descriptor word.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RegisteredArgs {
+    pub a: Args,
+    pub inputs: [u64; MAX_WORLD],
+    pub desc2: u64,
+}
+
+const _: () = assert!(size_of::<RegisteredArgs>() == 200);
+const _: () = assert!(std::mem::offset_of!(RegisteredArgs, inputs) == 128);
+const _: () = assert!(std::mem::offset_of!(RegisteredArgs, desc2) == 192);
 
 /// The fused kernels' one by-value parameter (`ar::fused::FusedKernelArgs` in
 /// `kernels-common/include/allreduce/fused.h`, which asserts the same size and offsets). Null

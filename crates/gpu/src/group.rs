@@ -12,14 +12,17 @@
 use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::abi::{self, Args, Control, Desc, MAX_BLOCKS, MAX_WORLD, THREADS};
+use crate::abi::{
+    self, Args, Control, Desc, Desc2, RegisteredArgs, MAX_BLOCKS, MAX_WORLD, THREADS,
+};
 use crate::kernels::{self, Kernel};
 use crate::GpuRuntime;
 use allreduce_core::{
-    Backend, BackendComm, Bootstrap, Call, Codec, DType, Error, GroupConfig, Limits, Precision,
+    Backend, BackendComm, Bootstrap, Call, Codec, DType, Deregister, Error, GroupConfig, Limits,
+    Precision, RegisteredInput, RegisteredMemory, RegisteredRange, RegistrationId, Registry,
     Result, SelectionTable, Strategy, Stream,
 };
 
@@ -123,6 +126,9 @@ fn unpack(msg: &[u8], fields: usize, from: usize) -> Result<Vec<&[u8]>> {
 struct Kernels<R: GpuRuntime> {
     oneshot: [R::Function; 3],
     twoshot: [R::Function; 3],
+    /// The same two reading registered inputs in place ([`RegisteredArgs`]).
+    oneshot_registered: [R::Function; 3],
+    twoshot_registered: [R::Function; 3],
     /// `[f16, bf16][codec index in Codec::ALL]`; `None` where the runtime has no codec
     /// kernels ([`GpuRuntime::quantized_unavailable`]).
     quantized: Option<[[R::Function; Codec::ALL.len()]; 2]>,
@@ -165,6 +171,8 @@ impl<R: GpuRuntime> Kernels<R> {
         Ok(Kernels {
             oneshot: per_dtype(Kernel::OneShot)?,
             twoshot: per_dtype(Kernel::TwoShot)?,
+            oneshot_registered: per_dtype(Kernel::OneShotRegistered)?,
+            twoshot_registered: per_dtype(Kernel::TwoShotRegistered)?,
             quantized: match R::quantized_unavailable() {
                 Some(_) => None,
                 None => Some(per_codec(Kernel::Quantized)?),
@@ -203,6 +211,9 @@ struct Group<R: GpuRuntime> {
     stage_bytes: usize,
     timeout: Duration,
     cast_bf16_to_f16: bool,
+    /// Memory every rank registered ([`BackendComm::register_group`]); shared with the
+    /// allocations that deregister themselves on drop.
+    registry: Arc<Mutex<Registry>>,
 }
 
 impl<R: GpuRuntime> Group<R> {
@@ -491,6 +502,7 @@ impl<R: GpuRuntime> Group<R> {
             stage_bytes: stage,
             timeout: config.timeout,
             cast_bf16_to_f16: config.cast_bf16_to_f16,
+            registry: Arc::new(Mutex::new(Registry::new())),
         };
         for d in &group.devices {
             R::bind(d)?;
@@ -531,6 +543,20 @@ impl<R: GpuRuntime> Group<R> {
         }
     }
 
+    /// Where `call`'s input lies in memory every rank registered, when the call may read the
+    /// peers' inputs in place there: out of place, exact, one-shot or two-shot. Every other
+    /// call takes the staged path.
+    fn registered_input(&self, rank: usize, call: &Call) -> Option<RegisteredInput> {
+        if call.in_place()
+            || call.precision != Precision::Exact
+            || !matches!(call.strategy, Strategy::OneShot | Strategy::TwoShot)
+        {
+            return None;
+        }
+        let reg = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        reg.find(rank, call.input.addr, call.input.bytes())
+    }
+
     /// Run every kernel once per rank, alone (world 1, nothing to move), before any rank waits
     /// on another. A device's first launches may do lazy work that waits for the whole device
     /// (loading code, growing the scratch reservation); done while a peer's kernel spins
@@ -563,6 +589,15 @@ impl<R: GpuRuntime> Group<R> {
             {
                 // SAFETY: n = 0 and world = 1: the kernel touches only this rank's workspace.
                 unsafe { R::launch(f, self.grid, THREADS, Stream::NULL, &args)? };
+            }
+            let registered = RegisteredArgs {
+                a: args,
+                inputs: [0; MAX_WORLD],
+                desc2: 0,
+            };
+            for &f in k.oneshot_registered.iter().chain(&k.twoshot_registered) {
+                // SAFETY: as above; no input is read for n = 0.
+                unsafe { R::launch(f, self.grid, THREADS, Stream::NULL, &registered)? };
             }
         }
         for d in &self.devices {
@@ -753,6 +788,28 @@ fn mismatch_error(me: usize, peer: usize, call: u64, mine: Desc, theirs: Desc) -
     ];
     let mut precisions = vec!["exact"];
     precisions.extend(Codec::ALL.iter().map(|c| c.name()));
+    if mine.is_desc2() {
+        let (m, t) = (Desc2(mine.0), Desc2(theirs.0));
+        return Error::RankMismatch {
+            what: "registered input",
+            call,
+            detail: format!(
+                "rank {me} reads registration {} at offset {}, rank {peer} registration {} at \
+                 offset {}",
+                m.id(),
+                m.offset(),
+                t.id(),
+                t.offset()
+            ),
+        };
+    }
+    let path = |d: Desc| {
+        if d.registered() {
+            "a registered input".to_string()
+        } else {
+            "a staged input".to_string()
+        }
+    };
     let (what, a, b) = if mine.len() != theirs.len() {
         ("length", mine.len().to_string(), theirs.len().to_string())
     } else if mine.dtype() != theirs.dtype() {
@@ -767,6 +824,8 @@ fn mismatch_error(me: usize, peer: usize, call: u64, mine: Desc, theirs: Desc) -
             name(&strategies, mine.strategy()),
             name(&strategies, theirs.strategy()),
         )
+    } else if mine.registered() != theirs.registered() {
+        ("path", path(mine), path(theirs))
     } else {
         (
             "precision",
@@ -810,11 +869,143 @@ impl<R: GpuRuntime> GpuComm<R> {
     fn aborted(&self) -> Option<String> {
         self.group.aborted()
     }
+
+    /// An exact one-shot or two-shot call whose input lies in registered memory: the peers'
+    /// inputs are at their bases + the same offset, read in place by the registered kernels.
+    /// The descriptor says so (`Desc::REGISTERED`) and the second word names the registration
+    /// and offset, so ranks that did not all take this path, or not on the same memory, skip
+    /// the call together and report a mismatch.
+    fn all_reduce_registered(&self, call: &Call, input: &RegisteredInput) -> Result<()> {
+        let g = &*self.group;
+        let kernels = g.kernels[g.rank_device[self.rank]].as_ref().expect("alive");
+        let d = dtype_index(call.dtype());
+        let oneshot = call.strategy == Strategy::OneShot;
+        let f = if oneshot {
+            kernels.oneshot_registered[d]
+        } else {
+            kernels.twoshot_registered[d]
+        };
+        R::bind(self.device())?;
+        let desc = Desc(describe(call).0 | Desc::REGISTERED);
+        let desc2 = Desc2::new(input.id.0, input.offset);
+        let total = call.len();
+        let elem = call.dtype().size();
+        // One-shot touches no staging, so it runs whole whatever the size. Two-shot's shards
+        // pass through `reduced`, which holds one piece: split as the staged path does.
+        let piece = if oneshot {
+            total
+        } else {
+            g.piece_len(call.dtype())
+        };
+        let mut start = 0;
+        loop {
+            let n = piece.min(total - start);
+            let d = if start == 0 {
+                desc
+            } else {
+                Desc(desc.0 | Desc::CONTINUED)
+            };
+            let mut inputs = [0u64; MAX_WORLD];
+            for (slot, &base) in inputs.iter_mut().zip(&input.bases) {
+                *slot = (base + input.offset + start * elem) as u64;
+            }
+            let args = RegisteredArgs {
+                a: g.args(
+                    self.rank,
+                    (call.input.addr + start * elem) as *const c_void,
+                    (call.output.addr + start * elem) as *mut c_void,
+                    n,
+                    d,
+                ),
+                inputs,
+                desc2: desc2.0,
+            };
+            // SAFETY: RegisteredArgs mirrors the kernel's parameter. Every rank registered its
+            // range (live until deregistered: the caller keeps it alive while calls on it run,
+            // as it does any buffer), the input lies in ours at `offset`, so each peer's piece
+            // lies in its range at the same offset; the rest as in all_reduce.
+            unsafe { R::launch(f, g.grid, THREADS, call.stream, &args)? };
+            start += n;
+            if start >= total {
+                return Ok(());
+            }
+        }
+    }
 }
 
 impl<R: GpuRuntime> BackendComm for GpuComm<R> {
     fn rank(&self) -> usize {
         self.rank
+    }
+
+    fn group_key(&self) -> Option<usize> {
+        Some(Arc::as_ptr(&self.group) as *const () as usize)
+    }
+
+    fn register_group(&self, ranges: &[RegisteredRange]) -> Result<RegistrationId> {
+        let g = &*self.group;
+        if g.local.len() != g.world {
+            return Err(registration_across_processes());
+        }
+        let mut reg = g.registry.lock().unwrap_or_else(|e| e.into_inner());
+        reg.register(g.world, ranges)
+    }
+
+    fn deregister_group(&self, id: RegistrationId) -> Result<()> {
+        let mut reg = self
+            .group
+            .registry
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        reg.deregister(id)
+    }
+
+    fn alloc_registered_group(&self, bytes: usize) -> Result<Vec<RegisteredMemory>> {
+        let g = &*self.group;
+        if g.local.len() != g.world {
+            return Err(registration_across_processes());
+        }
+        if bytes == 0 {
+            return Err(Error::InvalidArgument(
+                "a registered allocation must be non-empty".into(),
+            ));
+        }
+        // Workspace memory: plain device memory that peers' kernels read (peer access is
+        // enabled between the group's GPUs), complete on return.
+        let mut mems = Vec::with_capacity(g.world);
+        for rank in 0..g.world {
+            let dev = &g.devices[g.rank_device[rank]];
+            R::bind(dev)?;
+            mems.push(R::alloc_workspace(dev, bytes)?);
+        }
+        let ranges: Vec<RegisteredRange> = mems
+            .iter()
+            .map(|m| RegisteredRange {
+                addr: R::memory_addr(m) as usize,
+                bytes,
+            })
+            .collect();
+        let id = self.register_group(&ranges)?;
+        Ok(mems
+            .into_iter()
+            .zip(ranges)
+            .enumerate()
+            .map(|(rank, (mem, range))| RegisteredMemory {
+                addr: range.addr,
+                bytes,
+                device: R::device_tag(R::ordinal(&g.devices[g.rank_device[rank]])),
+                id,
+                owner: Box::new(GpuRegistered::<R> {
+                    deregister: Some(Deregister {
+                        registry: g.registry.clone(),
+                        id,
+                    }),
+                    mem: Some(mem),
+                    rank,
+                    group: self.group.clone(),
+                }),
+            })
+            .collect())
     }
 
     fn world_size(&self) -> usize {
@@ -878,6 +1069,9 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
         }
         self.calls.fetch_add(1, Ordering::Relaxed);
         let g = &*self.group;
+        if let Some(input) = g.registered_input(self.rank, call) {
+            return self.all_reduce_registered(call, &input);
+        }
         let kernels = g.kernels[g.rank_device[self.rank]].as_ref().expect("alive");
         let f = match call.strategy {
             Strategy::OneShot => kernels.oneshot[dtype_index(call.dtype())],
@@ -1077,6 +1271,65 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
             Some(reason) => Err(Error::Aborted { reason }),
             None => Ok(()),
         }
+    }
+}
+
+/// A registered allocation of one rank: deregistered first, then freed with its device
+/// current. Holds the group, whose devices (contexts) must outlive the memory.
+struct GpuRegistered<R: GpuRuntime> {
+    deregister: Option<Deregister>,
+    mem: Option<R::Memory>,
+    rank: usize,
+    group: Arc<Group<R>>,
+}
+
+impl<R: GpuRuntime> Drop for GpuRegistered<R> {
+    fn drop(&mut self) {
+        self.deregister.take();
+        let _ = R::bind(&self.group.devices[self.group.rank_device[self.rank]]);
+        self.mem.take();
+    }
+}
+
+/// Copy `src` into `mem` (an allocation of a group of runtime `R`, from
+/// `alloc_registered_group`) at byte `offset`, ordered on `stream`: how tests and the bench
+/// fill registered inputs. Memory of another runtime, or a range outside it, is an error.
+pub fn upload_registered<R: GpuRuntime>(
+    mem: &RegisteredMemory,
+    offset: usize,
+    src: &[u8],
+    stream: &crate::device::GpuStream<R>,
+) -> Result<()> {
+    let Some(owned) = mem.owner.downcast_ref::<GpuRegistered<R>>() else {
+        return Err(Error::InvalidArgument(format!(
+            "not a registered allocation of the {} backend",
+            R::NAME
+        )));
+    };
+    if offset
+        .checked_add(src.len())
+        .is_none_or(|end| end > mem.bytes)
+    {
+        return Err(Error::InvalidArgument(format!(
+            "{} bytes at offset {offset} do not fit a registered allocation of {}",
+            src.len(),
+            mem.bytes
+        )));
+    }
+    let m = owned.mem.as_ref().expect("alive until dropped");
+    // SAFETY: the range lies inside `m`, which lives as long as `mem`; the caller keeps `mem`
+    // until its stream has passed the copy, as with any buffer it enqueues work on.
+    unsafe { R::upload(m, offset, src, stream.raw()) }
+}
+
+/// Registration in a group of one process per rank: peers would have to map the memory from
+/// another process, and exporting a caller's allocation needs its allocation base (an IPC
+/// handle names a whole allocation), which the caller's address alone does not give.
+fn registration_across_processes() -> Error {
+    Error::Unsupported {
+        what: "memory registration in a group of one process per rank (in-process groups \
+               only: exporting a caller's allocation to the peers needs its allocation base)"
+            .into(),
     }
 }
 

@@ -81,6 +81,10 @@ pub enum Kernel {
     OneShot(DType),
     /// `twoshot<T>` (exact.h).
     TwoShot(DType),
+    /// `oneshot_registered<T>` (exact.h): one-shot reading registered inputs in place.
+    OneShotRegistered(DType),
+    /// `twoshot_registered<T>` (exact.h).
+    TwoShotRegistered(DType),
     /// `copy_vectors` (exact.h): the roofline the bench compares against.
     Copy,
     /// `quantized_twoshot<T, C>` (quantized.h), f16 and bf16.
@@ -114,6 +118,8 @@ impl Kernel {
         match self {
             OneShot(d) => format!("ar_oneshot_{}", d.name()),
             TwoShot(d) => format!("ar_twoshot_{}", d.name()),
+            OneShotRegistered(d) => format!("ar_oneshot_registered_{}", d.name()),
+            TwoShotRegistered(d) => format!("ar_twoshot_registered_{}", d.name()),
             Copy => "ar_copy_f32x4".into(),
             Quantized(d, c) => format!("ar_quantized_{}_{}", d.name(), c.name()),
             Hierarchical(d, c) => format!("ar_hierarchical_{}_{}", d.name(), c.name()),
@@ -129,8 +135,8 @@ impl Kernel {
     pub fn module(self) -> Module {
         use Kernel::*;
         match self {
-            OneShot(_) | TwoShot(_) | Copy | Quantized(..) | Hierarchical(..) | Encode(..)
-            | Decode(..) => Module::AllReduce,
+            OneShot(_) | TwoShot(_) | OneShotRegistered(_) | TwoShotRegistered(_) | Copy
+            | Quantized(..) | Hierarchical(..) | Encode(..) | Decode(..) => Module::AllReduce,
             FusedOneShot(..) | FusedTwoShot(..) | FusedOneShotSplit(..) | RmsNorm(_) => {
                 Module::Fused
             }
@@ -165,6 +171,11 @@ pub fn kernels(vendor: Vendor, module: Module) -> Vec<Kernel> {
             }
             for c in Codec::ALL {
                 out.extend(CODEC_DTYPES.map(|d| Kernel::Hierarchical(d, c)));
+            }
+            // Appended, so every earlier instance keeps its place in the code object.
+            for d in DType::ALL {
+                out.push(Kernel::OneShotRegistered(d));
+                out.push(Kernel::TwoShotRegistered(d));
             }
         }
         Module::Fused => {
@@ -243,6 +254,14 @@ fn instance(k: Kernel) -> String {
     match k {
         OneShot(d) => format!("AR_ARGS_KERNEL({name}, oneshot<{}>)", cxx_type(d)),
         TwoShot(d) => format!("AR_ARGS_KERNEL({name}, twoshot<{}>)", cxx_type(d)),
+        OneShotRegistered(d) => format!(
+            "AR_REGISTERED_KERNEL({name}, oneshot_registered<{}>)",
+            cxx_type(d)
+        ),
+        TwoShotRegistered(d) => format!(
+            "AR_REGISTERED_KERNEL({name}, twoshot_registered<{}>)",
+            cxx_type(d)
+        ),
         Copy => format!("AR_COPY_KERNEL({name})"),
         Quantized(d, c) => format!(
             "AR_ARGS_KERNEL({name}, quantized_twoshot<{}, {}>)",
@@ -349,6 +368,8 @@ mod tests {
         for name in [
             "ar_oneshot_f32",
             "ar_twoshot_bf16",
+            "ar_oneshot_registered_f16",
+            "ar_twoshot_registered_bf16",
             "ar_copy_f32x4",
             "ar_quantized_f16_fp8",
             "ar_quantized_bf16_q4a",

@@ -25,7 +25,7 @@ pub mod fused;
 mod group;
 pub mod kernels;
 
-pub use group::{GpuBackend, GpuComm, GroupView};
+pub use group::{upload_registered, GpuBackend, GpuComm, GroupView};
 
 /// A pattern repeated over device memory ([`GpuRuntime::alloc_filled`], [`GpuRuntime::fill`]):
 /// one word of the width of the elements the memory will hold.

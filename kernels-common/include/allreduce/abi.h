@@ -28,7 +28,9 @@ static_assert(kThreads % kWarpSize == 0 && kMaxWorld <= kWarpSize, "launch shape
 //   [kFlagsOffset, ..)   uint32_t flags[kMaxBlocks][kMaxWorld]; flags[b][src] is written by
 //                        rank src's block b (zeroed at creation)
 //   [kDescOffset, ..)    uint64_t desc[2][kMaxBlocks][kMaxWorld]: what rank src's block b
-//                        says this call is (length, dtype, strategy), by call parity
+//                        says this call is (length, dtype, strategy, path), by call parity
+//   [kDesc2Offset, ..)   uint64_t desc2[2][kMaxBlocks][kMaxWorld]: the registered kernels'
+//                        second word (registration and offset), by call parity
 //   kStagingOffset:      staging[2][max_bytes], indexed by call parity
 //   +2*max_bytes:        reduced[max_bytes], two-shot owners' rounded shards, indexed by the
 //                        global byte offset
@@ -49,19 +51,25 @@ struct Header {
 constexpr unsigned long long kHeaderBytes = 4096;
 constexpr unsigned long long kFlagsOffset = 4096;
 constexpr unsigned long long kDescOffset = 8192;
-constexpr unsigned long long kStagingOffset = 16384;
+constexpr unsigned long long kDesc2Offset = 16384;
+constexpr unsigned long long kStagingOffset = 24576;
 static_assert(sizeof(Header) == 772 && sizeof(Header) <= kHeaderBytes, "Header");
 static_assert(offsetof(Header, abort) == 512, "Header");
 static_assert(kFlagsOffset + kMaxBlocks * kMaxWorld * sizeof(uint32_t) <= kDescOffset, "flags");
-static_assert(kDescOffset + 2 * kMaxBlocks * kMaxWorld * sizeof(uint64_t) <= kStagingOffset, "desc");
+static_assert(kDescOffset + 2 * kMaxBlocks * kMaxWorld * sizeof(uint64_t) <= kDesc2Offset, "desc");
+static_assert(kDesc2Offset + 2 * kMaxBlocks * kMaxWorld * sizeof(uint64_t) <= kStagingOffset, "desc2");
 
 // Call descriptors. The host encodes (n << 16 | dtype << 12 | strategy << 8 | precision << 4
-// | 1); a rank whose arguments were refused on the host still launches, with kDescRejected
+// | 1), with kDescRegistered or-ed in on the registered path; a rank whose arguments were refused on the host still launches, with kDescRejected
 // and n = 0, so its peers learn of it at the first barrier instead of timing out.
 constexpr unsigned long long kDescRejected = 2;
 // Or-ed into the descriptor of every piece but the first of a call the host splits because it
 // is larger than the workspace (the descriptor otherwise names the whole call).
 constexpr unsigned long long kDescContinued = 4;
+// Set in the descriptor of a call that reads its inputs in place from registered memory
+// (RegisteredArgs): the path is part of what the ranks compare, so ranks that took different
+// paths skip the call together instead of reading what was never staged.
+constexpr unsigned long long kDescRegistered = 8;
 
 struct Control {        // host-mapped pinned memory, zeroed at creation
   unsigned int error;   // 0 ok, kErrorTimeout, kErrorMismatch, kErrorAborted (cas_sys, see below)
@@ -112,5 +120,20 @@ static_assert(offsetof(Args, control) == 88, "Args");
 static_assert(offsetof(Args, max_bytes) == 96 && offsetof(Args, timeout_ns) == 104, "Args");
 static_assert(offsetof(Args, rank) == 112 && offsetof(Args, world) == 116, "Args");
 static_assert(offsetof(Args, desc) == 120, "Args");
+
+// The registered kernels' parameter (exact.h, oneshot_registered / twoshot_registered): the
+// staged kernels' Args, every rank's input of this call (memory every rank registered, read in
+// place by the peers), and a second descriptor word naming the registration and the offset in
+// it (the host encodes id << 40 | (offset / 16) << 2: never 0, and its low two bits are clear,
+// which tells the host a reported mismatch of this word from one of `desc`). Fixed for the
+// life of a registration like the rest of Args, so a captured graph replays correctly.
+struct RegisteredArgs {
+  Args a;
+  const void* inputs[kMaxWorld];  // rank order; inputs[a.rank] == a.input
+  unsigned long long desc2;
+};
+static_assert(sizeof(RegisteredArgs) == 200, "RegisteredArgs");
+static_assert(offsetof(RegisteredArgs, inputs) == 128, "RegisteredArgs");
+static_assert(offsetof(RegisteredArgs, desc2) == 192, "RegisteredArgs");
 
 }  // namespace ar

@@ -161,18 +161,12 @@ AR_DEVICE void stage_input(const Args& a, const Geometry<T>& g, char* staging) {
     st[v] = v < g.full ? in[v] : load_partial<T>(in + v, g.tail);
 }
 
-// sum over ranks of vector v of each rank's `region(ws)`, rounded once to T.
-template <typename T, typename Region>
-AR_DEVICE uint4 reduce_vector(const Args& a, Region region, u64 v) {
+// The world's loaded vectors summed in rank order, rounded once to T. Rank order from rank 0's
+// value, not reordered by our own rank, so every rank computes the same bits (and -0.0 + -0.0
+// stays -0.0, which starting from 0.0 would not).
+template <typename T>
+AR_DEVICE uint4 sum_in_rank_order(const Args& a, const uint4 (&raw)[kMaxWorld]) {
   constexpr int E = Packed<T>::kElems;
-  // All loads first, so the world's worth of remote reads are in flight together.
-  uint4 raw[kMaxWorld];
-#pragma unroll
-  for (int r = 0; r < kMaxWorld; ++r)
-    if (r < int(a.world))
-      raw[r] = load_peer(reinterpret_cast<const uint4*>(region(a.peers[r])) + v);
-  // Rank order, from rank 0's value: not reordered by our own rank, so every rank computes
-  // the same bits (and -0.0 + -0.0 stays -0.0, which starting from 0.0 would not).
   float acc[E], x[E];
   Packed<T>::to_f32(raw[0], acc);
 #pragma unroll
@@ -184,6 +178,18 @@ AR_DEVICE uint4 reduce_vector(const Args& a, Region region, u64 v) {
     }
   }
   return Packed<T>::from_f32(acc);
+}
+
+// sum over ranks of vector v of each rank's `region(ws)`, rounded once to T.
+template <typename T, typename Region>
+AR_DEVICE uint4 reduce_vector(const Args& a, Region region, u64 v) {
+  // All loads first, so the world's worth of remote reads are in flight together.
+  uint4 raw[kMaxWorld];
+#pragma unroll
+  for (int r = 0; r < kMaxWorld; ++r)
+    if (r < int(a.world))
+      raw[r] = load_peer(reinterpret_cast<const uint4*>(region(a.peers[r])) + v);
+  return sum_in_rank_order<T>(a, raw);
 }
 
 template <typename T>
@@ -255,6 +261,155 @@ __device__ void twoshot(const Args& a) {
   // ---- Phase 3: all-gather. Every vector from its owner's `reduced`, bit for bit. The owner
   // is tracked incrementally: a 64-bit division per vector costs registers we do not have to
   // spare at two blocks per SM.
+  unsigned owner = 0;
+  for (u64 v = first; v < g.nvec; v += stride) {
+    while (v >= (owner + 1ull) * sv) ++owner;
+    const uint4* src = reinterpret_cast<const uint4*>(reduced_of(a.peers[owner], a));
+    store_output<T>(a, g, v, load_peer(src + v));
+  }
+
+  if (thread_x() == 0) c.h->calls[c.b] += 1;
+}
+
+// ---- Registered inputs: read in place from every rank's registered memory ------------------
+//
+// The staged kernels copy our input into our workspace before the first barrier so that peers
+// read it there; the registered ones let peers read it where it is (RegisteredArgs::inputs),
+// one read and one write of the message fewer per rank. What that changes in the protocol:
+// - The entry barrier alone says the inputs are ready: a rank's input is complete once its
+//   kernel runs (stream order), and its block b arrives only then.
+// - A rank's input is not ours to reuse: its next stream operation may overwrite it as soon as
+//   its kernel ends, so no rank may still be reading it then. One-shot therefore closes with a
+//   barrier (block b of a rank leaves only after block b of every rank is done reading class
+//   b, and the rank's kernel ends only after all its blocks did); two-shot's second barrier
+//   already is one, as nobody reads inputs after it.
+// - Epochs, parities, the skip mark and the abort word are the staged kernels', untouched:
+//   calls[b] advances once per call either way, so staged and registered calls mix in any
+//   order. A registered call writes no staging; a staged call after it may reuse the staging
+//   of the call before, which every peer finished reading before the registered call's entry
+//   barrier. `reduced` is written and read as two-shot always has.
+// - The ranks compare a second word (the registration and offset) besides the descriptor,
+//   whose kDescRegistered bit already separates the two paths; the word has parity slots of
+//   its own for the reason desc does.
+
+AR_DEVICE unsigned long long* desc2_of(char* ws, unsigned parity, unsigned b) {
+  return reinterpret_cast<unsigned long long*>(ws + kDesc2Offset) + (parity * kMaxBlocks + b) * kMaxWorld;
+}
+
+struct RegisteredFlags {
+  RankFlags flags;
+  unsigned long long desc2;
+  // Both words are plain stores ordered before the release in RankFlags::to_peer's caller.
+  AR_DEVICE uint32_t* to_peer(int peer) const {
+    desc2_of(flags.a.peers[peer], flags.parity, flags.b)[flags.a.rank] = desc2;
+    return flags.to_peer(peer);
+  }
+  AR_DEVICE const uint32_t* from_peer(int peer) const { return flags.from_peer(peer); }
+  AR_DEVICE void on_timeout(int peer, uint32_t epoch, u64 waited) const {
+    flags.on_timeout(peer, epoch, waited);
+  }
+  AR_DEVICE void on_abort() const { flags.on_abort(); }
+};
+
+AR_DEVICE bool registered_barrier(const RegisteredArgs& r, const CallEntry& c, bool aborted_at_entry = false) {
+  const Args& a = r.a;
+  return flag_barrier(RegisteredFlags{RankFlags{a, c.b, c.parity}, r.desc2}, &c.h->epoch[c.b], a.world,
+                      &c.h->abort, a.timeout_ns, aborted_at_entry);
+}
+
+// agree() over both words. The same all-or-none argument: every rank sees the same pairs. A
+// rank that took the staged path wrote no second word, but its descriptor (no
+// kDescRegistered) already differs, so the stale word it left is never what decides. The
+// report names the first word that differs: desc, or else desc2 (told apart by the host by
+// desc2's clear low bits).
+AR_DEVICE bool agree_registered(const RegisteredArgs& r, const CallEntry& c) {
+  const Args& a = r.a;
+  const unsigned long long* slots = desc_of(c.self, c.parity, c.b);
+  const unsigned long long* slots2 = desc2_of(c.self, c.parity, c.b);
+  const int peer = thread_x();
+  unsigned long long theirs = a.desc, theirs2 = r.desc2;
+  if (peer < int(a.world)) {
+    theirs = *reinterpret_cast<const volatile unsigned long long*>(&slots[peer]);
+    theirs2 = *reinterpret_cast<const volatile unsigned long long*>(&slots2[peer]);
+  }
+  const bool differs = theirs != a.desc || theirs2 != r.desc2;
+  if (!sync_block_or(differs)) return true;
+  if (differs && cas_sys(&a.control->error, 0u, kErrorMismatch) == 0u) {
+    const bool first = theirs != a.desc;
+    a.control->rank = peer;
+    a.control->block = c.b;
+    a.control->epoch = c.h->epoch[c.b];
+    a.control->mine = first ? a.desc : r.desc2;
+    a.control->theirs = first ? theirs : theirs2;
+    fence_system();
+  }
+  if (thread_x() == 0) {
+    c.h->calls[c.b] += 1;
+    c.h->skip[c.b] = 1;  // as in agree(): a two-shot call's later pieces are skipped too
+  }
+  return false;
+}
+
+// Vector v of rank `rank`'s input, whole: a partial last vector is zero-padded as
+// stage_input pads it, so the sums (and the bits) are the staged kernels'.
+template <typename T>
+AR_DEVICE uint4 load_input(const RegisteredArgs& r, const Geometry<T>& g, int rank, u64 v) {
+  const uint4* in = static_cast<const uint4*>(r.inputs[rank]);
+  return v < g.full ? load_peer(in + v) : load_partial<T>(in + v, g.tail);
+}
+
+template <typename T>
+AR_DEVICE uint4 reduce_inputs(const RegisteredArgs& r, const Geometry<T>& g, u64 v) {
+  uint4 raw[kMaxWorld];
+#pragma unroll
+  for (int k = 0; k < kMaxWorld; ++k)
+    if (k < int(r.a.world)) raw[k] = load_input<T>(r, g, k, v);
+  return sum_in_rank_order<T>(r.a, raw);
+}
+
+// Entry barrier, every rank's input reduced straight into our output, closing barrier. Not
+// split when larger than the workspace: it touches none of it but the header and the flags.
+template <typename T>
+__device__ void oneshot_registered(const RegisteredArgs& r) {
+  const Args& a = r.a;
+  CallEntry c;
+  if (!enter_call(a, c)) return;
+  const Geometry<T> g(a.n);
+
+  if (!registered_barrier(r, c, c.aborted)) return;
+  if (!agree_registered(r, c)) return;
+
+  const u64 stride = (u64)grid_dim_x() * kThreads;
+  for (u64 v = (u64)c.b * kThreads + thread_x(); v < g.nvec; v += stride)
+    store_output<T>(a, g, v, reduce_inputs<T>(r, g, v));
+
+  // Nobody reads our input past this point, so our stream may overwrite it once we return.
+  if (!registered_barrier(r, c)) return;
+  if (thread_x() == 0) c.h->calls[c.b] += 1;
+}
+
+// Entry barrier, reduce-scatter from every rank's input into our `reduced`, barrier (after it
+// no rank reads inputs), all-gather from the owners' `reduced` as twoshot() does. Pieces of a
+// call larger than the workspace as for the staged kernel: `reduced` holds the piece.
+template <typename T>
+__device__ void twoshot_registered(const RegisteredArgs& r) {
+  const Args& a = r.a;
+  CallEntry c;
+  if (!enter_call(a, c)) return;
+  const Geometry<T> g(a.n);
+  const u64 stride = (u64)grid_dim_x() * kThreads;
+  const u64 first = (u64)c.b * kThreads + thread_x();
+  const u64 sv = (g.nvec + a.world - 1) / a.world;
+
+  if (!registered_barrier(r, c, c.aborted)) return;
+  if (!agree_registered(r, c)) return;
+
+  const u64 lo = (u64)a.rank * sv, hi = min_u64(lo + sv, g.nvec);
+  uint4* reduced = reinterpret_cast<uint4*>(reduced_of(c.self, a));
+  for (u64 v = lo / stride * stride + first; v < hi; v += stride)
+    if (v >= lo) reduced[v] = reduce_inputs<T>(r, g, v);
+  if (!registered_barrier(r, c)) return;
+
   unsigned owner = 0;
   for (u64 v = first; v < g.nvec; v += stride) {
     while (v >= (owner + 1ull) * sv) ++owner;

@@ -20,13 +20,26 @@ pub(crate) struct Launch {
     pdl: bool,
     block: u32,
     stream: usize,
-    /// The argument block when it is an `Args` (zeroed for other kernels' blocks).
+    /// The argument block when it is an `Args`, or the `Args` of a `RegisteredArgs` (zeroed
+    /// for other kernels' blocks).
     args: Args,
     /// The argument block's bytes, whatever its type.
     pub(crate) raw: Vec<u8>,
 }
 
 impl Launch {
+    /// The argument block as the registered kernels' `RegisteredArgs`.
+    fn registered(&self) -> abi::RegisteredArgs {
+        assert_eq!(
+            self.raw.len(),
+            size_of::<abi::RegisteredArgs>(),
+            "{}",
+            self.kernel
+        );
+        // SAFETY: as many bytes as a RegisteredArgs, plain data (the pointers only compared).
+        unsafe { std::ptr::read_unaligned(self.raw.as_ptr() as *const abi::RegisteredArgs) }
+    }
+
     /// The argument block as the fused kernels' `FusedKernelArgs`.
     fn fused(&self) -> abi::FusedKernelArgs {
         assert_eq!(
@@ -69,7 +82,9 @@ fn engine_kernels() -> &'static [&'static str] {
         let all = (DType::ALL.map(Kernel::OneShot).into_iter())
             .chain(DType::ALL.map(Kernel::TwoShot))
             .chain(codec_kernels(Kernel::Quantized))
-            .chain(codec_kernels(Kernel::Hierarchical));
+            .chain(codec_kernels(Kernel::Hierarchical))
+            .chain(DType::ALL.map(Kernel::OneShotRegistered))
+            .chain(DType::ALL.map(Kernel::TwoShotRegistered));
         leak_names(all)
     })
 }
@@ -176,7 +191,10 @@ impl GpuRuntime for Mock {
         args: &A,
     ) -> Result<()> {
         let raw = std::slice::from_raw_parts(args as *const A as *const u8, size_of::<A>());
-        let args = if size_of::<A>() == size_of::<Args>() {
+        let args = if size_of::<A>() == size_of::<Args>()
+            || size_of::<A>() == size_of::<abi::RegisteredArgs>()
+        {
+            // RegisteredArgs starts with its Args.
             *(args as *const A as *const Args)
         } else {
             // Plain data: null pointers and zeros.
@@ -1320,4 +1338,321 @@ fn the_engine_looks_up_exactly_the_tables_engine_kernels() {
         .collect();
     engine.sort();
     assert_eq!(looked_up, engine);
+}
+
+// ---- Registered inputs ------------------------------------------------------------------
+
+/// `n` elements of `dtype` from `input` to `output` on `c`, prepared as the facade would.
+fn prepared(
+    c: &GpuComm<Mock>,
+    input: usize,
+    output: usize,
+    n: usize,
+    dtype: DType,
+    opts: AllReduceOptions,
+) -> Call {
+    let dev = c.limits().device;
+    // SAFETY: only addresses are used; the mock never touches the buffers.
+    let (i, o) = unsafe {
+        (
+            BufRef::from_raw(input, n, dtype, dev),
+            BufMut::from_raw(output, n, dtype, dev),
+        )
+    };
+    let input = (input != output).then_some(i);
+    allreduce_core::prepare(
+        input,
+        &o,
+        &opts,
+        &c.limits(),
+        c.world_size(),
+        c.selection(),
+        |s, d, p| c.strategy_available(s, d, p),
+    )
+    .unwrap()
+}
+
+/// One 16-byte aligned host range per rank, standing in for device memory.
+fn ranges(world: usize, bytes: usize) -> (Vec<Vec<u128>>, Vec<RegisteredRange>) {
+    let mems: Vec<Vec<u128>> = (0..world).map(|_| vec![0u128; bytes / 16]).collect();
+    let ranges = mems
+        .iter()
+        .map(|m| RegisteredRange {
+            addr: m.as_ptr() as usize,
+            bytes,
+        })
+        .collect();
+    (mems, ranges)
+}
+
+#[test]
+fn a_registered_input_takes_the_registered_kernels_with_every_ranks_input() {
+    let comms = group(vec![0, 1, 2, 3]);
+    let (_mems, ranges) = ranges(4, 1 << 16);
+    let id = comms[0].register_group(&ranges).unwrap();
+    take_launches();
+    let c = &comms[2];
+    let out = vec![0u128; 1 << 12];
+    let n = 1000;
+    for (strategy, kernel) in [
+        (Strategy::OneShot, "ar_oneshot_registered_bf16"),
+        (Strategy::TwoShot, "ar_twoshot_registered_bf16"),
+    ] {
+        for offset in [0usize, 4096 + 32] {
+            let opts = AllReduceOptions::default().strategy(strategy);
+            let call = prepared(
+                c,
+                ranges[2].addr + offset,
+                out.as_ptr() as usize,
+                n,
+                DType::BF16,
+                opts,
+            );
+            c.all_reduce(&call).unwrap();
+            let l = take_launches().pop().expect("one launch");
+            assert_eq!(l.kernel, kernel);
+            let r = l.registered();
+            assert_eq!(r.a.input as usize, ranges[2].addr + offset);
+            assert_eq!(r.a.output as usize, out.as_ptr() as usize);
+            assert_eq!((r.a.rank, r.a.world, r.a.n), (2, 4, n as u64));
+            for (k, range) in ranges.iter().enumerate() {
+                assert_eq!(r.inputs[k] as usize, range.addr + offset, "rank {k}");
+            }
+            assert!(r.inputs[4..].iter().all(|&p| p == 0));
+            let d = Desc(r.a.desc);
+            assert!(d.registered());
+            assert_eq!(d.0, describe(&call).0 | Desc::REGISTERED);
+            assert_eq!(Desc2(r.desc2), Desc2::new(id.0, offset));
+            assert_eq!(
+                (Desc2(r.desc2).id(), Desc2(r.desc2).offset()),
+                (id.0, offset as u64)
+            );
+            assert!(Desc(r.desc2).is_desc2() && !d.is_desc2());
+        }
+    }
+}
+
+#[test]
+fn in_place_lossy_and_unregistered_calls_stay_staged() {
+    let comms = group(vec![0, 1]);
+    let (_mems, mut ranges) = ranges(2, 1 << 16);
+    // Only the first half registered: the second is this rank's memory, but not registered.
+    for r in &mut ranges {
+        r.bytes = 1 << 15;
+    }
+    comms[0].register_group(&ranges).unwrap();
+    take_launches();
+    let c = &comms[1];
+    let out = vec![0u128; 1 << 12];
+    let other = vec![0u128; 1 << 12];
+    let exact = |s| AllReduceOptions::default().strategy(s);
+    let cases = [
+        // In place on registered memory.
+        (
+            ranges[1].addr,
+            ranges[1].addr,
+            exact(Strategy::OneShot),
+            "ar_oneshot_f16",
+        ),
+        // Not registered.
+        (
+            other.as_ptr() as usize,
+            out.as_ptr() as usize,
+            exact(Strategy::TwoShot),
+            "ar_twoshot_f16",
+        ),
+        // Lossy.
+        (
+            ranges[1].addr,
+            out.as_ptr() as usize,
+            exact(Strategy::QuantizedTwoShot).precision(Precision::Lossy(Codec::Int8)),
+            "ar_quantized_f16_q8",
+        ),
+        // Registered on rank 0's range, not this rank's.
+        (
+            ranges[0].addr,
+            out.as_ptr() as usize,
+            exact(Strategy::OneShot),
+            "ar_oneshot_f16",
+        ),
+        // Running past the end of the range.
+        (
+            ranges[1].addr + (1 << 15) - 64,
+            out.as_ptr() as usize,
+            exact(Strategy::OneShot),
+            "ar_oneshot_f16",
+        ),
+    ];
+    for (input, output, opts, kernel) in cases {
+        let call = prepared(c, input, output, 1024, DType::F16, opts);
+        c.all_reduce(&call).unwrap();
+        let l = take_launches().pop().expect("one launch");
+        assert_eq!(l.kernel, kernel);
+        assert_eq!(l.raw.len(), size_of::<Args>());
+        assert!(!Desc(l.args.desc).registered());
+    }
+}
+
+#[test]
+fn registrations_of_the_wrong_count_or_size_are_refused_and_deregistration_restages() {
+    let comms = group(vec![0, 1, 2]);
+    let (_mems, good) = ranges(3, 4096);
+    assert!(comms[0].register_group(&good[..2]).is_err());
+    let mut uneven = good.clone();
+    uneven[1].bytes = 2048;
+    assert!(comms[1].register_group(&uneven).is_err());
+    let mut misaligned = good.clone();
+    misaligned[2].addr += 8;
+    assert!(matches!(
+        comms[2].register_group(&misaligned),
+        Err(Error::Misaligned { .. })
+    ));
+
+    // Registered through any rank, for the whole group.
+    let id = comms[1].register_group(&good).unwrap();
+    let out = vec![0u128; 256];
+    let opts = AllReduceOptions::default().strategy(Strategy::OneShot);
+    let call = prepared(
+        &comms[0],
+        good[0].addr,
+        out.as_ptr() as usize,
+        512,
+        DType::F32,
+        opts,
+    );
+    take_launches();
+    comms[0].all_reduce(&call).unwrap();
+    assert_eq!(take_launches()[0].kernel, "ar_oneshot_registered_f32");
+    comms[2].deregister_group(id).unwrap();
+    assert!(comms[0].deregister_group(id).is_err(), "already gone");
+    comms[0].all_reduce(&call).unwrap();
+    assert_eq!(take_launches()[0].kernel, "ar_oneshot_f32");
+}
+
+#[test]
+fn registered_one_shot_runs_whole_and_two_shot_in_pieces_past_the_workspace() {
+    let config = GroupConfig::new(2).devices(vec![0, 1]).max_bytes(1000); // rounded to 1024
+    let comms = GpuBackend::<Mock>::create_group(&config).unwrap();
+    let (_mems, ranges) = ranges(2, 1 << 14);
+    let id = comms[0].register_group(&ranges).unwrap();
+    take_launches();
+    let c = &comms[1];
+    let n = 5 * 512 + 7; // bf16: 512 elements a piece (1024 bytes), 6 pieces
+    let out = vec![0u128; 1 << 10];
+    let offset = 64;
+    let one = AllReduceOptions::default().strategy(Strategy::OneShot);
+    let call = prepared(
+        c,
+        ranges[1].addr + offset,
+        out.as_ptr() as usize,
+        n,
+        DType::BF16,
+        one,
+    );
+    c.all_reduce(&call).unwrap();
+    let l = take_launches();
+    assert_eq!(l.len(), 1, "no staging, no pieces");
+    assert_eq!(l[0].registered().a.n, n as u64);
+
+    let two = AllReduceOptions::default().strategy(Strategy::TwoShot);
+    let call = prepared(
+        c,
+        ranges[1].addr + offset,
+        out.as_ptr() as usize,
+        n,
+        DType::BF16,
+        two,
+    );
+    c.all_reduce(&call).unwrap();
+    let l = take_launches();
+    assert_eq!(l.len(), 6);
+    let whole = describe(&call).0 | Desc::REGISTERED;
+    for (k, p) in l.iter().enumerate() {
+        assert_eq!(p.kernel, "ar_twoshot_registered_bf16");
+        let r = p.registered();
+        assert_eq!(r.a.n, if k < 5 { 512 } else { 7 });
+        assert_eq!(r.a.output as usize, out.as_ptr() as usize + k * 1024);
+        for (rank, range) in ranges.iter().enumerate() {
+            assert_eq!(r.inputs[rank] as usize, range.addr + offset + k * 1024);
+        }
+        let want = if k == 0 {
+            whole
+        } else {
+            whole | Desc::CONTINUED
+        };
+        assert_eq!(r.a.desc, want, "piece {k}");
+        // The whole call's registration and offset on every piece.
+        assert_eq!(Desc2(r.desc2), Desc2::new(id.0, offset));
+    }
+}
+
+#[test]
+fn collective_allocations_are_registered_per_device_and_deregister_on_drop() {
+    let comms = group(vec![0, 1, 1]);
+    assert!(comms[0].alloc_registered_group(0).is_err());
+    let mems = comms[0].alloc_registered_group(4096).unwrap();
+    assert_eq!(mems.len(), 3);
+    let devices: Vec<Device> = mems.iter().map(|m| m.device).collect();
+    assert_eq!(devices, [Device::Rocm(0), Device::Rocm(1), Device::Rocm(1)]);
+    assert!(mems.iter().all(|m| m.bytes == 4096 && m.id == mems[0].id));
+    let out = vec![0u128; 256];
+    let opts = AllReduceOptions::default().strategy(Strategy::TwoShot);
+    let call = prepared(
+        &comms[2],
+        mems[2].addr + 16,
+        out.as_ptr() as usize,
+        100,
+        DType::F32,
+        opts,
+    );
+    take_launches();
+    comms[2].all_reduce(&call).unwrap();
+    let l = take_launches().pop().unwrap();
+    assert_eq!(l.kernel, "ar_twoshot_registered_f32");
+    assert_eq!(l.registered().inputs[0] as usize, mems[0].addr + 16);
+    // Dropping any rank's buffer deregisters the allocation for all.
+    let id = mems[0].id;
+    let mut mems = mems;
+    mems.remove(0);
+    assert!(comms[0].deregister_group(id).is_err());
+    comms[2].all_reduce(&call).unwrap();
+    assert_eq!(take_launches().pop().unwrap().kernel, "ar_twoshot_f32");
+}
+
+#[test]
+fn registered_mismatches_name_the_path_or_the_registration() {
+    let comms = group(vec![0, 1]);
+    let staged = Desc::new(100, 2, 1, 0);
+    let registered = Desc(staged.0 | Desc::REGISTERED);
+    let report = |mine: u64, theirs: u64| {
+        write_control(
+            &comms[0],
+            0,
+            Control {
+                error: abi::ERROR_MISMATCH,
+                rank: 1,
+                mine,
+                theirs,
+                ..Default::default()
+            },
+        );
+        match comms[0].synchronize(Stream::NULL) {
+            Err(Error::RankMismatch { what, detail, .. }) => (what, detail),
+            other => panic!("{other:?}"),
+        }
+    };
+    let (what, detail) = report(registered.0, staged.0);
+    assert_eq!(what, "path");
+    assert_eq!(
+        detail,
+        "rank 0 has a registered input, rank 1 has a staged input"
+    );
+    let (what, detail) = report(Desc2::new(3, 64).0, Desc2::new(3, 128).0);
+    assert_eq!(what, "registered input");
+    assert_eq!(
+        detail,
+        "rank 0 reads registration 3 at offset 64, rank 1 registration 3 at offset 128"
+    );
+    // Reported, cleared: the group is intact.
+    comms[0].synchronize(Stream::NULL).unwrap();
 }
