@@ -12,7 +12,8 @@
 //! ```no_run
 //! use allreduce_build_support::{compile_hip_code_objects, HipOptions};
 //!
-//! let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+//! let manifest = std::env::var("CARGO_MANIFEST_DIR").unwrap(); // at run time, not env!
+//! let root = std::path::Path::new(&manifest).join("../..");
 //! let mut opts = HipOptions::new("allreduce", root.join("kernels-hip/allreduce.hip"));
 //! opts.include_dirs = vec![root.join("kernels-common/include")];
 //! if let Err(e) = compile_hip_code_objects(&opts) {

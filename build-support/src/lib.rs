@@ -7,7 +7,8 @@
 //! ```no_run
 //! use allreduce_build_support::{compile_fatbin, FatbinOptions};
 //!
-//! let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+//! let manifest = std::env::var("CARGO_MANIFEST_DIR").unwrap(); // at run time, not env!
+//! let root = std::path::Path::new(&manifest).join("../..");
 //! let mut opts = FatbinOptions::new("allreduce", root.join("kernels-cuda/allreduce.cu"));
 //! opts.include_dirs = vec![root.join("kernels-common/include"), root.join("kernels-cuda")];
 //! if let Err(e) = compile_fatbin(&opts) {

@@ -7,7 +7,11 @@
 use allreduce_build_support::{compile_fatbin, FatbinOptions};
 
 fn main() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    // Read at run time, not baked in with env!: a build script compiled for one checkout is
+    // reused by cargo for another that shares the target directory (a git worktree), and would
+    // then compile the first checkout's kernels.
+    let manifest = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
+    let root = std::path::Path::new(&manifest).join("../..");
     for (name, source) in [
         ("allreduce", "kernels-cuda/allreduce.cu"),
         ("fused", "kernels-cuda/fused.cu"),

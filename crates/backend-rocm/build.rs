@@ -13,7 +13,9 @@ use allreduce_build_support::{compile_hip_code_objects, HipOptions};
 
 fn main() {
     println!("cargo:rerun-if-env-changed=ALLREDUCE_REQUIRE_HIP");
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    // Read at run time, not baked in with env! (backend-cuda's build.rs says why).
+    let manifest = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
+    let root = Path::new(&manifest).join("../..");
     let out_dir = std::env::var("OUT_DIR").expect("cargo sets OUT_DIR");
     let required = std::env::var("ALLREDUCE_REQUIRE_HIP").is_ok_and(|v| v == "1");
     let mut built: Vec<String> = Vec::new();

@@ -9,7 +9,9 @@ use std::process::Command;
 use allreduce_build_support::{find_nvcc, ARCHS_ENV};
 
 fn main() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    // Read at run time, not baked in with env! (backend-cuda's build.rs says why).
+    let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("set by cargo"));
+    let root = manifest.join("../..");
     let peers = root.join(".peers");
     println!(
         "cargo:rerun-if-changed={}",
@@ -26,7 +28,7 @@ fn main() {
     let archs = std::env::var(ARCHS_ENV).unwrap_or_else(|_| "sm_90".into());
     let mut objects = Vec::new();
     for shim in ["vllm"] {
-        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("shim/{shim}.cu"));
+        let src = manifest.join(format!("shim/{shim}.cu"));
         let obj = out.join(format!("{shim}.o"));
         let mut cmd = Command::new(&nvcc);
         cmd.args(["-c", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-w"])
