@@ -275,10 +275,12 @@ fn run_rank_registered<R: GpuTestRuntime>(
     Ok(())
 }
 
-/// Graphs of registered calls on 2, 4 and 8 ranks.
+/// Graphs of registered calls on 2, 4 and 8 ranks (threshold 0: every size registered).
 fn run_registered<R: GpuTestRuntime>() {
     for world in [2usize, 4, 8] {
-        let config = GroupConfig::new(world).max_bytes(1 << 20);
+        let config = GroupConfig::new(world)
+            .max_bytes(1 << 20)
+            .registered_min_bytes(0);
         let comms = Communicator::new_group(R::KIND, config).expect("group");
         let regs =
             Communicator::alloc_registered_group(&comms, REGISTERED_BYTES).expect("registered");

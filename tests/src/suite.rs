@@ -156,8 +156,13 @@ fn exact_all_shapes(h: &dyn Harness) -> Result<(), String> {
 fn registered_inputs_read_in_place(h: &dyn Harness) -> Result<(), String> {
     let max = 64 << 10;
     for world in 1..=h.max_world() {
+        // Threshold 0: the registered kernels run at every size here, small ones included.
         let comms = h
-            .group(GroupConfig::new(world).max_bytes(max))
+            .group(
+                GroupConfig::new(world)
+                    .max_bytes(max)
+                    .registered_min_bytes(0),
+            )
             .map_err(|e| format!("group of {world}: {e}"))?;
         let splits = comms[0].splits_large_calls();
         for &n in &[1usize, 7, 33, 4097, (max / 4) * 3 + 5] {

@@ -211,6 +211,9 @@ struct Group<R: GpuRuntime> {
     stage_bytes: usize,
     timeout: Duration,
     cast_bf16_to_f16: bool,
+    /// Registered calls smaller than this take the staged path
+    /// ([`GroupConfig::registered_min_bytes`]).
+    registered_min_bytes: usize,
     /// Memory every rank registered ([`BackendComm::register_group`]); shared with the
     /// allocations that deregister themselves on drop.
     registry: Arc<Mutex<Registry>>,
@@ -485,6 +488,7 @@ impl<R: GpuRuntime> Group<R> {
     ) -> Result<Self> {
         let max_bytes = abi::round_max_bytes(config.max_bytes);
         let stage = stage_bytes(max_bytes);
+        let registered_min_bytes = registered_min_bytes(config)?;
         let mut group = Group {
             world,
             rank_device,
@@ -502,6 +506,7 @@ impl<R: GpuRuntime> Group<R> {
             stage_bytes: stage,
             timeout: config.timeout,
             cast_bf16_to_f16: config.cast_bf16_to_f16,
+            registered_min_bytes,
             registry: Arc::new(Mutex::new(Registry::new())),
         };
         for d in &group.devices {
@@ -550,6 +555,7 @@ impl<R: GpuRuntime> Group<R> {
         if call.in_place()
             || call.precision != Precision::Exact
             || !matches!(call.strategy, Strategy::OneShot | Strategy::TwoShot)
+            || call.input.bytes() < self.registered_min_bytes
         {
             return None;
         }
@@ -640,6 +646,23 @@ impl<R: GpuRuntime> Group<R> {
     fn read_control(m: &R::HostMapped) -> Control {
         // SAFETY: a live, aligned, host-mapped Control.
         unsafe { std::ptr::read_volatile(R::host_mapped_ptrs(m).0 as *const Control) }
+    }
+}
+
+/// `ALLREDUCE_REGISTERED_MIN_BYTES`: the default of [`GroupConfig::registered_min_bytes`].
+pub const REGISTERED_MIN_BYTES_ENV: &str = "ALLREDUCE_REGISTERED_MIN_BYTES";
+
+fn registered_min_bytes(config: &GroupConfig) -> Result<usize> {
+    if let Some(n) = config.registered_min_bytes {
+        return Ok(n);
+    }
+    match std::env::var(REGISTERED_MIN_BYTES_ENV) {
+        Err(_) => Ok(GroupConfig::DEFAULT_REGISTERED_MIN_BYTES),
+        Ok(v) => v.trim().parse().map_err(|_| {
+            Error::InvalidConfig(format!(
+                "{REGISTERED_MIN_BYTES_ENV}={v:?}: want a byte count"
+            ))
+        }),
     }
 }
 

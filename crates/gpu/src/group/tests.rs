@@ -379,9 +379,11 @@ impl GpuRuntime for Mock {
 }
 
 fn group(devices: Vec<u32>) -> Vec<GpuComm<Mock>> {
+    // Registered calls of any size take the registered path, so small test calls reach it.
     let config = GroupConfig::new(devices.len())
         .devices(devices)
-        .max_bytes(1 << 20);
+        .max_bytes(1 << 20)
+        .registered_min_bytes(0);
     GpuBackend::<Mock>::create_group(&config).expect("mock group")
 }
 
@@ -1433,6 +1435,52 @@ fn a_registered_input_takes_the_registered_kernels_with_every_ranks_input() {
 }
 
 #[test]
+fn registered_calls_below_the_threshold_stay_staged() {
+    // The default threshold (1 MiB per rank) and one set in the config: the bytes of the call
+    // decide, the same on every rank.
+    for (config, min) in [
+        (
+            GroupConfig::new(2).devices(vec![0, 1]),
+            GroupConfig::DEFAULT_REGISTERED_MIN_BYTES,
+        ),
+        (
+            GroupConfig::new(2)
+                .devices(vec![0, 1])
+                .registered_min_bytes(4096),
+            4096,
+        ),
+    ] {
+        let comms = GpuBackend::<Mock>::create_group(&config).unwrap();
+        let (_mems, ranges) = ranges(2, 2 << 20);
+        comms[0].register_group(&ranges).unwrap();
+        take_launches();
+        let c = &comms[1];
+        let out = vec![0u128; (2 << 20) / 16];
+        for (bytes, kernel) in [
+            (min - 4, "ar_oneshot_f32"),
+            (min, "ar_oneshot_registered_f32"),
+        ] {
+            let opts = AllReduceOptions::default().strategy(Strategy::OneShot);
+            let n = bytes / 4;
+            let call = prepared(
+                c,
+                ranges[1].addr,
+                out.as_ptr() as usize,
+                n,
+                DType::F32,
+                opts,
+            );
+            c.all_reduce(&call).unwrap();
+            assert_eq!(
+                take_launches()[0].kernel,
+                kernel,
+                "{bytes} bytes, min {min}"
+            );
+        }
+    }
+}
+
+#[test]
 fn in_place_lossy_and_unregistered_calls_stay_staged() {
     let comms = group(vec![0, 1]);
     let (_mems, mut ranges) = ranges(2, 1 << 16);
@@ -1531,7 +1579,10 @@ fn registrations_of_the_wrong_count_or_size_are_refused_and_deregistration_resta
 
 #[test]
 fn registered_one_shot_runs_whole_and_two_shot_in_pieces_past_the_workspace() {
-    let config = GroupConfig::new(2).devices(vec![0, 1]).max_bytes(1000); // rounded to 1024
+    let config = GroupConfig::new(2)
+        .registered_min_bytes(0)
+        .devices(vec![0, 1])
+        .max_bytes(1000); // rounded to 1024
     let comms = GpuBackend::<Mock>::create_group(&config).unwrap();
     let (_mems, ranges) = ranges(2, 1 << 14);
     let id = comms[0].register_group(&ranges).unwrap();
