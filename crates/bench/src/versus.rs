@@ -384,20 +384,22 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
     };
     let sms = R::compute_units(GpuDevice::<R>::open(first)?.raw());
     let block_limit = (sms / busiest).clamp(1, Vllm::max_blocks());
-    println!(
-        "# allreduce-bench --peers: {world} ranks (virtual, one GPU unless --devices says \
+    let json = args.json;
+    if !json {
+        println!(
+            "# allreduce-bench --peers: {world} ranks (virtual, one GPU unless --devices says \
          otherwise), {dtype}, out of place, integer inputs; us per call, slowest rank; \
          every grid {block_limit} blocks"
-    );
-    crate::report::print_origin(&comms.iter().map(|c| c.device()).collect::<Vec<_>>());
-    match allreduce_peers::versions() {
-        Some(v) => println!("# peers: vLLM custom all-reduce from {v}"),
-        None => println!(
-            "# peers: not built ({})",
-            allreduce_peers::unavailable().unwrap_or_default()
-        ),
-    }
-    println!(
+        );
+        crate::report::print_origin(&comms.iter().map(|c| c.device()).collect::<Vec<_>>());
+        match allreduce_peers::versions() {
+            Some(v) => println!("# peers: vLLM custom all-reduce from {v}"),
+            None => println!(
+                "# peers: not built ({})",
+                allreduce_peers::unavailable().unwrap_or_default()
+            ),
+        }
+        println!(
         "# {:>10} {:>8} | {:>8} {:>8} {:>8} | {:>8} {:>8} | {:>7} | {:>8} {:>8} {:>7} | {:>8} {:>7} | {:>8} {:>7} | #wrong (auto 1s 2s vllm vllm-reg ours-reg; graphs auto vllm ours-reg)",
         "bytes",
         "auto ran",
@@ -415,6 +417,7 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
         "g.reg",
         "ratio"
     );
+    }
     // The exact sum of the integer inputs, once for every rank to check against.
     let expected: Vec<f32> = (0..max / dtype.size())
         .map(|i| {
@@ -488,6 +491,7 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
     for r in results {
         per_rank.push(r?);
     }
+    let mut rows_json = Vec::with_capacity(sizes.len());
     for (k, &bytes) in sizes.iter().enumerate() {
         let slowest = |f: &dyn Fn(&RowTimes) -> f64| {
             per_rank.iter().map(|r| f(&r[k])).fold(f64::NAN, |a, b| {
@@ -518,6 +522,29 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
                 format!("{:.3}", a / b)
             }
         };
+        let num = |x: f64| (!x.is_nan()).then_some(x * 1e6);
+        rows_json.push(serde_json::json!({
+            "bytes": bytes,
+            "auto_ran": per_rank[0][k].ran.map(|s| s.to_string()),
+            "eager_us": {
+                "auto": num(eager[0]), "oneshot": num(eager[1]), "twoshot": num(eager[2]),
+                "vllm": num(eager[3]), "vllm_registered": num(eager[4]),
+                "ours_registered": num(eager[5]),
+            },
+            "graph_us": {
+                "auto": num(graph[0]), "vllm": num(graph[1]), "ours_registered": num(graph[2]),
+            },
+            "best_peer_eager_us": num(peer),
+            "wrong": {
+                "eager": { "auto": wrong[0], "oneshot": wrong[1], "twoshot": wrong[2],
+                           "vllm": wrong[3], "vllm_registered": wrong[4],
+                           "ours_registered": wrong[5] },
+                "graph": { "auto": wrong[6], "vllm": wrong[7], "ours_registered": wrong[8] },
+            },
+        }));
+        if json {
+            continue;
+        }
         println!(
             "  {:>10} {:>8} | {:>8} {:>8} {:>8} | {:>8} {:>8} | {:>7} | {:>8} {:>8} {:>7} | {:>8} {:>7} | {:>8} {:>7} | {:?}",
             bytes,
@@ -539,6 +566,22 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
             ratio(graph[2], graph[1]),
             wrong
         );
+    }
+    if json {
+        let git = crate::report::Git::detect();
+        let devices: Vec<allreduce::Device> = comms.iter().map(|c| c.device()).collect();
+        let doc = serde_json::json!({
+            "mode": "peers",
+            "git": git.map(|g| g.commit),
+            "devices": crate::report::device_models(&devices, &crate::report::Machine::detect()),
+            "peers": allreduce_peers::versions(),
+            "world": world,
+            "dtype": dtype.to_string(),
+            "grid_blocks": block_limit,
+            "graph_calls": GRAPH_CALLS,
+            "rows": rows_json,
+        });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
     }
     Ok(())
 }
