@@ -244,9 +244,9 @@ fn hip_layers_against_a_stub_runtime() {
     assert_eq!(probe.u32("stub_peer_enables"), 2);
     assert_eq!(
         probe.u32("stub_launches"),
-        2 * (6 + 2 * 2 * 7),
-        "every kernel once per rank: one-shot and two-shot x 3 dtypes, quantized and \
-         hierarchical x 2 dtypes x 7 codecs"
+        2 * (6 + 6 + 2 * 2 * 7),
+        "every kernel once per rank: one-shot and two-shot x 3 dtypes, staged and \
+         registered, quantized and hierarchical x 2 dtypes x 7 codecs"
     );
     assert_eq!(
         (probe.u32("stub_last_grid"), probe.u32("stub_last_block")),
@@ -336,7 +336,7 @@ fn hip_layers_against_a_stub_runtime() {
     assert_eq!(rccl.u32("stub_rccl_last_comm"), 0x101);
     assert_eq!(
         probe.u32("stub_launches"),
-        2 * (6 + 2 * 2 * 7) + 1,
+        2 * (6 + 6 + 2 * 2 * 7) + 1,
         "no kernel for the RCCL call"
     );
 
@@ -367,7 +367,7 @@ fn hip_layers_against_a_stub_runtime() {
     assert_eq!(probe.u32("stub_captured"), 1);
     assert_eq!(
         probe.u32("stub_launches"),
-        2 * (6 + 2 * 2 * 7) + 1,
+        2 * (6 + 6 + 2 * 2 * 7) + 1,
         "nothing ran during capture"
     );
     assert_eq!(probe.string("stub_last_kernel"), "ar_twoshot_f16");
