@@ -66,12 +66,9 @@ done
 timeout 60 ./allreduce-bench --backend cuda --ranks 1 -b 8 -e 4M -f 4 --strategy oneshot,vendor -d bf16 \
   --row-time 0.03 >>"$B" 2>&1; echo "nccl 1 rc=$?" >>"$B"
 # Ours against the peers' kernels (only in a build with the peers: scripts/peers/fetch.sh).
-P="$OUT/peers.txt"
-for r in 2 4 8; do
-  timeout 90 ./allreduce-bench --backend cuda --peers --ranks $r -b 16 -e 64M -f 4 -d bf16 --timeout 10 \
-    >>"$P" 2>&1; echo "peers $r rc=$?" >>"$P"
-done
+[ -x ./versus.sh ] && BENCH=./allreduce-bench OUT="$OUT" ./versus.sh
 tail -14 "$C"; grep -E "rc=|FAIL|mismatch|panick" "$T" | head; tail -12 "$OUT/codec_bench.txt"; grep rc= "$Q" "$B"
 RUN
 chmod +x gpu-bin/run.sh
+[ "$bench_features" = peers ] && cp scripts/peers/versus.sh gpu-bin/
 du -sh gpu-bin

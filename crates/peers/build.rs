@@ -27,15 +27,22 @@ fn main() {
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
     let archs = std::env::var(ARCHS_ENV).unwrap_or_else(|_| "sm_90".into());
     let mut objects = Vec::new();
-    for shim in ["vllm"] {
+    for shim in ["vllm", "trtllm"] {
         let src = manifest.join(format!("shim/{shim}.cu"));
         let obj = out.join(format!("{shim}.o"));
         let mut cmd = Command::new(&nvcc);
         cmd.args(["-c", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-w"])
+            // As FlashInfer's own JIT builds compile these headers.
+            .arg("--expt-relaxed-constexpr")
             .arg("-I")
             .arg(peers.join("include"))
             .arg("-I")
-            .arg(peers.join("cccl"));
+            .arg(peers.join("cccl"))
+            // libcu++ (cuda/std), which the cooperative-groups and cluster code needs.
+            .arg("-I")
+            .arg(peers.join("cccl/cccl"))
+            .arg("-I")
+            .arg(peers.join("spdlog"));
         for arch in archs.split([',', ' ']).filter(|a| !a.is_empty()) {
             let n = arch.trim_start_matches("sm_");
             cmd.arg(format!("-gencode=arch=compute_{n},code=sm_{n}"));

@@ -3,7 +3,8 @@
 # bench's `peers` feature (crates/peers): nothing of it is copied into the repository.
 #   - flashinfer-python 0.7.2.post1: a pure-Python wheel that ships vLLM's custom all-reduce
 #     (flashinfer/comm/vllm_custom_all_reduce.cuh, from vLLM v0.8.2's csrc) and
-#     TensorRT-LLM's all-reduce fusion headers; Apache-2.0.
+#     TensorRT-LLM's all-reduce fusion headers; Apache-2.0; and the spdlog headers they
+#     include (MIT).
 #   - nvidia-cuda-cccl 13.0.85: the libcu++ headers (nv/target) that cuda_fp16.h needs in host
 #     code, of the same CUDA release as our pinned nvcc (scripts/setup-cuda.sh); Apache-2.0
 #     with LLVM exception.
@@ -13,7 +14,7 @@ cd "$(dirname "$0")/../.."
 DIR=.peers
 FLASHINFER=flashinfer-python==0.7.2.post1
 CCCL=nvidia-cuda-cccl==13.0.85
-if [ -f "$DIR/VERSIONS" ] && grep -qx "$FLASHINFER $CCCL" "$DIR/VERSIONS"; then
+if [ -f "$DIR/VERSIONS" ] && grep -qx "$FLASHINFER $CCCL" "$DIR/VERSIONS" && [ -d "$DIR/spdlog" ]; then
   echo "peers already fetched: $(cat "$DIR/VERSIONS")"
   exit 0
 fi
@@ -34,6 +35,9 @@ def extract(pattern, prefix, dest):
             with z.open(n) as src, open(out, "wb") as dst:
                 dst.write(src.read())
 extract("flashinfer_python-*.whl", "flashinfer/data/include/", "include")
+# FlashInfer's logging header (included by the TensorRT-LLM fusion header) needs spdlog, which
+# the same wheel ships (MIT).
+extract("flashinfer_python-*.whl", "flashinfer/data/spdlog/include/", "spdlog")
 extract("nvidia_cuda_cccl-*.whl", "nvidia/cu13/include/", "cccl")
 PY
 rm -rf "$DIR/wheels"

@@ -48,7 +48,7 @@ struct Bufs<R: GpuRuntime> {
     static_scale: DeviceBuffer<R>,
 }
 
-fn fill(dtype: DType, n: usize, seed: usize) -> HostBytes {
+pub(crate) fn fill(dtype: DType, n: usize, seed: usize) -> HostBytes {
     let mut b = HostBytes::zeroed(n * dtype.size());
     for i in 0..n {
         let v = ((i * 7 + seed * 13) % 23) as f32 / 8.0 - 1.4;

@@ -17,6 +17,8 @@ mod runner;
 mod tune;
 #[cfg(feature = "peers")]
 mod versus;
+#[cfg(feature = "peers")]
+mod versus_fused;
 
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
@@ -411,7 +413,11 @@ fn run_peers(args: &Args) -> Result<ExitCode, BoxError> {
     if args.backend != allreduce::BackendKind::Cuda {
         return Err("--peers times the CUDA kernels: use it with --backend cuda".into());
     }
-    versus::run(args)?;
+    if args.fused {
+        versus_fused::run(args)?;
+    } else {
+        versus::run(args)?;
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -91,7 +91,10 @@ impl SelectionTable {
                         Strategy::HierarchicalQuantized,
                     )
                 },
-                rule((2, 2), 8 * MIB, Some(false), Strategy::OneShot),
+                // Two ranks: one stage up to the custom paths' limit, as vLLM (its one-stage
+                // kernel at every size for two ranks) and TensorRT-LLM do; measured 8-12% faster
+                // than two-shot at 16-64 MiB on one H100 (docs/benchmarks.md).
+                rule((2, 2), 64 * MIB, Some(false), Strategy::OneShot),
                 rule((2, usize::MAX), 2 * MIB - 1, Some(true), Strategy::OneShot),
                 rule(
                     (2, usize::MAX),
@@ -387,6 +390,15 @@ mod tests {
         );
         assert_eq!(
             t.choose(1 << 30, 8, DType::BF16, exact, all),
+            Strategy::Vendor
+        );
+        // Two ranks stay one-shot up to the custom paths' 64 MiB.
+        assert_eq!(
+            t.choose(64 << 20, 2, DType::BF16, exact, all),
+            Strategy::OneShot
+        );
+        assert_eq!(
+            t.choose(65 << 20, 2, DType::BF16, exact, all),
             Strategy::Vendor
         );
         let lossy = Precision::Lossy(crate::Codec::Int4);

@@ -7,6 +7,8 @@
 //!
 //! - [`Vllm`]: vLLM's custom all-reduce (`vllm::CustomAllreduce`, one-stage and two-stage
 //!   kernels, its own switch rule and its 36-block limit), as FlashInfer ships it.
+//! - [`Trtllm`]: TensorRT-LLM's all-reduce fusion kernels (Lamport one-shot and two-shot, with
+//!   residual + RMSNorm and FP8 output), as FlashInfer ships them, with its own launcher.
 
 use std::ffi::c_void;
 
@@ -79,6 +81,57 @@ mod ffi {
             n: i32,
             block_limit: i32,
             threads: i32,
+            err: *mut u8,
+            len: usize,
+        ) -> i32;
+        pub fn peers_trtllm_sizes(
+            world: i32,
+            max_tokens: i32,
+            hidden: i32,
+            elem: i32,
+            comm: *mut usize,
+            flags: *mut usize,
+            lamport_slot: *mut usize,
+        );
+        pub fn peers_trtllm_flag_bytes() -> usize;
+        pub fn peers_trtllm_table_bytes(world: i32) -> usize;
+        pub fn peers_trtllm_set_sm_share(sms: i32, err: *mut u8, len: usize) -> i32;
+        pub fn peers_trtllm_init_rank(
+            world: i32,
+            rank: i32,
+            comm: *mut *mut c_void,
+            barrier: *mut *mut c_void,
+            lamport: *mut *mut c_void,
+            flag: *mut c_void,
+            table: *mut c_void,
+            comm_bytes: usize,
+            flag_bytes: usize,
+            lamport_slot: usize,
+            elem: i32,
+            stream: *mut c_void,
+            err: *mut u8,
+            len: usize,
+        ) -> i32;
+        pub fn peers_trtllm_fusion(
+            table: *mut c_void,
+            world: i32,
+            rank: i32,
+            stream: *mut c_void,
+            dtype: i32,
+            pattern: i32,
+            tokens: i32,
+            hidden: i32,
+            input: *mut c_void,
+            residual_in: *mut c_void,
+            residual_out: *mut c_void,
+            norm_out: *mut c_void,
+            quant_out: *mut c_void,
+            scale_out: *mut c_void,
+            gamma: *mut c_void,
+            eps: f32,
+            scale_factor: *mut c_void,
+            oneshot: i32,
+            pdl: i32,
             err: *mut u8,
             len: usize,
         ) -> i32;
@@ -310,6 +363,259 @@ impl Drop for Vllm {
     }
 }
 
+/// TensorRT-LLM's fusion patterns the bench runs (FlashInfer's `AllReduceFusionPattern`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TrtllmPattern {
+    /// The all-reduce alone (`kAllReduce`).
+    AllReduce,
+    /// + residual + RMSNorm, writing the new residual and the norm (`kARResidualRMSNorm`).
+    ResidualRmsNorm,
+    /// + residual + RMSNorm + FP8 with one static scale (`kARResidualRMSNormFP8Quant`).
+    ResidualRmsNormFp8Static,
+    /// + residual + RMSNorm + FP8 with per-token scales (`kARResidualRMSNormDynamicFP8Quant`).
+    ResidualRmsNormFp8PerToken,
+}
+
+impl TrtllmPattern {
+    fn code(self) -> i32 {
+        match self {
+            TrtllmPattern::AllReduce => 0,
+            TrtllmPattern::ResidualRmsNorm => 1,
+            TrtllmPattern::ResidualRmsNormFp8Static => 2,
+            TrtllmPattern::ResidualRmsNormFp8PerToken => 10,
+        }
+    }
+}
+
+/// Bytes of one rank's part of TensorRT-LLM's fusion workspace, as FlashInfer sizes it.
+#[derive(Clone, Copy, Debug)]
+pub struct TrtllmSizes {
+    /// The two-shot kernel's buffer.
+    pub comm: usize,
+    /// The two-shot kernel's barrier flags.
+    pub flags: usize,
+    /// One of the three Lamport slots (the Lamport buffer holds three).
+    pub lamport_slot: usize,
+    /// The int[5] flag block.
+    pub flag_block: usize,
+    /// The pointer table (3 x world + 1 pointers).
+    pub table: usize,
+}
+
+/// Device addresses of one fused call's buffers (0: not used by the pattern).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TrtllmBufs {
+    pub input: u64,
+    pub residual_in: u64,
+    pub residual_out: u64,
+    pub norm_out: u64,
+    pub quant_out: u64,
+    /// Per-token f32 scales written (per-token FP8).
+    pub scale_out: u64,
+    pub gamma: u64,
+    /// The static f32 scale read (static FP8): codes are value / scale.
+    pub scale_in: u64,
+}
+
+/// One rank of TensorRT-LLM's all-reduce fusion (`allreduce_fusion_kernel_launcher`: its own
+/// grid, block and cluster choice, with programmatic dependent launch where asked).
+///
+/// Memory is the caller's, as in FlashInfer's Python layer: per rank a two-shot buffer,
+/// barrier flags and a three-slot Lamport buffer that every rank can write, plus this rank's
+/// flag block and pointer table ([`Trtllm::sizes`]).
+pub struct Trtllm {
+    #[cfg_attr(not(peers_built), allow(dead_code))]
+    table: u64,
+    world: usize,
+    #[cfg_attr(not(peers_built), allow(dead_code))]
+    rank: usize,
+}
+
+impl Trtllm {
+    /// Token counts up to this run the Lamport one-shot kernel in TensorRT-LLM's own rule
+    /// (`kOneShotMaxToken`); the two-shot kernel needs at least one token per rank.
+    pub const ONESHOT_MAX_TOKENS: usize = 128;
+
+    /// The workspace of one rank for up to `max_tokens` x `hidden` elements of `dtype`.
+    pub fn sizes(world: usize, max_tokens: usize, hidden: usize, dtype: DType) -> TrtllmSizes {
+        #[cfg(peers_built)]
+        {
+            let (mut comm, mut flags, mut slot) = (0, 0, 0);
+            // SAFETY: plain arithmetic into three locals.
+            unsafe {
+                ffi::peers_trtllm_sizes(
+                    world as i32,
+                    max_tokens as i32,
+                    hidden as i32,
+                    dtype.size() as i32,
+                    &mut comm,
+                    &mut flags,
+                    &mut slot,
+                );
+                return TrtllmSizes {
+                    comm,
+                    flags,
+                    lamport_slot: slot,
+                    flag_block: ffi::peers_trtllm_flag_bytes(),
+                    table: ffi::peers_trtllm_table_bytes(world as i32),
+                };
+            }
+        }
+        #[allow(unreachable_code)]
+        let msg = max_tokens * hidden * dtype.size();
+        #[allow(unreachable_code)]
+        TrtllmSizes {
+            comm: world * msg,
+            flags: world * 256 * 4,
+            lamport_slot: world * msg,
+            flag_block: 20,
+            table: (3 * world + 1) * 8,
+        }
+    }
+
+    /// The SM count TensorRT-LLM's launcher sizes its grids by (every rank's grid must
+    /// co-reside on virtual ranks: give it the share ours gets). One value per process: the
+    /// launcher caches what it read first.
+    pub fn set_sm_share(sms: u32) -> Result<(), String> {
+        if let Some(why) = unavailable() {
+            return Err(why);
+        }
+        #[cfg(peers_built)]
+        // SAFETY: sets a process-wide int.
+        return call("sm share", |e, l| unsafe {
+            ffi::peers_trtllm_set_sm_share(sms as i32, e, l)
+        });
+        #[allow(unreachable_code)]
+        {
+            let _ = sms;
+            Ok(())
+        }
+    }
+
+    /// Rank `rank` of `comm.len()` (2, 4 or 8): lays out and fills this rank's part of the
+    /// workspace on `stream` (a `CUstream`) and waits for it.
+    ///
+    /// # Safety
+    /// `comm[r]`, `barrier[r]`, `lamport[r]` are every rank's device buffers of
+    /// `sizes.comm`, `sizes.flags` and 3 x `sizes.lamport_slot` bytes; `flag` and `table` are
+    /// this rank's, of `sizes.flag_block` and `sizes.table` bytes; all outlive the calls.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn new(
+        rank: usize,
+        comm: &[u64],
+        barrier: &[u64],
+        lamport: &[u64],
+        flag: u64,
+        table: u64,
+        sizes: &TrtllmSizes,
+        dtype: DType,
+        stream: u64,
+    ) -> Result<Self, String> {
+        if let Some(why) = unavailable() {
+            return Err(why);
+        }
+        let world = comm.len();
+        if !matches!(world, 2 | 4 | 8) || rank >= world {
+            return Err(format!(
+                "TensorRT-LLM's fusion kernels run 2, 4 or 8 ranks here; rank {rank} of {world} asked"
+            ));
+        }
+        if barrier.len() != world || lamport.len() != world {
+            return Err("one comm, barrier and Lamport buffer per rank".into());
+        }
+        #[cfg(peers_built)]
+        {
+            let ptrs = |v: &[u64]| v.iter().map(|&p| p as *mut c_void).collect::<Vec<_>>();
+            let (mut c, mut b, mut l) = (ptrs(comm), ptrs(barrier), ptrs(lamport));
+            call("TensorRT-LLM workspace", |e, n| {
+                ffi::peers_trtllm_init_rank(
+                    world as i32,
+                    rank as i32,
+                    c.as_mut_ptr(),
+                    b.as_mut_ptr(),
+                    l.as_mut_ptr(),
+                    flag as *mut c_void,
+                    table as *mut c_void,
+                    sizes.comm,
+                    sizes.flags,
+                    sizes.lamport_slot,
+                    dtype.size() as i32,
+                    stream as *mut c_void,
+                    e,
+                    n,
+                )
+            })?;
+        }
+        let _ = (flag, sizes, dtype, stream);
+        Ok(Trtllm { table, world, rank })
+    }
+
+    /// Enqueues one fused call of `tokens` x `hidden` on `stream`: the Lamport one-shot kernel
+    /// or the two-shot one, with programmatic dependent launch when `pdl`.
+    ///
+    /// # Safety
+    /// The buffers are device memory of the sizes the pattern reads and writes; every rank
+    /// makes the same calls.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn fused(
+        &self,
+        stream: u64,
+        dtype: DType,
+        pattern: TrtllmPattern,
+        tokens: usize,
+        hidden: usize,
+        bufs: &TrtllmBufs,
+        eps: f32,
+        oneshot: bool,
+        pdl: bool,
+    ) -> Result<(), String> {
+        if !oneshot && tokens < self.world {
+            return Err(format!(
+                "the two-shot kernel needs a token per rank: {tokens} tokens, {} ranks",
+                self.world
+            ));
+        }
+        tokens
+            .checked_mul(hidden)
+            .filter(|&n| i32::try_from(n).is_ok())
+            .ok_or_else(|| format!("{tokens} x {hidden}: TensorRT-LLM counts in int"))?;
+        #[cfg(peers_built)]
+        {
+            let p = |a: u64| a as *mut c_void;
+            return call("trtllm allreduce_fusion", |e, l| {
+                ffi::peers_trtllm_fusion(
+                    p(self.table),
+                    self.world as i32,
+                    self.rank as i32,
+                    p(stream),
+                    dtype_code(dtype),
+                    pattern.code(),
+                    tokens as i32,
+                    hidden as i32,
+                    p(bufs.input),
+                    p(bufs.residual_in),
+                    p(bufs.residual_out),
+                    p(bufs.norm_out),
+                    p(bufs.quant_out),
+                    p(bufs.scale_out),
+                    p(bufs.gamma),
+                    eps,
+                    p(bufs.scale_in),
+                    i32::from(oneshot),
+                    i32::from(pdl),
+                    e,
+                    l,
+                )
+            });
+        }
+        #[allow(unreachable_code)]
+        {
+            let _ = (stream, dtype, pattern, bufs, eps, pdl);
+            Err(unavailable().unwrap_or_default())
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -323,6 +629,31 @@ mod tests {
         // SAFETY: refused before any pointer is used.
         let e = unsafe { Vllm::new(&[1, 2], 3, 4, 0, true) }.err().unwrap();
         assert!(e.contains("scripts/peers/fetch.sh"), "{e}");
+    }
+
+    #[test]
+    fn trtllm_refuses_world_sizes_it_has_no_kernels_for() {
+        let sizes = Trtllm::sizes(3, 1, 8, DType::BF16);
+        for (n, rank) in [(3usize, 0usize), (2, 2), (16, 0)] {
+            let v = vec![1u64; n];
+            // SAFETY: refused before any pointer is used.
+            let e = unsafe { Trtllm::new(rank, &v, &v, &v, 0, 0, &sizes, DType::BF16, 0) }
+                .err()
+                .unwrap();
+            assert!(
+                e.contains("2, 4 or 8") || e.contains("fetch.sh"),
+                "{n}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn trtllm_sizes_follow_flashinfer() {
+        let s = Trtllm::sizes(4, 128, 4096, DType::BF16);
+        assert_eq!(s.comm, 4 * 128 * 4096 * 2);
+        assert_eq!(s.lamport_slot, 4 * 128 * 4096 * 2);
+        assert_eq!(s.flags, 4 * 256 * 4);
+        assert_eq!(s.table, 13 * 8);
     }
 
     #[test]
