@@ -377,6 +377,7 @@ pub enum TrtllmPattern {
 }
 
 impl TrtllmPattern {
+    #[cfg_attr(not(peers_built), allow(dead_code))]
     fn code(self) -> i32 {
         match self {
             TrtllmPattern::AllReduce => 0,
