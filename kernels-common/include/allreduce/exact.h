@@ -152,13 +152,27 @@ struct Geometry {
 
 // Phase 1 of both kernels: our input vectors of class b into our staging. The workspace side
 // always gets whole vectors (a partial one is zero-padded), so later phases read whole vectors.
+//
+// Copies (this one and the two-shot's gather) move kCopyUnroll vectors per thread per step, all
+// loads before any store: with one load in flight per thread a copy is latency-bound (the
+// compiler cannot hoist the next load above a store that may alias it), and on virtual ranks
+// the grid is as small as 16 blocks.
+constexpr int kCopyUnroll = 4;
+
 template <typename T>
 AR_DEVICE void stage_input(const Args& a, const Geometry<T>& g, char* staging) {
   const uint4* in = static_cast<const uint4*>(a.input);
   uint4* st = reinterpret_cast<uint4*>(staging);
   const u64 stride = (u64)grid_dim_x() * kThreads;
-  for (u64 v = (u64)block_x() * kThreads + thread_x(); v < g.nvec; v += stride)
-    st[v] = v < g.full ? in[v] : load_partial<T>(in + v, g.tail);
+  u64 v = (u64)block_x() * kThreads + thread_x();
+  for (; v + (kCopyUnroll - 1) * stride < g.full; v += kCopyUnroll * stride) {
+    uint4 x[kCopyUnroll];
+#pragma unroll
+    for (int k = 0; k < kCopyUnroll; ++k) x[k] = in[v + k * stride];
+#pragma unroll
+    for (int k = 0; k < kCopyUnroll; ++k) st[v + k * stride] = x[k];
+  }
+  for (; v < g.nvec; v += stride) st[v] = v < g.full ? in[v] : load_partial<T>(in + v, g.tail);
 }
 
 // The world's loaded vectors summed in rank order, rounded once to T. Rank order from rank 0's
@@ -226,6 +240,29 @@ __device__ void oneshot(const Args& a) {
   if (thread_x() == 0) c.h->calls[c.b] += 1;
 }
 
+// The two-shot's all-gather: every vector from its owner's `reduced` (owner r holds vectors
+// [r * sv, (r + 1) * sv)), bit for bit, kCopyUnroll loads in flight per thread. The owner is
+// tracked incrementally: a 64-bit division per vector costs registers we do not have to spare
+// at two blocks per SM.
+template <typename T>
+AR_DEVICE void gather_reduced(const Args& a, const Geometry<T>& g, u64 first, u64 stride, u64 sv) {
+  unsigned owner = 0;
+  auto src = [&](u64 v) {
+    while (v >= (owner + 1ull) * sv) ++owner;
+    return reinterpret_cast<const uint4*>(reduced_of(a.peers[owner], a)) + v;
+  };
+  uint4* out = static_cast<uint4*>(a.output);
+  u64 v = first;
+  for (; v + (kCopyUnroll - 1) * stride < g.full; v += kCopyUnroll * stride) {
+    uint4 x[kCopyUnroll];
+#pragma unroll
+    for (int k = 0; k < kCopyUnroll; ++k) x[k] = load_peer(src(v + k * stride));
+#pragma unroll
+    for (int k = 0; k < kCopyUnroll; ++k) out[v + k * stride] = x[k];
+  }
+  for (; v < g.nvec; v += stride) store_output<T>(a, g, v, load_peer(src(v)));
+}
+
 // Two barriers: stage; each rank reduces its shard and rounds it once; everyone gathers the
 // rounded shards. Shards are whole 16-byte granules (allreduce_core::layout with granule
 // 16 / sizeof(T)): rank r owns vectors [r * sv, (r + 1) * sv), sv = ceil(nvec / world).
@@ -258,15 +295,8 @@ __device__ void twoshot(const Args& a) {
   // before our next phase 2 writes it.)
   if (!barrier(a, c.h, c.b, c.parity)) return;
 
-  // ---- Phase 3: all-gather. Every vector from its owner's `reduced`, bit for bit. The owner
-  // is tracked incrementally: a 64-bit division per vector costs registers we do not have to
-  // spare at two blocks per SM.
-  unsigned owner = 0;
-  for (u64 v = first; v < g.nvec; v += stride) {
-    while (v >= (owner + 1ull) * sv) ++owner;
-    const uint4* src = reinterpret_cast<const uint4*>(reduced_of(a.peers[owner], a));
-    store_output<T>(a, g, v, load_peer(src + v));
-  }
+  // ---- Phase 3: all-gather. Every vector from its owner's `reduced`, bit for bit.
+  gather_reduced<T>(a, g, first, stride, sv);
 
   if (thread_x() == 0) c.h->calls[c.b] += 1;
 }
@@ -410,12 +440,7 @@ __device__ void twoshot_registered(const RegisteredArgs& r) {
     if (v >= lo) reduced[v] = reduce_inputs<T>(r, g, v);
   if (!registered_barrier(r, c)) return;
 
-  unsigned owner = 0;
-  for (u64 v = first; v < g.nvec; v += stride) {
-    while (v >= (owner + 1ull) * sv) ++owner;
-    const uint4* src = reinterpret_cast<const uint4*>(reduced_of(a.peers[owner], a));
-    store_output<T>(a, g, v, load_peer(src + v));
-  }
+  gather_reduced<T>(a, g, first, stride, sv);
 
   if (thread_x() == 0) c.h->calls[c.b] += 1;
 }
