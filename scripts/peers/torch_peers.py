@@ -3,7 +3,7 @@
 NCCL plain, NCCL on symmetric windows, PyTorch symmetric memory one-shot / two-shot / multimem,
 and FlashInfer's FP8 quantized all-reduce. Not runnable on virtual ranks (one GPU).
 
-    torchrun --nproc_per_node=8 scripts/peers/torch_peers.py [--min 16] [--max 64M] [--graph]
+    torchrun --nproc_per_node=8 scripts/peers/torch_peers.py [--min-bytes 16] [--max-bytes 64M] [--graph]
 
 Per size (factor 4, bf16, integer inputs): every contender runs once and is checked (exact
 contenders against the exact sum, FP8 by SNR), then warm-up, then two timed loops; rank 0
@@ -72,8 +72,8 @@ def contenders(group, n_max, dtype, device):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--min", default="16")
-    p.add_argument("--max", default="64M")
+    p.add_argument("--min-bytes", default="16")
+    p.add_argument("--max-bytes", default="64M")
     p.add_argument("--graph", action="store_true", help="time 20 captured calls replayed")
     args = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -82,11 +82,11 @@ def main():
     dist.init_process_group("nccl", device_id=device)
     group = dist.group.WORLD
     dtype = torch.bfloat16
-    sizes, b = [], size(args.min)
-    while b <= size(args.max):
+    sizes, b = [], size(args.min_bytes)
+    while b <= size(args.max_bytes):
         sizes.append(b)
         b *= 4
-    n_max = size(args.max) // 2
+    n_max = size(args.max_bytes) // 2
     cands = contenders(group, n_max, dtype, device)
     if rank == 0:
         print(f"# torch_peers: {world} ranks, bf16, torch {torch.__version__}, NCCL {torch.cuda.nccl.version()}, "
