@@ -178,13 +178,14 @@ AR_DEVICE void stage_input(const Args& a, const Geometry<T>& g, char* staging) {
 // The world's loaded vectors summed in rank order, rounded once to T. Rank order from rank 0's
 // value, not reordered by our own rank, so every rank computes the same bits (and -0.0 + -0.0
 // stays -0.0, which starting from 0.0 would not).
-template <typename T>
-AR_DEVICE uint4 sum_in_rank_order(const Args& a, const uint4 (&raw)[kMaxWorld]) {
+// `W` bounds the world (the array's size).
+template <typename T, int W>
+AR_DEVICE uint4 sum_in_rank_order(const Args& a, const uint4 (&raw)[W]) {
   constexpr int E = Packed<T>::kElems;
   float acc[E], x[E];
   Packed<T>::to_f32(raw[0], acc);
 #pragma unroll
-  for (int r = 1; r < kMaxWorld; ++r) {
+  for (int r = 1; r < W; ++r) {
     if (r < int(a.world)) {
       Packed<T>::to_f32(raw[r], x);
 #pragma unroll
@@ -204,6 +205,31 @@ AR_DEVICE uint4 reduce_vector(const Args& a, Region region, u64 v) {
     if (r < int(a.world))
       raw[r] = load_peer(reinterpret_cast<const uint4*>(region(a.peers[r])) + v);
   return sum_in_rank_order<T>(a, raw);
+}
+
+// Up to four ranks, the reduce loops take two vectors per thread per step (v and v + stride,
+// both of class b), all 2 x world loads before the sums: like the copies, a reduce with one
+// vector per rank in flight per thread is latency-bound at two ranks. (Eight ranks already
+// have eight in flight, and two vectors of eight would not fit two blocks per SM.) `load(r, v)`
+// reads rank r's whole vector v. Returns where the caller's one-vector loop goes on.
+template <typename T, typename Load>
+AR_DEVICE u64 reduce_pairs(const Args& a, const Geometry<T>& g, u64 v, u64 stride, Load load) {
+  constexpr int W = 4;
+  if (int(a.world) > W) return v;
+  uint4* out = static_cast<uint4*>(a.output);
+  for (; v + stride < g.full; v += 2 * stride) {
+    uint4 x0[W], x1[W];
+#pragma unroll
+    for (int r = 0; r < W; ++r) {
+      if (r < int(a.world)) {
+        x0[r] = load(r, v);
+        x1[r] = load(r, v + stride);
+      }
+    }
+    out[v] = sum_in_rank_order<T>(a, x0);
+    out[v + stride] = sum_in_rank_order<T>(a, x1);
+  }
+  return v;
 }
 
 template <typename T>
@@ -233,7 +259,8 @@ __device__ void oneshot(const Args& a) {
   // ---- Phase 2: reduce every rank's staged input into our output.
   auto staging = [&](char* ws) { return staging_of(ws, a, c.parity); };
   const u64 stride = (u64)grid_dim_x() * kThreads;
-  for (u64 v = (u64)c.b * kThreads + thread_x(); v < g.nvec; v += stride)
+  auto staged = [&](int r, u64 v) { return load_peer(reinterpret_cast<const uint4*>(staging(a.peers[r])) + v); };
+  for (u64 v = reduce_pairs<T>(a, g, (u64)c.b * kThreads + thread_x(), stride, staged); v < g.nvec; v += stride)
     store_output<T>(a, g, v, reduce_vector<T>(a, staging, v));
 
   // Every thread read calls[b] before the barrier; only this write follows it.
@@ -410,7 +437,8 @@ __device__ void oneshot_registered(const RegisteredArgs& r) {
   if (!agree_registered(r, c)) return;
 
   const u64 stride = (u64)grid_dim_x() * kThreads;
-  for (u64 v = (u64)c.b * kThreads + thread_x(); v < g.nvec; v += stride)
+  auto input = [&](int k, u64 v) { return load_peer(static_cast<const uint4*>(r.inputs[k]) + v); };
+  for (u64 v = reduce_pairs<T>(a, g, (u64)c.b * kThreads + thread_x(), stride, input); v < g.nvec; v += stride)
     store_output<T>(a, g, v, reduce_inputs<T>(r, g, v));
 
   // Nobody reads our input past this point, so our stream may overwrite it once we return.
