@@ -190,7 +190,8 @@ pub struct Args {
     #[arg(long)]
     pub json: bool,
 
-    /// Also draw bus bandwidth against size to this SVG file
+    /// Also draw bus bandwidth against size to this SVG file (with --peers: ours / the best
+    /// peer against size, or against tokens with --fused)
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<PathBuf>,
 

@@ -1,4 +1,5 @@
-//! Bus bandwidth against message size, as an SVG.
+//! Charts as SVG: bus bandwidth against message size (the sweep), and any set of lines against
+//! a log2 axis (the peers' ratios).
 
 use std::path::Path;
 
@@ -54,6 +55,40 @@ pub fn draw(path: &Path, title: &str, rows: &[RowResult], world: usize) -> Resul
     if lines.is_empty() {
         return Err("nothing to plot: no row with a non-zero size was measured".into());
     }
+    draw_lines(
+        path,
+        title,
+        &Axes {
+            x_desc: "message size per rank (bytes, log2 scale)",
+            y_desc: "bus bandwidth (GB/s)",
+            x_label: &|x| format_size(2f64.powf(x).round() as usize),
+            reference: None,
+        },
+        &lines,
+    )
+}
+
+/// What a chart's axes say: descriptions, how an x value (a log2) is labelled, and an optional
+/// horizontal reference line (1.0 on a ratio chart).
+pub struct Axes<'a> {
+    pub x_desc: &'a str,
+    pub y_desc: &'a str,
+    pub x_label: &'a dyn Fn(f64) -> String,
+    pub reference: Option<f64>,
+}
+
+/// One line per (label, points), points (x, y) with x a log2; y from 0 up.
+pub fn draw_lines(
+    path: &Path,
+    title: &str,
+    axes: &Axes,
+    lines: &[(String, Vec<(f64, f64)>)],
+) -> Result<(), String> {
+    let lines: Vec<&(String, Vec<(f64, f64)>)> =
+        lines.iter().filter(|(_, p)| !p.is_empty()).collect();
+    if lines.is_empty() {
+        return Err("nothing to plot: no point was measured".into());
+    }
     let xs = lines.iter().flat_map(|(_, p)| p.iter().map(|&(x, _)| x));
     let x_lo = xs.clone().fold(f64::INFINITY, f64::min).floor();
     let mut x_hi = xs.fold(f64::NEG_INFINITY, f64::max).ceil();
@@ -63,6 +98,7 @@ pub fn draw(path: &Path, title: &str, rows: &[RowResult], world: usize) -> Resul
     let y_max = lines
         .iter()
         .flat_map(|(_, p)| p.iter().map(|&(_, y)| y))
+        .chain(axes.reference)
         .fold(0.0, f64::max);
     let y_hi = if y_max > 0.0 && y_max.is_finite() {
         y_max * 1.1
@@ -85,12 +121,20 @@ pub fn draw(path: &Path, title: &str, rows: &[RowResult], world: usize) -> Resul
     chart
         .configure_mesh()
         .x_labels(ticks)
-        .x_desc("message size per rank (bytes, log2 scale)")
-        .y_desc("bus bandwidth (GB/s)")
-        .x_label_formatter(&|x| format_size(2f64.powf(*x).round() as usize))
+        .x_desc(axes.x_desc)
+        .y_desc(axes.y_desc)
+        .x_label_formatter(&|x| (axes.x_label)(*x))
         .y_label_formatter(&|y| format!("{y:.2}"))
         .draw()
         .map_err(|e| err(&e))?;
+    if let Some(r) = axes.reference {
+        chart
+            .draw_series(LineSeries::new(
+                [(x_lo, r), (x_hi, r)],
+                BLACK.mix(0.5).stroke_width(1),
+            ))
+            .map_err(|e| err(&e))?;
+    }
     for (i, (label, pts)) in lines.iter().enumerate() {
         let color = COLORS[i % COLORS.len()].to_rgba();
         chart
@@ -113,4 +157,30 @@ pub fn draw(path: &Path, title: &str, rows: &[RowResult], world: usize) -> Resul
         .map_err(|e| err(&e))?;
     root.present().map_err(|e| err(&e))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ratio_chart_is_written_and_an_empty_one_refused() {
+        let path = std::env::temp_dir().join(format!("allreduce-plot-{}.svg", std::process::id()));
+        let axes = Axes {
+            x_desc: "bytes",
+            y_desc: "ours / best peer",
+            x_label: &|x| format_size(2f64.powf(x).round() as usize),
+            reference: Some(1.0),
+        };
+        let lines = vec![
+            ("eager".to_string(), vec![(4.0, 0.9), (10.0, 1.2)]),
+            ("graph".to_string(), vec![(4.0, 1.5), (10.0, 1.1)]),
+        ];
+        draw_lines(&path, "t", &axes, &lines).unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        assert!(svg.contains("<svg") && svg.contains("eager") && svg.contains("graph"));
+        let e = draw_lines(&path, "t", &axes, &[("x".into(), vec![])]).unwrap_err();
+        assert!(e.contains("nothing to plot"), "{e}");
+    }
 }

@@ -492,6 +492,15 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
         per_rank.push(r?);
     }
     let mut rows_json = Vec::with_capacity(sizes.len());
+    // --plot: ours / the best vLLM column per size (log2 bytes), eager and in graphs.
+    let mut ratios: Vec<(String, Vec<(f64, f64)>)> = [
+        "ours reg / best vLLM, eager",
+        "ours reg / vLLM, graphs",
+        "ours (staged) / best vLLM, eager",
+    ]
+    .iter()
+    .map(|l| (l.to_string(), Vec::new()))
+    .collect();
     for (k, &bytes) in sizes.iter().enumerate() {
         let slowest = |f: &dyn Fn(&RowTimes) -> f64| {
             per_rank.iter().map(|r| f(&r[k])).fold(f64::NAN, |a, b| {
@@ -523,6 +532,15 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
             }
         };
         let num = |x: f64| (!x.is_nan()).then_some(x * 1e6);
+        for (line, (a, b)) in
+            ratios
+                .iter_mut()
+                .zip([(eager[5], peer), (graph[2], graph[1]), (eager[0], peer)])
+        {
+            if bytes > 0 && !(a / b).is_nan() {
+                line.1.push(((bytes as f64).log2(), a / b));
+            }
+        }
         rows_json.push(serde_json::json!({
             "bytes": bytes,
             "auto_ran": per_rank[0][k].ran.map(|s| s.to_string()),
@@ -566,6 +584,19 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
             ratio(graph[2], graph[1]),
             wrong
         );
+    }
+    if let Some(path) = &args.plot {
+        crate::plot::draw_lines(
+            path,
+            &format!("allreduce vs vLLM custom all-reduce, {world} ranks, {dtype}"),
+            &crate::plot::Axes {
+                x_desc: "message size per rank (bytes, log2 scale)",
+                y_desc: "time / the peer's time (below 1: ours is faster)",
+                x_label: &|x| crate::cli::format_size(2f64.powf(x).round() as usize),
+                reference: Some(1.0),
+            },
+            &ratios,
+        )?;
     }
     if json {
         let git = crate::report::Git::detect();

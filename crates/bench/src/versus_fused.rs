@@ -464,6 +464,9 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
     let max_t = tokens.iter().copied().max().unwrap_or(1);
     let json = args.json;
     let mut out_rows = Vec::new();
+    // --plot: ours / the faster TensorRT-LLM kernel per token count, one line per hidden size
+    // and mode.
+    let mut ratios: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
     let mut printed_header = false;
     for &hidden in &args.fused_hidden {
         let comms = Communicator::new_group(
@@ -578,6 +581,19 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
             let best_eager = min_nan(eager[3], eager[4]);
             let best_graph = min_nan(graph[1], graph[2]);
             let num = |x: f64| (!x.is_nan()).then_some(x * 1e6);
+            for (mode, a, b) in [
+                ("eager", eager[0], best_eager),
+                ("graphs", graph[0], best_graph),
+            ] {
+                let label = format!("hidden {hidden}, {mode}");
+                if !(a / b).is_nan() {
+                    let point = ((row.tokens as f64).log2(), a / b);
+                    match ratios.iter_mut().find(|(l, _)| *l == label) {
+                        Some((_, pts)) => pts.push(point),
+                        None => ratios.push((label, vec![point])),
+                    }
+                }
+            }
             out_rows.push(serde_json::json!({
                 "hidden": hidden,
                 "tokens": row.tokens,
@@ -614,6 +630,19 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
                 row.wrong
             );
         }
+    }
+    if let Some(path) = &args.plot {
+        crate::plot::draw_lines(
+            path,
+            &format!("allreduce fused vs TensorRT-LLM, {world} ranks, {dtype}, {pattern}"),
+            &crate::plot::Axes {
+                x_desc: "tokens (log2 scale)",
+                y_desc: "time / the peer's time (below 1: ours is faster)",
+                x_label: &|x| format!("{}", 2f64.powf(x).round() as usize),
+                reference: Some(1.0),
+            },
+            &ratios,
+        )?;
     }
     if json {
         let git = crate::report::Git::detect();
