@@ -11,6 +11,8 @@ mod fused;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 mod gpu;
 mod metrics;
+#[cfg(feature = "peers")]
+mod peer_harness;
 mod plot;
 mod report;
 mod runner;

@@ -21,9 +21,8 @@
 //! checked against the exact sum of the integer inputs; a wrong one is reported, not timed.
 //! vLLM's kernels have no deadline: a watchdog ends the process if a row stops progressing.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Barrier, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use allreduce::{
     AllReduceOptions, BufMut, BufRef, Communicator, DType, GroupConfig, HostBytes,
@@ -33,6 +32,7 @@ use allreduce_peers::Vllm;
 
 use crate::cli::Args;
 use crate::data::{DataSet, Inputs};
+use crate::peer_harness::{agree_wrong, keep_min, min_nan, ratio, slowest, us, Heartbeat};
 use allreduce::cuda::CudaRuntime as R;
 use allreduce_gpu::device::{DeviceBuffer, GpuDevice, GpuGraph};
 use allreduce_gpu::GpuRuntime;
@@ -43,8 +43,6 @@ const GRAPH_CALLS: usize = 20;
 const GRAPH_REPLAYS: usize = 10;
 /// vLLM's rank-data buffer (its Python layer allocates 8 MiB).
 const RANK_DATA_BYTES: usize = 8 << 20;
-/// A row that makes no progress for this long has hung (vLLM waits without a deadline).
-const WATCHDOG: Duration = Duration::from_secs(60);
 
 /// The contenders, in the order of a row's columns.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -104,7 +102,7 @@ fn rank_loop(
     block_limit: u32,
     barrier: &Barrier,
     shared: &Shared,
-    heartbeat: &AtomicU64,
+    heartbeat: &Heartbeat,
     expected: &[f32],
     wrongs: &Mutex<Vec<[usize; 6]>>,
     registered: &RegisteredBuffer,
@@ -247,32 +245,18 @@ fn rank_loop(
             if w == Who::Auto {
                 row.ran = ran.get();
             }
-            heartbeat.fetch_add(1, Ordering::Relaxed);
+            heartbeat.beat();
         }
-        // Every rank must time the same contenders: a contender wrong on any rank is not timed.
-        wrongs.lock().unwrap()[rank] = row.wrong;
-        barrier.wait();
-        row.wrong = wrongs.lock().unwrap().iter().fold([0; 6], |mut acc, w| {
-            for (a, x) in acc.iter_mut().zip(w) {
-                *a += x;
-            }
-            acc
-        });
-        barrier.wait();
+        // Every rank times the same contenders: one wrong on any rank is not timed.
+        row.wrong = agree_wrong(rank, row.wrong, wrongs, barrier);
         let timed: Vec<bool> = EAGER
             .iter()
             .enumerate()
             .map(|(i, &w)| runs(w) && row.wrong[i] == 0)
             .collect();
-        let time = |f: &dyn Fn() -> Result<(), String>, calls: usize| -> Result<f64, String> {
-            barrier.wait();
-            let start = Instant::now();
-            for _ in 0..calls {
-                f()?;
-            }
-            stream.synchronize().map_err(e)?;
-            heartbeat.fetch_add(1, Ordering::Relaxed);
-            Ok(start.elapsed().as_secs_f64() / calls as f64)
+        let sync = || stream.synchronize().map_err(e);
+        let time = |f: &dyn Fn() -> Result<(), String>, calls: usize| {
+            crate::peer_harness::timed(barrier, heartbeat, &sync, f, calls)
         };
         // Warm-up, then the same count on every rank: a fixed ladder by size.
         let iters = iters_for(bytes);
@@ -285,11 +269,7 @@ fn rank_loop(
             for (i, &w) in EAGER.iter().enumerate() {
                 if timed[i] {
                     let t = time(&|| call(w), iters)?;
-                    row.eager[i] = if row.eager[i].is_nan() {
-                        t
-                    } else {
-                        row.eager[i].min(t)
-                    };
+                    keep_min(&mut row.eager[i], t);
                 }
             }
         }
@@ -325,11 +305,7 @@ fn rank_loop(
             for _ in 0..2 {
                 let t =
                     time(&|| graph.launch(&stream).map_err(e), GRAPH_REPLAYS)? / GRAPH_CALLS as f64;
-                row.graph[g] = if row.graph[g].is_nan() {
-                    t
-                } else {
-                    row.graph[g].min(t)
-                };
+                keep_min(&mut row.graph[g], t);
             }
         }
         barrier.wait();
@@ -349,14 +325,6 @@ fn count_wrong(dtype: DType, out: &[u8], expected: &[f32]) -> usize {
     (0..expected.len())
         .filter(|&i| dtype.load_f32(out, i) != expected[i])
         .count()
-}
-
-fn us(s: f64) -> String {
-    if s.is_nan() {
-        "-".into()
-    } else {
-        format!("{:.2}", s * 1e6)
-    }
 }
 
 pub fn run(args: &Args) -> Result<(), BoxError> {
@@ -428,27 +396,14 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
         .collect();
     let barrier = Barrier::new(world);
     let shared: Shared = Mutex::new(vec![(0, 0, 0); world]);
-    let heartbeat = AtomicU64::new(0);
+    let heartbeat = Heartbeat::default();
     let wrongs = Mutex::new(vec![[0usize; 6]; world]);
     // Collective, before the ranks' threads start (it allocates on every rank's device).
     let registered = Communicator::alloc_registered_group(&comms, max.max(16))?;
-    let done = std::sync::atomic::AtomicBool::new(false);
     let results: Vec<Result<Vec<RowTimes>, String>> = std::thread::scope(|s| {
         // vLLM's kernels wait for their peers without a deadline: a row that stops
         // progressing ends the process with a message instead of hanging it.
-        s.spawn(|| {
-            let mut last = (heartbeat.load(Ordering::Relaxed), Instant::now());
-            while !done.load(Ordering::Relaxed) {
-                std::thread::sleep(Duration::from_millis(200));
-                let beat = heartbeat.load(Ordering::Relaxed);
-                if beat != last.0 {
-                    last = (beat, Instant::now());
-                } else if last.1.elapsed() > WATCHDOG {
-                    eprintln!("allreduce-bench --peers: no progress for {WATCHDOG:?} (a peer kernel without a deadline hung?): exiting");
-                    std::process::exit(3);
-                }
-            }
-        });
+        heartbeat.watch(s, "--peers");
         let hs: Vec<_> = comms
             .iter()
             .zip(&registered)
@@ -484,7 +439,7 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
                     .unwrap_or_else(|_| Err("a rank thread panicked".into()))
             })
             .collect();
-        done.store(true, Ordering::Relaxed);
+        heartbeat.finish();
         r
     });
     let mut per_rank = Vec::with_capacity(world);
@@ -502,35 +457,13 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
     .map(|l| (l.to_string(), Vec::new()))
     .collect();
     for (k, &bytes) in sizes.iter().enumerate() {
-        let slowest = |f: &dyn Fn(&RowTimes) -> f64| {
-            per_rank.iter().map(|r| f(&r[k])).fold(f64::NAN, |a, b| {
-                if a.is_nan() || b > a {
-                    b
-                } else {
-                    a
-                }
-            })
-        };
+        let slowest = |f: &dyn Fn(&RowTimes) -> f64| slowest(&per_rank, k, f);
         let eager: Vec<f64> = (0..6).map(|i| slowest(&|r| r.eager[i])).collect();
         let graph: Vec<f64> = (0..3).map(|i| slowest(&|r| r.graph[i])).collect();
         // Summed over ranks already (the ranks agreed on them), graphs summed here.
         let mut wrong: Vec<usize> = per_rank[0][k].wrong.to_vec();
         wrong.extend((0..3).map(|g| per_rank.iter().map(|r| r[k].graph_wrong[g]).sum::<usize>()));
-        let peer = eager[3].min(eager[4]);
-        let peer = if eager[3].is_nan() {
-            eager[4]
-        } else if eager[4].is_nan() {
-            eager[3]
-        } else {
-            peer
-        };
-        let ratio = |a: f64, b: f64| {
-            if a.is_nan() || b.is_nan() {
-                "-".to_string()
-            } else {
-                format!("{:.3}", a / b)
-            }
-        };
+        let peer = min_nan(eager[3], eager[4]);
         let num = |x: f64| (!x.is_nan()).then_some(x * 1e6);
         for (line, (a, b)) in
             ratios

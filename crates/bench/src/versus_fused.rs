@@ -20,9 +20,8 @@
 //! one unit in the last place of T, FP8 values within one E4M3 step; a contender with a wrong
 //! element is reported and not timed.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Barrier, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use allreduce::{
     BufMut, BufRef, Communicator, DType, Fp8BufMut, FusedArgs, FusedConfig, FusedPattern,
@@ -34,6 +33,7 @@ use allreduce_peers::{Trtllm, TrtllmBufs, TrtllmPattern};
 
 use crate::cli::Args;
 use crate::fused::fill;
+use crate::peer_harness::{agree_wrong, keep_min, min_nan, ratio, slowest, us, Heartbeat};
 use allreduce::cuda::CudaRuntime as R;
 use allreduce_gpu::device::{DeviceBuffer, GpuDevice, GpuGraph};
 use allreduce_gpu::GpuRuntime;
@@ -44,7 +44,6 @@ const EPS: f32 = 1e-6;
 const STATIC_SCALE: f32 = 0.01;
 const GRAPH_CALLS: usize = 20;
 const GRAPH_REPLAYS: usize = 10;
-const WATCHDOG: Duration = Duration::from_secs(60);
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Who {
@@ -168,7 +167,7 @@ fn rank_loop(
     tokens: &[usize],
     barrier: &Barrier,
     shared: &Shared,
-    heartbeat: &AtomicU64,
+    heartbeat: &Heartbeat,
     reference: &Reference,
     wrongs: &Mutex<Vec<[usize; 5]>>,
 ) -> Result<Vec<Row>, String> {
@@ -351,32 +350,18 @@ fn rank_loop(
             if w == Who::Auto {
                 row.ran = ran.get();
             }
-            heartbeat.fetch_add(1, Ordering::Relaxed);
+            heartbeat.beat();
         }
         // Every rank times the same contenders: one wrong on any rank is not timed.
-        wrongs.lock().unwrap()[rank] = row.wrong;
-        barrier.wait();
-        row.wrong = wrongs.lock().unwrap().iter().fold([0; 5], |mut acc, w| {
-            for (a, x) in acc.iter_mut().zip(w) {
-                *a += x;
-            }
-            acc
-        });
-        barrier.wait();
+        row.wrong = agree_wrong(rank, row.wrong, wrongs, barrier);
         let timed: Vec<bool> = ALL
             .iter()
             .enumerate()
             .map(|(i, &w)| runs(w) && row.wrong[i] == 0)
             .collect();
-        let time = |f: &dyn Fn() -> Result<(), String>, calls: usize| -> Result<f64, String> {
-            barrier.wait();
-            let start = Instant::now();
-            for _ in 0..calls {
-                f()?;
-            }
-            stream.synchronize().map_err(e)?;
-            heartbeat.fetch_add(1, Ordering::Relaxed);
-            Ok(start.elapsed().as_secs_f64() / calls as f64)
+        let sync = || stream.synchronize().map_err(e);
+        let time = |f: &dyn Fn() -> Result<(), String>, calls: usize| {
+            crate::peer_harness::timed(barrier, heartbeat, &sync, f, calls)
         };
         let iters = ((64usize << 20) / (n * dtype.size()).max(1)).clamp(20, 300);
         for (i, &w) in ALL.iter().enumerate() {
@@ -388,11 +373,7 @@ fn rank_loop(
             for (i, &w) in ALL.iter().enumerate() {
                 if timed[i] {
                     let s = time(&|| call(w), iters)?;
-                    row.eager[i] = if row.eager[i].is_nan() {
-                        s
-                    } else {
-                        row.eager[i].min(s)
-                    };
+                    keep_min(&mut row.eager[i], s);
                 }
             }
         }
@@ -412,11 +393,7 @@ fn rank_loop(
             for _ in 0..2 {
                 let s =
                     time(&|| graph.launch(&stream).map_err(e), GRAPH_REPLAYS)? / GRAPH_CALLS as f64;
-                row.graph[g] = if row.graph[g].is_nan() {
-                    s
-                } else {
-                    row.graph[g].min(s)
-                };
+                keep_min(&mut row.graph[g], s);
             }
         }
         barrier.wait();
@@ -424,30 +401,6 @@ fn rank_loop(
     }
     barrier.wait();
     Ok(rows)
-}
-
-fn us(s: f64) -> String {
-    if s.is_nan() {
-        "-".into()
-    } else {
-        format!("{:.2}", s * 1e6)
-    }
-}
-
-fn min_nan(a: f64, b: f64) -> f64 {
-    match (a.is_nan(), b.is_nan()) {
-        (true, _) => b,
-        (_, true) => a,
-        _ => a.min(b),
-    }
-}
-
-fn ratio(a: f64, b: f64) -> String {
-    if a.is_nan() || b.is_nan() {
-        "-".into()
-    } else {
-        format!("{:.3}", a / b)
-    }
 }
 
 pub fn run(args: &Args) -> Result<(), BoxError> {
@@ -523,23 +476,10 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
         let reference = Reference::new(dtype, pattern, world, max_t, hidden);
         let barrier = Barrier::new(world);
         let shared: Shared = Mutex::new(vec![(0, 0, 0); world]);
-        let heartbeat = AtomicU64::new(0);
+        let heartbeat = Heartbeat::default();
         let wrongs = Mutex::new(vec![[0usize; 5]; world]);
-        let done = std::sync::atomic::AtomicBool::new(false);
         let results: Vec<Result<Vec<Row>, String>> = std::thread::scope(|s| {
-            s.spawn(|| {
-                let mut last = (heartbeat.load(Ordering::Relaxed), Instant::now());
-                while !done.load(Ordering::Relaxed) {
-                    std::thread::sleep(Duration::from_millis(200));
-                    let beat = heartbeat.load(Ordering::Relaxed);
-                    if beat != last.0 {
-                        last = (beat, Instant::now());
-                    } else if last.1.elapsed() > WATCHDOG {
-                        eprintln!("allreduce-bench --peers --fused: no progress for {WATCHDOG:?} (a peer kernel without a deadline hung?): exiting");
-                        std::process::exit(3);
-                    }
-                }
-            });
+            heartbeat.watch(s, "--peers --fused");
             let hs: Vec<_> = comms
                 .iter()
                 .zip(&ws)
@@ -561,20 +501,12 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
                         .unwrap_or_else(|_| Err("a rank thread panicked".into()))
                 })
                 .collect();
-            done.store(true, Ordering::Relaxed);
+            heartbeat.finish();
             r
         });
         let per_rank = results.into_iter().collect::<Result<Vec<_>, String>>()?;
         for k in 0..tokens.len() {
-            let slowest = |f: &dyn Fn(&Row) -> f64| {
-                per_rank.iter().map(|r| f(&r[k])).fold(f64::NAN, |a, b| {
-                    if a.is_nan() || b > a {
-                        b
-                    } else {
-                        a
-                    }
-                })
-            };
+            let slowest = |f: &dyn Fn(&Row) -> f64| slowest(&per_rank, k, f);
             let eager: Vec<f64> = (0..5).map(|i| slowest(&|r| r.eager[i])).collect();
             let graph: Vec<f64> = (0..3).map(|i| slowest(&|r| r.graph[i])).collect();
             let row = &per_rank[0][k];
