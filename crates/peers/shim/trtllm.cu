@@ -31,26 +31,14 @@ static cudaError_t peers_device_get_attribute(int* value, cudaDeviceAttr attr, i
 #include "flashinfer/comm/trtllm_allreduce_fusion.cuh"
 #undef cudaDeviceGetAttribute
 
+#include "guard.h"
+
 namespace {
 
 namespace fusion = flashinfer::trtllm_allreduce_fusion;
 
-void set_error(char* err, size_t len, const char* what) {
-  if (err && len) snprintf(err, len, "%s", what);
-}
-
-template <typename F>
-int guarded(char* err, size_t len, F&& f) {
-  try {
-    f();
-    return 0;
-  } catch (const std::exception& e) {
-    set_error(err, len, e.what());
-  } catch (...) {
-    set_error(err, len, "unknown C++ exception");
-  }
-  return -1;
-}
+using peers_shim::guarded;
+using peers_shim::set_error;
 
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));

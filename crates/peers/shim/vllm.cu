@@ -10,27 +10,10 @@
 #include <exception>
 
 #include "flashinfer/comm/vllm_custom_all_reduce.cuh"
+#include "guard.h"
 
-namespace {
-
-void set_error(char* err, size_t len, const char* what) {
-  if (err && len) snprintf(err, len, "%s", what);
-}
-
-template <typename F>
-int guarded(char* err, size_t len, F&& f) {
-  try {
-    f();
-    return 0;
-  } catch (const std::exception& e) {
-    set_error(err, len, e.what());
-  } catch (...) {
-    set_error(err, len, "unknown C++ exception");
-  }
-  return -1;
-}
-
-}  // namespace
+using peers_shim::guarded;
+using peers_shim::set_error;
 
 extern "C" {
 
