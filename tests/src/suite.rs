@@ -788,6 +788,16 @@ fn bad_input_is_rejected_and_harmless(h: &dyn Harness) -> Result<(), String> {
         Box::new(|_, e| matches!(e, Error::Misaligned { .. })),
     ));
 
+    // Element-aligned but not 16-byte aligned (PyTorch's two-shot test slices its buffer so):
+    // refused by every backend alike, the host included, as `Communicator::alignment` says.
+    let mut s = good.clone();
+    s.iter_mut().for_each(|a| a.misalign = 8);
+    cases.push((
+        "element-aligned view at a byte offset of 8",
+        s,
+        Box::new(|_, e| matches!(e, Error::Misaligned { align: 16, .. })),
+    ));
+
     // Wait after every call, so that a backend reporting errors asynchronously (at the next
     // synchronisation, as GPU backends do) attributes each to its own call.
     let mut steps = Vec::new();
@@ -796,6 +806,15 @@ fn bad_input_is_rejected_and_harmless(h: &dyn Harness) -> Result<(), String> {
         steps.push(good.clone());
     }
     steps.iter_mut().flatten().for_each(|a| a.sync_after = true);
+    for c in &comms {
+        if c.alignment() != allreduce::BUFFER_ALIGN {
+            return Err(format!(
+                "alignment() is {}, not the rule every backend shares ({})",
+                c.alignment(),
+                allreduce::BUFFER_ALIGN
+            ));
+        }
+    }
     let results = h.run(&comms, &steps);
     let reference = Reference::new(&valid, DType::BF16);
     for (k, (what, _, pred)) in cases.iter().enumerate() {

@@ -35,7 +35,7 @@ use std::str::FromStr;
 pub use allreduce_core::{
     codec, hierarchical, layout, AllReduceOptions, Bootstrap, BufMut, BufRef, Codec, DType, Device,
     Element, Error, GroupConfig, HostBytes, Link, Precision, RawBuffer, ReduceOp, Result, Rule,
-    SelectionTable, Strategy, Stream, Topology, TopologyClass,
+    SelectionTable, Strategy, Stream, Topology, TopologyClass, BUFFER_ALIGN,
 };
 pub use allreduce_core::{Fp8BufMut, FusedArgs, FusedConfig, FusedMetadata, FusedPattern};
 pub use allreduce_core::{RegisteredRange, RegistrationId};
@@ -235,6 +235,14 @@ impl Communicator {
 
     pub fn device(&self) -> Device {
         self.comm.limits().device
+    }
+
+    /// The alignment, in bytes, that every buffer address given to this communicator's calls
+    /// must have (at least the element size): [`BUFFER_ALIGN`], the same on every backend, so
+    /// a view that works on the host works on a GPU. A view at another offset is refused with
+    /// `Error::Misaligned` before anything runs.
+    pub fn alignment(&self) -> usize {
+        self.comm.limits().align
     }
 
     /// The largest call this communicator runs in one piece (the workspace size), in bytes.

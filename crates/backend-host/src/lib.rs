@@ -465,7 +465,9 @@ impl BackendComm for HostComm {
             chunks: false,
             device: Device::Host,
             max_bytes: self.max_bytes,
-            align: 1,
+            // The GPU backends' rule (their kernels move 16-byte vectors), enforced here too so
+            // that code tested on the host does not fail on a GPU.
+            align: allreduce_core::BUFFER_ALIGN,
             topology: self.group.topology.as_ref().and_then(|t| t.class()),
         }
     }

@@ -212,13 +212,19 @@ impl Call {
     }
 }
 
+/// The alignment every backend requires of a call's buffer addresses, in bytes: the GPU
+/// kernels move 16-byte vectors, and the host backend enforces the same rule so that code
+/// tested on the host behaves the same on a GPU. `Communicator::alignment` reports it.
+pub const BUFFER_ALIGN: usize = 16;
+
 /// What a backend tells the generic validation about itself.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
     pub device: Device,
     /// Largest call the backend's workspace takes in one piece.
     pub max_bytes: usize,
-    /// Required alignment of buffer addresses, in bytes (at least the element size).
+    /// Required alignment of buffer addresses, in bytes (at least the element size):
+    /// [`BUFFER_ALIGN`] on every backend today.
     pub align: usize,
     /// The backend runs larger calls in pieces of at most `max_bytes` (GPU backends), so
     /// `prepare` does not refuse them.

@@ -33,7 +33,7 @@ pub mod topology;
 
 pub use backend::{
     prepare, AllReduceOptions, Backend, BackendComm, Bootstrap, Call, GroupConfig, Limits,
-    MAX_WORLD,
+    BUFFER_ALIGN, MAX_WORLD,
 };
 pub use buffer::{BufMut, BufRef, Device, HostBytes, RawBuffer, Stream};
 pub use dtype::{DType, Element};

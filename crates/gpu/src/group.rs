@@ -1040,7 +1040,7 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
             chunks: true,
             device: R::device_tag(self.ordinal()),
             max_bytes: self.group.max_bytes,
-            align: 16,
+            align: allreduce_core::BUFFER_ALIGN,
             topology: self.group.topology.class(),
         }
     }
