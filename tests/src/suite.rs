@@ -818,7 +818,10 @@ fn bad_input_is_rejected_and_harmless(h: &dyn Harness) -> Result<(), String> {
     let results = h.run(&comms, &steps);
     let reference = Reference::new(&valid, DType::BF16);
     for (k, (what, _, pred)) in cases.iter().enumerate() {
-        expect_all(&results[2 * k], what, pred)?;
+        // Each error says it leaves the communicator intact, and the valid call below shows it.
+        expect_all(&results[2 * k], what, |r, e| {
+            pred(r, e) && e.aftermath() == allreduce::Aftermath::Intact
+        })?;
         let after = format!("valid call after `{what}`");
         let out = check::bitwise_equal(&results[2 * k + 1], &after)?;
         check::exact(out, &reference, &after)?;
@@ -882,6 +885,13 @@ fn missing_rank_times_out(h: &dyn Harness) -> Result<(), String> {
     for (r, o) in results[0].iter().enumerate() {
         match o {
             _ if r == 1 => {}
+            Err(e @ (Error::Timeout { .. } | Error::Aborted { .. }))
+                if e.aftermath() != allreduce::Aftermath::Rebuild =>
+            {
+                return Err(format!(
+                    "rank {r}: {e:?} does not say the group must be rebuilt"
+                ))
+            }
             Err(Error::Timeout { .. }) => timeouts += 1,
             Err(Error::Aborted { .. }) => {}
             other => return Err(format!("rank {r} with a missing peer: {other:?}")),

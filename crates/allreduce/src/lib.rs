@@ -33,9 +33,9 @@ use std::fmt;
 use std::str::FromStr;
 
 pub use allreduce_core::{
-    codec, hierarchical, layout, AllReduceOptions, Bootstrap, BufMut, BufRef, Codec, DType, Device,
-    Element, Error, GroupConfig, HostBytes, Link, Precision, RawBuffer, ReduceOp, Result, Rule,
-    SelectionTable, Strategy, Stream, Topology, TopologyClass, BUFFER_ALIGN,
+    codec, hierarchical, layout, Aftermath, AllReduceOptions, Bootstrap, BufMut, BufRef, Codec,
+    DType, Device, Element, Error, GroupConfig, HostBytes, Link, Precision, RawBuffer, ReduceOp,
+    Result, Rule, SelectionTable, Strategy, Stream, Topology, TopologyClass, BUFFER_ALIGN,
 };
 pub use allreduce_core::{Fp8BufMut, FusedArgs, FusedConfig, FusedMetadata, FusedPattern};
 pub use allreduce_core::{RegisteredRange, RegistrationId};

@@ -282,7 +282,7 @@ pub fn prepare(
         });
     }
     if input.is_some() && inp.addr != out.addr && inp.overlaps(&out) {
-        return Err(Error::InvalidConfig(
+        return Err(Error::InvalidArgument(
             "input and output overlap without being the same buffer".into(),
         ));
     }

@@ -10,31 +10,38 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
+    /// After it: [`Aftermath::Intact`] (refused before anything ran).
     #[error("input has {input} elements but output has {output}")]
     LengthMismatch { input: usize, output: usize },
 
+    /// After it: [`Aftermath::Intact`].
     #[error("input dtype {input} differs from output dtype {output}")]
     DTypeMismatch { input: DType, output: DType },
 
+    /// After it: [`Aftermath::Intact`].
     #[error(
         "{bytes} bytes exceed this communicator's maximum of {max} bytes (GroupConfig::max_bytes)"
     )]
     TooLarge { bytes: usize, max: usize },
 
+    /// After it: [`Aftermath::Intact`]; `Communicator::alignment` says the rule.
     #[error("buffer address {addr:#x} is not aligned to {align} bytes")]
     Misaligned { addr: usize, align: usize },
 
+    /// After it: [`Aftermath::Intact`].
     #[error("buffer lives on {buffer} but this communicator runs on {comm}")]
     WrongDevice { buffer: Device, comm: Device },
 
+    /// After it: [`Aftermath::Intact`].
     #[error("codec {codec} does not accept {dtype} input (codecs take f16 and bf16)")]
     UnsupportedCodec { codec: Codec, dtype: DType },
 
+    /// After it: [`Aftermath::Intact`].
     #[error("strategy {strategy} is unavailable: {reason}")]
     StrategyUnavailable { strategy: Strategy, reason: String },
 
     /// The ranks entered the same call with different arguments. Every rank of the call gets
-    /// this error and nothing was written to any output.
+    /// this error and nothing was written to any output. After it: [`Aftermath::Intact`].
     #[error("ranks disagree on {what} in call {call}: {detail}")]
     RankMismatch {
         what: &'static str,
@@ -43,7 +50,7 @@ pub enum Error {
     },
 
     /// Another rank rejected its own arguments, so this rank's call was abandoned before any
-    /// data moved.
+    /// data moved. After it: [`Aftermath::Intact`].
     #[error("rank {rank} rejected its arguments in call {call}: {reason}")]
     PeerRejected {
         rank: usize,
@@ -51,7 +58,8 @@ pub enum Error {
         reason: String,
     },
 
-    /// A wait passed its deadline: a peer never arrived (or arrived too late).
+    /// A wait passed its deadline: a peer never arrived (or arrived too late). After it:
+    /// [`Aftermath::Rebuild`] (every later call of the group is `Aborted`).
     #[error("rank {rank} timed out after {waited:?} in call {call} waiting for {waiting_for}")]
     Timeout {
         rank: usize,
@@ -61,14 +69,18 @@ pub enum Error {
     },
 
     /// The group is unusable after an earlier timeout; drop the communicators and build anew.
+    /// After it: [`Aftermath::Rebuild`].
     #[error("communicator group aborted: {reason}")]
     Aborted { reason: String },
 
+    /// A configuration was refused (a group's, a workspace's, a bootstrap's, a selection
+    /// table's). After it: [`Aftermath::Intact`]: whatever was being built was not, and an
+    /// existing communicator is untouched.
     #[error("invalid group configuration: {0}")]
     InvalidConfig(String),
 
     /// A call asked for more than its workspace was created for (the fused all-reduce's
-    /// `max_tokens`).
+    /// `max_tokens`). After it: [`Aftermath::Intact`].
     #[error("{requested} {what} exceed the workspace's maximum of {max}")]
     WorkspaceExceeded {
         what: &'static str,
@@ -77,11 +89,13 @@ pub enum Error {
     },
 
     /// A call's arguments do not fit together (a missing or mis-sized buffer of the fused
-    /// all-reduce, say); nothing was enqueued.
+    /// all-reduce, say); nothing was enqueued. After it: [`Aftermath::Intact`].
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
-    /// A driver or library needed by the backend could not be loaded.
+    /// A driver or library needed by the backend could not be loaded. After it:
+    /// [`Aftermath::Intact`]: a communicator that met it at a call (a vendor strategy without
+    /// the vendor library) still runs the strategies that need no such library.
     #[error("{library} is unavailable: {detail}")]
     LibraryUnavailable {
         library: &'static str,
@@ -93,25 +107,65 @@ pub enum Error {
     /// multi-process vendor library). Nothing was enqueued and nothing was changed: a
     /// communicator that meets it is intact, and the caller may take the path that needs no
     /// such capability. Not a rejection: the same arguments fail again on this backend.
+    /// After it: [`Aftermath::Intact`].
     #[error("unsupported: {what}")]
     Unsupported { what: String },
 
-    /// The backend is not compiled into this build (see the cargo features).
+    /// The backend is not compiled into this build (see the cargo features). After it:
+    /// [`Aftermath::Intact`] (only group construction returns it; nothing was built).
     #[error("backend {0} is not compiled in (enable its cargo feature)")]
     BackendNotBuilt(&'static str),
 
-    /// An error returned by the device runtime or vendor library.
+    /// An error returned by the device runtime or vendor library. After it:
+    /// [`Aftermath::Rebuild`]: the device's state is unknown.
     #[error("{api} failed: {detail}")]
     Device { api: &'static str, detail: String },
 
     /// The multi-process rendezvous (a `Bootstrap`) failed: a peer was refused or lost, a
     /// message was malformed, or the network failed. Not a rejection: the group must be
-    /// rebuilt.
+    /// rebuilt. After it: [`Aftermath::Rebuild`].
     #[error("bootstrap failed: {detail}")]
     Bootstrap { detail: String },
 }
 
+/// What an error leaves behind: whether the communicator that returned it still works. Each
+/// variant's documentation says which; [`Error::aftermath`] answers it in code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Aftermath {
+    /// Nothing ran (or nothing that matters): the communicator, and every other rank's, is
+    /// intact, and the next valid call works and is exact.
+    Intact,
+    /// The group is unusable: every rank's communicator must be dropped and the group built
+    /// anew. Later calls return `Aborted`.
+    Rebuild,
+}
+
 impl Error {
+    /// Whether the communicator survives this error (see [`Aftermath`]).
+    pub fn aftermath(&self) -> Aftermath {
+        match self {
+            Error::Timeout { .. }
+            | Error::Aborted { .. }
+            | Error::Device { .. }
+            | Error::Bootstrap { .. } => Aftermath::Rebuild,
+            Error::LengthMismatch { .. }
+            | Error::DTypeMismatch { .. }
+            | Error::TooLarge { .. }
+            | Error::Misaligned { .. }
+            | Error::WrongDevice { .. }
+            | Error::UnsupportedCodec { .. }
+            | Error::StrategyUnavailable { .. }
+            | Error::RankMismatch { .. }
+            | Error::PeerRejected { .. }
+            | Error::InvalidConfig(_)
+            | Error::WorkspaceExceeded { .. }
+            | Error::InvalidArgument(_)
+            | Error::LibraryUnavailable { .. }
+            | Error::Unsupported { .. }
+            | Error::BackendNotBuilt(_) => Aftermath::Intact,
+        }
+    }
+
     /// The call was refused before any data moved, because of its arguments (this rank's or a
     /// peer's): the communicator is intact and the next valid call works.
     pub fn is_rejection(&self) -> bool {
@@ -129,5 +183,94 @@ impl Error {
                 | Error::WorkspaceExceeded { .. }
                 | Error::InvalidArgument(_)
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every variant, once: the match in `aftermath` is exhaustive, so a new variant must be
+    /// classified there; this list must grow with it (its length is checked).
+    fn one_of_each() -> Vec<Error> {
+        let s = || String::from("x");
+        vec![
+            Error::LengthMismatch {
+                input: 1,
+                output: 2,
+            },
+            Error::DTypeMismatch {
+                input: DType::F32,
+                output: DType::F16,
+            },
+            Error::TooLarge { bytes: 2, max: 1 },
+            Error::Misaligned { addr: 8, align: 16 },
+            Error::WrongDevice {
+                buffer: Device::Host,
+                comm: Device::Cuda(0),
+            },
+            Error::UnsupportedCodec {
+                codec: Codec::Int4,
+                dtype: DType::F32,
+            },
+            Error::StrategyUnavailable {
+                strategy: Strategy::Vendor,
+                reason: s(),
+            },
+            Error::RankMismatch {
+                what: "length",
+                call: 1,
+                detail: s(),
+            },
+            Error::PeerRejected {
+                rank: 1,
+                call: 1,
+                reason: s(),
+            },
+            Error::Timeout {
+                rank: 1,
+                call: 1,
+                waited: Duration::from_secs(1),
+                waiting_for: s(),
+            },
+            Error::Aborted { reason: s() },
+            Error::InvalidConfig(s()),
+            Error::WorkspaceExceeded {
+                what: "tokens",
+                requested: 2,
+                max: 1,
+            },
+            Error::InvalidArgument(s()),
+            Error::LibraryUnavailable {
+                library: "libnccl",
+                detail: s(),
+            },
+            Error::Unsupported { what: s() },
+            Error::BackendNotBuilt("cuda"),
+            Error::Device {
+                api: "cuLaunchKernel",
+                detail: s(),
+            },
+            Error::Bootstrap { detail: s() },
+        ]
+    }
+
+    #[test]
+    fn every_rejection_leaves_the_communicator_intact_and_only_failures_need_a_rebuild() {
+        let all = one_of_each();
+        assert_eq!(all.len(), 19, "one_of_each must name every variant");
+        for e in &all {
+            if e.is_rejection() {
+                assert_eq!(e.aftermath(), Aftermath::Intact, "{e:?}");
+            }
+            let rebuild = matches!(
+                e,
+                Error::Timeout { .. }
+                    | Error::Aborted { .. }
+                    | Error::Device { .. }
+                    | Error::Bootstrap { .. }
+            );
+            assert_eq!(e.aftermath() == Aftermath::Rebuild, rebuild, "{e:?}");
+        }
     }
 }

@@ -37,7 +37,7 @@ pub use backend::{
 };
 pub use buffer::{BufMut, BufRef, Device, HostBytes, RawBuffer, Stream};
 pub use dtype::{DType, Element};
-pub use error::{Error, Result};
+pub use error::{Aftermath, Error, Result};
 pub use fused::{
     Fp8BufMut, FusedArgs, FusedCall, FusedComm, FusedConfig, FusedMetadata, FusedPattern,
 };
