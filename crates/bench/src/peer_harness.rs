@@ -66,6 +66,35 @@ pub fn timed(
     Ok(start.elapsed().as_secs_f64() / calls as f64)
 }
 
+/// One call of a contender, as the timed loop runs it.
+pub type Call<'a> = &'a dyn Fn() -> Result<(), String>;
+
+/// The eager timing of one row: five warm-up calls of every contender `timed` allows, then
+/// two rounds of `iters` calls each, keeping each contender's faster loop in `out[i]` (NaN
+/// stays for one not timed). `time(f, calls)` is the ranks' common timed loop ([`timed`]).
+pub fn time_eager<W: Copy>(
+    contenders: &[W],
+    timed: &[bool],
+    iters: usize,
+    time: &dyn Fn(Call, usize) -> Result<f64, String>,
+    call: &dyn Fn(W) -> Result<(), String>,
+    out: &mut [f64],
+) -> Result<(), String> {
+    for (i, &w) in contenders.iter().enumerate() {
+        if timed[i] {
+            time(&|| call(w), 5)?;
+        }
+    }
+    for _ in 0..2 {
+        for (i, &w) in contenders.iter().enumerate() {
+            if timed[i] {
+                keep_min(&mut out[i], time(&|| call(w), iters)?);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Keeps the faster of two loops' times (NaN: not yet timed).
 pub fn keep_min(slot: &mut f64, t: f64) {
     *slot = if slot.is_nan() { t } else { slot.min(t) };
@@ -151,6 +180,42 @@ mod tests {
         let per_rank = vec![vec![1.0, f64::NAN], vec![3.0, f64::NAN]];
         assert_eq!(slowest(&per_rank, 0, |&x| x), 3.0);
         assert!(slowest(&per_rank, 1, |&x| x).is_nan());
+    }
+
+    #[test]
+    fn eager_timing_warms_up_then_keeps_the_faster_of_two_loops() {
+        use std::cell::RefCell;
+        let calls = RefCell::new(Vec::new());
+        let loops = RefCell::new(0usize);
+        // Loop k of the fake clock takes 10 - k seconds per call.
+        let time = |f: &dyn Fn() -> Result<(), String>, n: usize| {
+            for _ in 0..n {
+                f()?;
+            }
+            *loops.borrow_mut() += 1;
+            Ok(10.0 - *loops.borrow() as f64)
+        };
+        let call = |w: char| {
+            calls.borrow_mut().push(w);
+            Ok(())
+        };
+        let mut out = [f64::NAN; 3];
+        time_eager(
+            &['a', 'b', 'c'],
+            &[true, false, true],
+            3,
+            &time,
+            &call,
+            &mut out,
+        )
+        .unwrap();
+        let calls = calls.into_inner();
+        assert_eq!(calls.iter().filter(|&&w| w == 'b').count(), 0);
+        assert_eq!(calls.iter().filter(|&&w| w == 'a').count(), 5 + 2 * 3);
+        // Loops: warm-ups 1-2, then a (3), c (4), a (5), c (6): the second round is faster.
+        assert_eq!(out[0], 5.0);
+        assert!(out[1].is_nan());
+        assert_eq!(out[2], 4.0);
     }
 
     #[test]

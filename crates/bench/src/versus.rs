@@ -32,7 +32,9 @@ use allreduce_peers::Vllm;
 
 use crate::cli::Args;
 use crate::data::{DataSet, Inputs};
-use crate::peer_harness::{agree_wrong, keep_min, min_nan, ratio, slowest, us, Heartbeat};
+use crate::peer_harness::{
+    agree_wrong, keep_min, min_nan, ratio, slowest, time_eager, us, Heartbeat,
+};
 use allreduce::cuda::CudaRuntime as R;
 use allreduce_gpu::device::{DeviceBuffer, GpuDevice, GpuGraph};
 use allreduce_gpu::GpuRuntime;
@@ -260,19 +262,7 @@ fn rank_loop(
         };
         // Warm-up, then the same count on every rank: a fixed ladder by size.
         let iters = iters_for(bytes);
-        for (i, &w) in EAGER.iter().enumerate() {
-            if timed[i] {
-                time(&|| call(w), 5)?;
-            }
-        }
-        for _ in 0..2 {
-            for (i, &w) in EAGER.iter().enumerate() {
-                if timed[i] {
-                    let t = time(&|| call(w), iters)?;
-                    keep_min(&mut row.eager[i], t);
-                }
-            }
-        }
+        time_eager(&EAGER, &timed, iters, &time, &call, &mut row.eager)?;
         // Graphs.
         for (g, &w) in GRAPH.iter().enumerate() {
             let i = EAGER.iter().position(|&x| x == w).expect("listed");

@@ -33,7 +33,9 @@ use allreduce_peers::{Trtllm, TrtllmBufs, TrtllmPattern};
 
 use crate::cli::Args;
 use crate::fused::fill;
-use crate::peer_harness::{agree_wrong, keep_min, min_nan, ratio, slowest, us, Heartbeat};
+use crate::peer_harness::{
+    agree_wrong, keep_min, min_nan, ratio, slowest, time_eager, us, Heartbeat,
+};
 use allreduce::cuda::CudaRuntime as R;
 use allreduce_gpu::device::{DeviceBuffer, GpuDevice, GpuGraph};
 use allreduce_gpu::GpuRuntime;
@@ -364,19 +366,7 @@ fn rank_loop(
             crate::peer_harness::timed(barrier, heartbeat, &sync, f, calls)
         };
         let iters = ((64usize << 20) / (n * dtype.size()).max(1)).clamp(20, 300);
-        for (i, &w) in ALL.iter().enumerate() {
-            if timed[i] {
-                time(&|| call(w), 5)?;
-            }
-        }
-        for _ in 0..2 {
-            for (i, &w) in ALL.iter().enumerate() {
-                if timed[i] {
-                    let s = time(&|| call(w), iters)?;
-                    keep_min(&mut row.eager[i], s);
-                }
-            }
-        }
+        time_eager(&ALL, &timed, iters, &time, &call, &mut row.eager)?;
         for (g, &w) in GRAPH.iter().enumerate() {
             let i = ALL.iter().position(|&x| x == w).expect("listed");
             if !timed[i] {
