@@ -57,22 +57,28 @@ impl RankArgs {
     }
 }
 
-/// Where each step's registered input starts in the group's registered allocation (`None`:
-/// not registered), and the allocation's size: the same on every rank, as the inputs'
-/// lengths are. Regions are 256-byte aligned, one per step.
+/// Where each step's region starts in the group's registered allocation (`None`: no rank's
+/// input is registered), and the allocation's size: the same on every rank. A rank's input
+/// sits at its own offset into the region ([`registered_at`]), so ranks may disagree on it (a
+/// mismatch test). Regions are 256-byte aligned, one per step.
 pub fn registered_layout(steps: &[Vec<RankArgs>]) -> (Vec<Option<usize>>, usize) {
     let mut cursor = 0;
-    let offsets = steps
+    let bases = steps
         .iter()
         .map(|step| {
             let bytes = step.iter().map(|a| a.input.len()).max().unwrap_or(0);
-            let extra = step.iter().find_map(|a| a.registered)?;
-            let at = cursor + extra;
-            cursor = (at + bytes).div_ceil(256) * 256;
-            Some(at)
+            let extra = step.iter().filter_map(|a| a.registered).max()?;
+            let base = cursor;
+            cursor = (base + extra + bytes).div_ceil(256) * 256;
+            Some(base)
         })
         .collect();
-    (offsets, cursor)
+    (bases, cursor)
+}
+
+/// Where rank `a`'s input of a step whose region starts at `base` goes, if it is registered.
+pub fn registered_at(base: Option<usize>, a: &RankArgs) -> Option<usize> {
+    base.zip(a.registered).map(|(base, offset)| base + offset)
 }
 
 /// The group's registered allocation for `steps`, if any step asks for one.
@@ -140,12 +146,14 @@ impl Harness for HostHarness {
                         steps
                             .iter()
                             .zip(offsets)
-                            .map(|(step, &at)| match (mine, at) {
-                                (Some(buf), Some(at)) => {
-                                    run_one_registered(comm, &step[r], buf, at)
-                                }
-                                _ => run_one_host(comm, &step[r]),
-                            })
+                            .map(
+                                |(step, &base)| match (mine, registered_at(base, &step[r])) {
+                                    (Some(buf), Some(at)) => {
+                                        run_one_registered(comm, &step[r], buf, at)
+                                    }
+                                    _ => run_one_host(comm, &step[r]),
+                                },
+                            )
                             .collect::<Vec<_>>()
                     })
                 })

@@ -14,7 +14,9 @@ use allreduce::{BackendKind, BufMut, BufRef, Communicator, HostBytes, Registered
 use allreduce_gpu::device::{DeviceBuffer, GpuStream};
 use allreduce_gpu::upload_registered;
 
-use crate::harness::{alloc_registered, registered_layout, transpose, Harness, Outcome, RankArgs};
+use crate::harness::{
+    alloc_registered, registered_at, registered_layout, transpose, Harness, Outcome, RankArgs,
+};
 use crate::{open_rank, GpuTestRuntime};
 
 /// The suite on the GPUs of runtime `R`.
@@ -174,7 +176,13 @@ fn run_rank<R: GpuTestRuntime>(
         let prepared = steps
             .iter()
             .zip(&offsets)
-            .map(|(step, at)| prepare(&step[r], &stream, registered.zip(*at)))
+            .map(|(step, &base)| {
+                prepare(
+                    &step[r],
+                    &stream,
+                    registered.zip(registered_at(base, &step[r])),
+                )
+            })
             .collect::<Vec<_>>();
         stream.synchronize()?;
         Ok((dev, stream, prepared))

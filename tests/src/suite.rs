@@ -3,7 +3,8 @@
 use std::time::Duration;
 
 use allreduce::{
-    AllReduceOptions, Codec, DType, Error, GroupConfig, HostBytes, Precision, Strategy, Topology,
+    AllReduceOptions, Codec, Communicator, DType, Error, GroupConfig, HostBytes, Precision,
+    Strategy, Topology,
 };
 
 use crate::check::{self, Reference};
@@ -211,6 +212,93 @@ fn registered_inputs_read_in_place(h: &dyn Harness) -> Result<(), String> {
                     }
                 }
             }
+        }
+        if world > 1 {
+            ranks_disagree_on_registration(h, &comms)?;
+        }
+    }
+    Ok(())
+}
+
+/// Ranks that disagree on a registered call (one staged, or another offset) get the same
+/// answer on every rank: all a `RankMismatch` that leaves the group intact, or, on a backend
+/// to which the difference does not matter (the host), all the exact sum; either way the next
+/// registered and staged calls are exact. This is what the kernels' all-or-none agreement at
+/// entry must hold for mixed paths and unordered descriptor words.
+fn ranks_disagree_on_registration(h: &dyn Harness, comms: &[Communicator]) -> Result<(), String> {
+    let world = comms.len();
+    let n = 4097;
+    let dtype = DType::BF16;
+    let inputs: Vec<HostBytes> = (0..world).map(|r| gauss(n, dtype, 77, r)).collect();
+    let exact = |s| opts(s, Precision::Exact);
+    let registered = |s, offset| -> Vec<RankArgs> {
+        step(&inputs, dtype, false, exact(s))
+            .into_iter()
+            .map(|a| a.registered(offset))
+            .collect()
+    };
+    let one_staged = |s, rank: usize| {
+        let mut st = registered(s, 0);
+        st[rank].registered = None;
+        st
+    };
+    let other_offset = |s, rank: usize, offset| {
+        let mut st = registered(s, 0);
+        st[rank].registered = Some(offset);
+        st
+    };
+    let last = world - 1;
+    let cases: Vec<(&str, &str, Vec<RankArgs>)> = vec![
+        (
+            "rank 0 staged, one-shot",
+            "path",
+            one_staged(Strategy::OneShot, 0),
+        ),
+        (
+            "last rank staged, two-shot",
+            "path",
+            one_staged(Strategy::TwoShot, last),
+        ),
+        (
+            "rank 0 at +16, one-shot",
+            "registered input",
+            other_offset(Strategy::OneShot, 0, 16),
+        ),
+        (
+            "last rank at +32, two-shot",
+            "registered input",
+            other_offset(Strategy::TwoShot, last, 32),
+        ),
+    ];
+    let mut steps = Vec::new();
+    for (k, (_, _, st)) in cases.iter().enumerate() {
+        steps.push(st.clone());
+        let strategy = if k % 2 == 0 {
+            Strategy::TwoShot
+        } else {
+            Strategy::OneShot
+        };
+        steps.push(registered(strategy, 0));
+        steps.push(step(&inputs, dtype, false, exact(Strategy::OneShot)));
+    }
+    steps.iter_mut().flatten().for_each(|a| a.sync_after = true);
+    let results = h.run(comms, &steps);
+    let reference = Reference::new(&inputs, dtype);
+    for (k, (name, what, _)) in cases.iter().enumerate() {
+        let case = format!("world {world}: {name}");
+        let outcomes = &results[3 * k];
+        if outcomes.iter().all(|o| o.is_ok()) {
+            check::exact(check::bitwise_equal(outcomes, &case)?, &reference, &case)?;
+        } else {
+            expect_all(outcomes, &case, |_, e| {
+                matches!(e, Error::RankMismatch { what: w, .. } if w == what)
+                    && e.aftermath() == allreduce::Aftermath::Intact
+            })?;
+        }
+        for (j, after) in ["registered", "staged"].iter().enumerate() {
+            let label = format!("{case}: the {after} call after it");
+            let out = check::bitwise_equal(&results[3 * k + 1 + j], &label)?;
+            check::exact(out, &reference, &label)?;
         }
     }
     Ok(())

@@ -74,8 +74,11 @@ impl Desc {
     /// (`kDescRegistered`): the path is part of what ranks compare.
     pub const REGISTERED: u64 = 8;
 
+    /// Bit 63 stays clear: the kernels or their call tag into it (`kDescTag`). Lengths up to
+    /// 2^47 elements are told apart, far past any device's memory.
     pub fn new(n: usize, dtype: u64, strategy: u64, precision: u64) -> Desc {
-        Desc(((n as u64) << 16) | (dtype << 12) | (strategy << 8) | (precision << 4) | 1)
+        let n = (n as u64) & ((1 << 47) - 1);
+        Desc((n << 16) | (dtype << 12) | (strategy << 8) | (precision << 4) | 1)
     }
     pub fn len(self) -> u64 {
         self.0 >> 16
@@ -109,9 +112,11 @@ impl Desc {
 pub struct Desc2(pub u64);
 
 impl Desc2 {
-    /// Offsets up to 4 TiB and 2^24 registrations are told apart; beyond, the word wraps, which
-    /// can only make two different calls look alike to the comparison, never fail one.
+    /// Offsets up to 4 TiB and 2^23 registrations are told apart (bit 63 stays clear for the
+    /// kernels' call tag); beyond, the word wraps, which can only make two different calls look
+    /// alike to the comparison, never fail one.
     pub fn new(id: u64, offset: usize) -> Desc2 {
+        let id = id & ((1 << 23) - 1);
         Desc2((id << 40) | ((((offset / 16) as u64) & ((1 << 38) - 1)) << 2))
     }
     pub fn id(self) -> u64 {
@@ -202,3 +207,25 @@ const _: () = assert!(std::mem::offset_of!(FusedKernelArgs, tokens) == 232);
 const _: () = assert!(std::mem::offset_of!(FusedKernelArgs, pattern) == 248);
 // `ar::fused::BlockState` is 16 bytes, one per block of at most MAX_BLOCKS.
 const _: () = assert!(allreduce_core::fused::FLAG_BYTES == MAX_BLOCKS * 16);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kernels or their call tag into bit 63 of both words (`kDescTag`): the host must never
+    /// set it, whatever the length or the registration, or a stale word would read as fresh.
+    #[test]
+    fn descriptor_words_leave_the_tag_bit_clear() {
+        const TAG: u64 = 1 << 63;
+        for n in [0, 1, usize::MAX >> 1, usize::MAX] {
+            assert_eq!(Desc::new(n, 3, 5, 15).0 & TAG, 0, "n = {n}");
+        }
+        for id in [1, (1 << 23) - 1, 1 << 23, u64::MAX] {
+            assert_eq!(Desc2::new(id, usize::MAX).0 & TAG, 0, "id = {id}");
+        }
+        // Told apart below the documented limits.
+        assert_ne!(Desc2::new(1, 0), Desc2::new(2, 0));
+        assert_eq!(Desc2::new((1 << 23) - 1, 4096).id(), (1 << 23) - 1);
+        assert_eq!(Desc::new((1 << 47) - 1, 1, 1, 0).len(), (1 << 47) - 1);
+    }
+}

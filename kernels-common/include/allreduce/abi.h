@@ -71,6 +71,11 @@ constexpr unsigned long long kDescContinued = 4;
 // paths skip the call together instead of reading what was never staged.
 constexpr unsigned long long kDescRegistered = 8;
 
+// Or-ed in by the kernels (never the host) into every descriptor word they write, on calls
+// whose bit 1 of calls[b] is clear (exact.h, call_tag): it tells this call's words from the
+// stale ones of two calls back. The host keeps bit 63 of both words clear.
+constexpr unsigned long long kDescTag = 1ull << 63;
+
 struct Control {        // host-mapped pinned memory, zeroed at creation
   unsigned int error;   // 0 ok, kErrorTimeout, kErrorMismatch, kErrorAborted (cas_sys, see below)
   unsigned int rank;    // timeout: the rank whose wait timed out; mismatch: the peer that differs
@@ -124,7 +129,7 @@ static_assert(offsetof(Args, desc) == 120, "Args");
 // The registered kernels' parameter (exact.h, oneshot_registered / twoshot_registered): the
 // staged kernels' Args, every rank's input of this call (memory every rank registered, read in
 // place by the peers), and a second descriptor word naming the registration and the offset in
-// it (the host encodes id << 40 | (offset / 16) << 2: never 0, and its low two bits are clear,
+// it (the host encodes id << 40 | (offset / 16) << 2 with id < 2^23; its low two bits are clear,
 // which tells the host a reported mismatch of this word from one of `desc`). Fixed for the
 // life of a registration like the rest of Args, so a captured graph replays correctly.
 struct RegisteredArgs {

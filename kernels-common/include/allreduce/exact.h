@@ -40,60 +40,108 @@ AR_DEVICE void record_timeout(Control* c, const Args& a, unsigned b, uint32_t ep
   c->waited_ns = waited;
 }
 
+// Where a kernel on the exact workspace stands in a call once it has entered it.
+struct CallEntry {
+  unsigned b;                // this block
+  char* self;                // our own workspace
+  Header* h;                 // its header
+  unsigned parity;           // the call's parity: picks the staging and descriptor slots
+  unsigned long long tag;    // the call's descriptor tag: kDescTag or 0 (call_tag)
+  bool aborted;              // the abort word at entry, in thread 0 (false elsewhere)
+};
+
+// The tag or-ed into every descriptor word this call writes. A descriptor slot is rewritten
+// every second call (its parity), so the word it holds is this call's or the one two calls
+// back, and bit 1 of calls[b] tells those apart; inverted, so that the zeroed slots of a new
+// workspace read as stale for calls 0 and 1. calls[b] is the same on every rank for the same
+// call (each block's counter advances once per call on every path), so equal calls carry equal
+// tags and words compare whole. What the tag buys: a reader can tell a word of this call from
+// a stale one without the writer ordering it before a released flag (registered_entry).
+AR_DEVICE unsigned long long call_tag(uint32_t calls) { return (calls & 2u) ? 0ull : kDescTag; }
+AR_DEVICE unsigned long long untagged(unsigned long long word) { return word & ~kDescTag; }
+
+AR_DEVICE unsigned long long* desc2_of(char* ws, unsigned parity, unsigned b) {
+  return reinterpret_cast<unsigned long long*>(ws + kDesc2Offset) + (parity * kMaxBlocks + b) * kMaxWorld;
+}
+
 struct RankFlags {
   const Args& a;
-  unsigned b;
-  unsigned parity;
-  // Our descriptor travels with the flag: this plain store is ordered before the release.
+  const CallEntry& c;
+  // Whether the barrier also publishes our descriptor words. The staged paths do at every
+  // barrier (the same words each time); the registered kernels publish theirs once, at entry,
+  // and their later barriers must not rewrite them while a peer may still be reading them.
+  bool describe;
+  // Our descriptor travels with the flag: these plain stores are ordered before the release.
+  // The second word carries no registration on the staged paths, only the tag: a registered
+  // peer reads ours only if our first word says registered, but rewriting it every call keeps
+  // a stale word from two calls back from ever carrying this call's tag.
   AR_DEVICE uint32_t* to_peer(int peer) const {
-    desc_of(a.peers[peer], parity, b)[a.rank] = a.desc;
-    return flags_of(a.peers[peer], b) + a.rank;
+    if (describe) {
+      desc_of(a.peers[peer], c.parity, c.b)[a.rank] = a.desc | c.tag;
+      desc2_of(a.peers[peer], c.parity, c.b)[a.rank] = c.tag;
+    }
+    return flags_of(a.peers[peer], c.b) + a.rank;
   }
   AR_DEVICE const uint32_t* from_peer(int peer) const {
-    return flags_of(a.peers[a.rank], b) + peer;
+    return flags_of(a.peers[a.rank], c.b) + peer;
   }
   AR_DEVICE void on_timeout(int, uint32_t epoch, u64 waited) const {
-    record_timeout(a.control, a, b, epoch, waited);
+    record_timeout(a.control, a, c.b, epoch, waited);
     // Every rank's kernels leave at their next check; the host learns it from our Control.
     for (int r = 0; r < int(a.world); ++r) st_release_sys(&header_of(a.peers[r])->abort, 1u);
     fence_system();
   }
-  AR_DEVICE void on_abort() const { record_aborted(a.control, a.rank, b); }
+  AR_DEVICE void on_abort() const { record_aborted(a.control, a.rank, c.b); }
 };
 
 // Why a per-block barrier is enough even when n changes between calls: vector v is always
 // handled by block (v / kThreads) % G, a function of v and the fixed G only, so block b of
 // every rank reads and writes the same addresses ("class b") of every buffer in every call.
 // Whatever block b of a peer touches of ours, only our block b also touches.
-AR_DEVICE bool barrier(const Args& a, Header* h, unsigned b, unsigned parity, bool aborted_at_entry = false) {
-  return flag_barrier(RankFlags{a, b, parity}, &h->epoch[b], a.world, &h->abort, a.timeout_ns,
-                      aborted_at_entry);
+template <bool Release = true>
+AR_DEVICE bool barrier(const Args& a, const CallEntry& c, bool aborted_at_entry = false, bool describe = true) {
+  return flag_barrier<Release>(RankFlags{a, c, describe}, &c.h->epoch[c.b], a.world, &c.h->abort,
+                               a.timeout_ns, aborted_at_entry);
+}
+
+// Record a disagreement (the first report wins) and skip the call with every rank. `mine` and
+// `theirs` are the first pair of words that differ, untagged.
+AR_DEVICE void report_mismatch(const Args& a, const CallEntry& c, int peer, unsigned long long mine,
+                               unsigned long long theirs) {
+  // A rank that was itself refused has already told its caller; it reports nothing more.
+  if (a.desc != kDescRejected && cas_sys(&a.control->error, 0u, kErrorMismatch) == 0u) {
+    a.control->rank = peer;
+    a.control->block = c.b;
+    a.control->epoch = c.h->epoch[c.b];
+    a.control->mine = untagged(mine);
+    a.control->theirs = untagged(theirs);
+    fence_system();
+  }
+}
+
+AR_DEVICE void skip_call(const CallEntry& c) {
+  if (thread_x() == 0) {
+    c.h->calls[c.b] += 1;
+    c.h->skip[c.b] = 1;  // this call's later pieces, if any, are skipped too (abi.h)
+  }
 }
 
 // After the first barrier: do all ranks describe the same call? Every rank sees the same
 // descriptors, so either all go on or all skip the call, and skipping together keeps their
 // barriers and parities in step; the group stays usable. The descriptors were written before
-// the flags we acquired. Desc slots alternate by parity for the same reason staging does.
-AR_DEVICE bool agree(const Args& a, Header* h, unsigned b, unsigned parity) {
-  const unsigned long long* slots = desc_of(a.peers[a.rank], parity, b);
+// the flags we acquired, except a registered peer's (registered_entry), which may still read
+// stale here: its tag then differs, and a registered peer differs from us anyway. Desc slots
+// alternate by parity for the same reason staging does.
+AR_DEVICE bool agree(const Args& a, const CallEntry& c) {
+  const unsigned long long* slots = desc_of(c.self, c.parity, c.b);
+  const unsigned long long mine = a.desc | c.tag;
   const int peer = thread_x();
-  unsigned long long theirs = a.desc;
+  unsigned long long theirs = mine;
   if (peer < int(a.world)) theirs = *reinterpret_cast<const volatile unsigned long long*>(&slots[peer]);
-  const bool differs = theirs != a.desc;
+  const bool differs = theirs != mine;
   if (!sync_block_or(differs)) return true;
-  // A rank that was itself refused has already told its caller; it reports nothing more.
-  if (differs && a.desc != kDescRejected && cas_sys(&a.control->error, 0u, kErrorMismatch) == 0u) {
-    a.control->rank = peer;
-    a.control->block = b;
-    a.control->epoch = h->epoch[b];
-    a.control->mine = a.desc;
-    a.control->theirs = theirs;
-    fence_system();
-  }
-  if (thread_x() == 0) {
-    h->calls[b] += 1;
-    h->skip[b] = 1;  // this call's later pieces, if any, are skipped too (abi.h)
-  }
+  if (differs) report_mismatch(a, c, peer, mine, theirs);
+  skip_call(c);
   return false;
 }
 
@@ -108,15 +156,6 @@ AR_DEVICE bool skipped_piece(const Args& a, Header* h, unsigned b) {
   return sync_block_or(thread_x() == 0 && h->skip[b] != 0);
 }
 
-// Where a kernel on the exact workspace stands in a call once it has entered it.
-struct CallEntry {
-  unsigned b;       // this block
-  char* self;       // our own workspace
-  Header* h;        // its header
-  unsigned parity;  // the call's parity: picks the staging and descriptor slots
-  bool aborted;     // the abort word at entry, in thread 0 (false elsewhere)
-};
-
 // The prologue of every kernel on the exact workspace (one-shot, two-shot, quantized,
 // hierarchical). False: the block returns at once. The order is the contract:
 // - The skip check comes first, so a skipped piece reads nothing more of the header (every
@@ -125,15 +164,17 @@ struct CallEntry {
 // - The abort word is read now but acted on only at the first barrier (flag_barrier's
 //   leave_now), so the load's latency overlaps phase 1; running phase 1 after an abort is
 //   harmless, as it touches only our own workspace.
-// - The parity is read before phase 1 by every thread: calls[b] changes only after the
-//   call's last barrier (or in agree), so all threads of the block agree on it.
+// - The parity and tag are read before phase 1 by every thread: calls[b] changes only after
+//   the call's last barrier (or when the call is skipped), so all threads of the block agree.
 AR_DEVICE bool enter_call(const Args& a, CallEntry& c) {
   c.b = block_x();
   c.self = a.peers[a.rank];
   c.h = header_of(c.self);
   if (skipped_piece(a, c.h, c.b)) return false;
   c.aborted = thread_x() == 0 && ld_relaxed_sys(&c.h->abort) != 0;
-  c.parity = c.h->calls[c.b] & 1;
+  const uint32_t calls = c.h->calls[c.b];
+  c.parity = calls & 1;
+  c.tag = call_tag(calls);
   return true;
 }
 
@@ -253,8 +294,8 @@ __device__ void oneshot(const Args& a) {
 
   // ---- Phase 1: stage our input.
   stage_input<T>(a, g, staging_of(c.self, a, c.parity));
-  if (!barrier(a, c.h, c.b, c.parity, c.aborted)) return;
-  if (!agree(a, c.h, c.b, c.parity)) return;
+  if (!barrier(a, c, c.aborted)) return;
+  if (!agree(a, c)) return;
 
   // ---- Phase 2: reduce every rank's staged input into our output.
   auto staging = [&](char* ws) { return staging_of(ws, a, c.parity); };
@@ -307,8 +348,8 @@ __device__ void twoshot(const Args& a) {
 
   // ---- Phase 1: stage our input.
   stage_input<T>(a, g, staging_of(c.self, a, c.parity));
-  if (!barrier(a, c.h, c.b, c.parity, c.aborted)) return;
-  if (!agree(a, c.h, c.b, c.parity)) return;
+  if (!barrier(a, c, c.aborted)) return;
+  if (!agree(a, c)) return;
 
   // ---- Phase 2: reduce-scatter. Our shard, rounded once, into our `reduced` at the same
   // offsets. Start at the grid-stride step that reaches our shard instead of scanning from 0.
@@ -320,7 +361,7 @@ __device__ void twoshot(const Args& a) {
   // Every owner's shard is complete past this point. (`reduced` needs no parity: a peer reads
   // ours in phase 3 and only then enters the next call's first barrier, which we must pass
   // before our next phase 2 writes it.)
-  if (!barrier(a, c.h, c.b, c.parity)) return;
+  if (!barrier(a, c)) return;
 
   // ---- Phase 3: all-gather. Every vector from its owner's `reduced`, bit for bit.
   gather_reduced<T>(a, g, first, stride, sv);
@@ -333,77 +374,74 @@ __device__ void twoshot(const Args& a) {
 // The staged kernels copy our input into our workspace before the first barrier so that peers
 // read it there; the registered ones let peers read it where it is (RegisteredArgs::inputs),
 // one read and one write of the message fewer per rank. What that changes in the protocol:
-// - The entry barrier alone says the inputs are ready: a rank's input is complete once its
-//   kernel runs (stream order), and its block b arrives only then.
+// - The entry publishes nothing but the descriptor words, so it needs no release: a rank's
+//   input is complete once its kernel runs (stream order; the kernel boundary makes earlier
+//   work's writes visible to peers, as vLLM's start barrier also relies on), and its block b
+//   reaches the entry only then. The entry is therefore relaxed stores of tagged descriptor
+//   words (call_tag), and the waits are for words carrying this call's tag (registered_entry).
+//   That is most of the fixed cost of a small call: a system-scope release waits for the
+//   block's stores to reach every peer.
 // - A rank's input is not ours to reuse: its next stream operation may overwrite it as soon as
 //   its kernel ends, so no rank may still be reading it then. One-shot therefore closes with a
 //   barrier (block b of a rank leaves only after block b of every rank is done reading class
-//   b, and the rank's kernel ends only after all its blocks did); two-shot's second barrier
-//   already is one, as nobody reads inputs after it.
+//   b, and the rank's kernel ends only after all its blocks did), relaxed too (flag_barrier);
+//   two-shot's second barrier already is one, as nobody reads inputs after it, and stays a
+//   release because it publishes the reduced shards.
 // - Epochs, parities, the skip mark and the abort word are the staged kernels', untouched:
 //   calls[b] advances once per call either way, so staged and registered calls mix in any
-//   order. A registered call writes no staging; a staged call after it may reuse the staging
-//   of the call before, which every peer finished reading before the registered call's entry
-//   barrier. `reduced` is written and read as two-shot always has.
+//   order. The entry still stores the flag (relaxed), so a staged peer's barrier is met and
+//   every rank's epoch advances alike. A registered call writes no staging; a staged call
+//   after it reuses the staging of the call before, which every peer finished reading before
+//   its kernel of the registered call began. `reduced` is written and read as two-shot always
+//   has.
 // - The ranks compare a second word (the registration and offset) besides the descriptor,
 //   whose kDescRegistered bit already separates the two paths; the word has parity slots of
 //   its own for the reason desc does.
 
-AR_DEVICE unsigned long long* desc2_of(char* ws, unsigned parity, unsigned b) {
-  return reinterpret_cast<unsigned long long*>(ws + kDesc2Offset) + (parity * kMaxBlocks + b) * kMaxWorld;
-}
-
-struct RegisteredFlags {
-  RankFlags flags;
-  unsigned long long desc2;
-  // Both words are plain stores ordered before the release in RankFlags::to_peer's caller.
-  AR_DEVICE uint32_t* to_peer(int peer) const {
-    desc2_of(flags.a.peers[peer], flags.parity, flags.b)[flags.a.rank] = desc2;
-    return flags.to_peer(peer);
-  }
-  AR_DEVICE const uint32_t* from_peer(int peer) const { return flags.from_peer(peer); }
-  AR_DEVICE void on_timeout(int peer, uint32_t epoch, u64 waited) const {
-    flags.on_timeout(peer, epoch, waited);
-  }
-  AR_DEVICE void on_abort() const { flags.on_abort(); }
-};
-
-AR_DEVICE bool registered_barrier(const RegisteredArgs& r, const CallEntry& c, bool aborted_at_entry = false) {
+// Publish our two words and the flag to every peer, wait for every peer's words of this call,
+// compare. The same all-or-none argument as agree(): every rank compares the same pairs once
+// it has them. A staged peer's first word (released before its flag) lacks kDescRegistered,
+// so its second word is never waited for; a registered peer's second word is, as the two
+// words are not ordered. The report names the first word that differs: desc, or else desc2
+// (told apart by the host by desc2's clear low bits).
+AR_DEVICE bool registered_entry(const RegisteredArgs& r, const CallEntry& c) {
   const Args& a = r.a;
-  return flag_barrier(RegisteredFlags{RankFlags{a, c.b, c.parity}, r.desc2}, &c.h->epoch[c.b], a.world,
-                      &c.h->abort, a.timeout_ns, aborted_at_entry);
-}
-
-// agree() over both words. The same all-or-none argument: every rank sees the same pairs. A
-// rank that took the staged path wrote no second word, but its descriptor (no
-// kDescRegistered) already differs, so the stale word it left is never what decides. The
-// report names the first word that differs: desc, or else desc2 (told apart by the host by
-// desc2's clear low bits).
-AR_DEVICE bool agree_registered(const RegisteredArgs& r, const CallEntry& c) {
-  const Args& a = r.a;
-  const unsigned long long* slots = desc_of(c.self, c.parity, c.b);
-  const unsigned long long* slots2 = desc2_of(c.self, c.parity, c.b);
+  const RankFlags f{a, c, false};
+  if (sync_block_or(c.aborted)) {
+    if (thread_x() == 0) f.on_abort();
+    return false;
+  }
+  const uint32_t e = c.h->epoch[c.b] + 1;
+  const unsigned long long mine = a.desc | c.tag, mine2 = r.desc2 | c.tag;
+  unsigned long long theirs = mine, theirs2 = mine2;
+  bool leave = false;
   const int peer = thread_x();
-  unsigned long long theirs = a.desc, theirs2 = r.desc2;
   if (peer < int(a.world)) {
-    theirs = *reinterpret_cast<const volatile unsigned long long*>(&slots[peer]);
-    theirs2 = *reinterpret_cast<const volatile unsigned long long*>(&slots2[peer]);
+    char* ws = a.peers[peer];
+    st_relaxed_sys(&desc2_of(ws, c.parity, c.b)[a.rank], mine2);
+    st_relaxed_sys(&desc_of(ws, c.parity, c.b)[a.rank], mine);
+    st_relaxed_sys(f.to_peer(peer), e);
+    const unsigned long long* slot = &desc_of(c.self, c.parity, c.b)[peer];
+    const unsigned long long* slot2 = &desc2_of(c.self, c.parity, c.b)[peer];
+    auto timeout = [&](u64 waited) { f.on_timeout(peer, e, waited); };
+    auto first_fresh = [&] { return ((theirs = ld_relaxed_sys(slot)) & kDescTag) == c.tag; };
+    auto second_fresh = [&] { return ((theirs2 = ld_relaxed_sys(slot2)) & kDescTag) == c.tag; };
+    leave = !spin_until(first_fresh, &c.h->abort, a.timeout_ns, timeout);
+    if (!leave && (theirs & kDescRegistered) != 0)
+      leave = !spin_until(second_fresh, &c.h->abort, a.timeout_ns, timeout);
   }
-  const bool differs = theirs != a.desc || theirs2 != r.desc2;
+  if (sync_block_or(leave)) {
+    if (thread_x() == 0) f.on_abort();
+    return false;
+  }
+  if (thread_x() == 0) c.h->epoch[c.b] = e;
+  const bool differs = theirs != mine || theirs2 != mine2;
   if (!sync_block_or(differs)) return true;
-  if (differs && cas_sys(&a.control->error, 0u, kErrorMismatch) == 0u) {
-    const bool first = theirs != a.desc;
-    a.control->rank = peer;
-    a.control->block = c.b;
-    a.control->epoch = c.h->epoch[c.b];
-    a.control->mine = first ? a.desc : r.desc2;
-    a.control->theirs = first ? theirs : theirs2;
-    fence_system();
+  if (differs) {
+    const bool first = theirs != mine;
+    report_mismatch(a, c, peer, first ? mine : mine2, first ? theirs : theirs2);
   }
-  if (thread_x() == 0) {
-    c.h->calls[c.b] += 1;
-    c.h->skip[c.b] = 1;  // as in agree(): a two-shot call's later pieces are skipped too
-  }
+  skip_call(c);
   return false;
 }
 
@@ -433,8 +471,7 @@ __device__ void oneshot_registered(const RegisteredArgs& r) {
   if (!enter_call(a, c)) return;
   const Geometry<T> g(a.n);
 
-  if (!registered_barrier(r, c, c.aborted)) return;
-  if (!agree_registered(r, c)) return;
+  if (!registered_entry(r, c)) return;
 
   const u64 stride = (u64)grid_dim_x() * kThreads;
   auto input = [&](int k, u64 v) { return load_peer(static_cast<const uint4*>(r.inputs[k]) + v); };
@@ -442,7 +479,7 @@ __device__ void oneshot_registered(const RegisteredArgs& r) {
     store_output<T>(a, g, v, reduce_inputs<T>(r, g, v));
 
   // Nobody reads our input past this point, so our stream may overwrite it once we return.
-  if (!registered_barrier(r, c)) return;
+  if (!barrier</*Release=*/false>(a, c, false, /*describe=*/false)) return;
   if (thread_x() == 0) c.h->calls[c.b] += 1;
 }
 
@@ -459,14 +496,13 @@ __device__ void twoshot_registered(const RegisteredArgs& r) {
   const u64 first = (u64)c.b * kThreads + thread_x();
   const u64 sv = (g.nvec + a.world - 1) / a.world;
 
-  if (!registered_barrier(r, c, c.aborted)) return;
-  if (!agree_registered(r, c)) return;
+  if (!registered_entry(r, c)) return;
 
   const u64 lo = (u64)a.rank * sv, hi = min_u64(lo + sv, g.nvec);
   uint4* reduced = reinterpret_cast<uint4*>(reduced_of(c.self, a));
   for (u64 v = lo / stride * stride + first; v < hi; v += stride)
     if (v >= lo) reduced[v] = reduce_inputs<T>(r, g, v);
-  if (!registered_barrier(r, c)) return;
+  if (!barrier(a, c, false, /*describe=*/false)) return;
 
   gather_reduced<T>(a, g, first, stride, sv);
 

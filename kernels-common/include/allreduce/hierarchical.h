@@ -75,8 +75,8 @@ __device__ void hierarchical_quantized(const Args& a) {
     encode_range<T, C>(L, a.input, jlo, jhi,
                        staging_of(a.peers[G.base + j], a, c.parity) + u64(G.local) * slot_bytes);
   }
-  if (!barrier(a, c.h, c.b, c.parity, c.aborted)) return;
-  if (!agree(a, c.h, c.b, c.parity)) return;
+  if (!barrier(a, c, c.aborted)) return;
+  if (!agree(a, c)) return;
 
   // ---- Stage 2: the group's partial of our shard (own piece unquantized, as in quantized.h),
   // encoded once, to the partner and to our stash.
@@ -107,7 +107,7 @@ __device__ void hierarchical_quantized(const Args& a) {
       }
     }
   }
-  if (!barrier(a, c.h, c.b, c.parity)) return;
+  if (!barrier(a, c)) return;
 
   // ---- Stage 3: both groups' encoded partials, decoded and summed in group order, encoded
   // once and pushed to every rank of our group.
@@ -135,7 +135,7 @@ __device__ void hierarchical_quantized(const Args& a) {
                      field);
     }
   }
-  if (!barrier(a, c.h, c.b, c.parity)) return;
+  if (!barrier(a, c)) return;
 
   // ---- Stage 4: every in-group owner's bytes, decoded from our own `reduced`.
   for (unsigned j = 0; j < G.g; ++j) {

@@ -177,8 +177,8 @@ __device__ void quantized_twoshot(const Args& a) {
     if (j == a.rank || lo == hi) continue;
     encode_range<T, C>(L, a.input, lo, hi, staging_of(a.peers[j], a, c.parity) + u64(a.rank) * slot_bytes);
   }
-  if (!barrier(a, c.h, c.b, c.parity, c.aborted)) return;
-  if (!agree(a, c.h, c.b, c.parity)) return;
+  if (!barrier(a, c, c.aborted)) return;
+  if (!agree(a, c)) return;
 
   // ---- Phase 2: our shard. Rank order from rank 0, our own piece unquantized (one
   // quantization fewer than QuickReduce, docs/codecs.md), one encode of the f32 sum, pushed
@@ -208,7 +208,7 @@ __device__ void quantized_twoshot(const Args& a) {
           seg.store(reduced_of(a.peers[p], a) + u64(a.rank) * slot_bytes, k, q, u, field);
     }
   }
-  if (!barrier(a, c.h, c.b, c.parity)) return;
+  if (!barrier(a, c)) return;
 
   // ---- Phase 3: every owner's bytes, decoded from our own `reduced`.
   for (unsigned j = 0; j < a.world; ++j) {

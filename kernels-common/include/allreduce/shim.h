@@ -365,6 +365,35 @@ AR_DEVICE uint32_t ld_relaxed_sys(const uint32_t* p) {
   return v;
 }
 
+// Relaxed system-scope stores and 64-bit loads: for words that carry their own proof of
+// freshness (the registered kernels' tagged descriptors, exact.h), so that no release has to
+// order them after anything. A 64-bit aligned access is single-copy atomic on both vendors.
+AR_DEVICE void st_relaxed_sys(uint32_t* p, uint32_t v) {
+#if AR_HIP
+  __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+#endif
+}
+
+AR_DEVICE void st_relaxed_sys(unsigned long long* p, unsigned long long v) {
+#if AR_HIP
+  __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+#endif
+}
+
+AR_DEVICE unsigned long long ld_relaxed_sys(const unsigned long long* p) {
+  unsigned long long v;
+#if AR_HIP
+  v = __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+#endif
+  return v;
+}
+
 // Bulk loads of data another rank wrote before a barrier this block has passed. The acquire
 // + __syncthreads already orders them (PTX memory model: causality is transitive through the
 // CTA barrier), so a plain load would be correct; .cg (L2 only) costs nothing because nothing

@@ -48,6 +48,24 @@ AR_DEVICE void record_aborted(Control* c, unsigned rank, unsigned block) {
 
 constexpr int kSpinsBeforeCheck = 1024;
 
+// Spins until `ready()` holds (it performs the load), looking at the group's abort word and at
+// the clock every kSpinsBeforeCheck spins. False: the caller must leave; past the deadline
+// `on_timeout(waited_ns)` has recorded why. One thread per wait; never spins unbounded.
+template <typename Ready, typename OnTimeout>
+AR_DEVICE bool spin_until(Ready ready, const uint32_t* abort, u64 timeout_ns, OnTimeout on_timeout) {
+  const u64 start = global_timer_ns();
+  for (uint32_t spins = 1; !ready(); ++spins) {
+    if (spins % kSpinsBeforeCheck != 0) continue;
+    if (ld_relaxed_sys(abort) != 0) return false;
+    const u64 waited = global_timer_ns() - start;
+    if (waited > timeout_ns) {
+      on_timeout(waited);
+      return false;
+    }
+  }
+  return true;
+}
+
 // Flags is the kernel's address map:
 //   uint32_t* to_peer(int peer) const;          // peer's slot for this rank and block
 //   const uint32_t* from_peer(int peer) const;  // this rank's slot for peer and block
@@ -57,7 +75,12 @@ constexpr int kSpinsBeforeCheck = 1024;
 // `abort` is the group's abort word; `leave_now` lets a caller fold in a check it made earlier
 // (the kernels pass the abort word as read at kernel entry, so its latency overlaps phase 1).
 // Returns false when the block must return at once (the result is the same in every thread).
-template <typename Flags>
+// Release = false makes the flag a relaxed store and the waits relaxed loads: only for a
+// barrier that publishes no data, whose sole job is "every peer has finished reading" (the
+// registered one-shot's closing barrier). Loads whose values were consumed before the block
+// barrier cannot see later writes, which is what that barrier promises; and a release at
+// system scope waits for this block's stores to reach every peer, about a microsecond.
+template <bool Release = true, typename Flags>
 AR_DEVICE bool flag_barrier(const Flags& f, uint32_t* epoch, int world, const uint32_t* abort,
                             u64 timeout_ns, bool leave_now) {
   // Orders this block's writes (and reads) before the release stores below.
@@ -69,22 +92,16 @@ AR_DEVICE bool flag_barrier(const Flags& f, uint32_t* epoch, int world, const ui
   bool leave = false;
   const int peer = thread_x();
   if (peer < world) {
-    st_release_sys(f.to_peer(peer), e);
+    if (Release)
+      st_release_sys(f.to_peer(peer), e);
+    else
+      st_relaxed_sys(f.to_peer(peer), e);
     const uint32_t* slot = f.from_peer(peer);
-    const u64 start = global_timer_ns();
-    for (uint32_t spins = 1; static_cast<int32_t>(ld_acquire_sys(slot) - e) < 0; ++spins) {
-      if (spins % kSpinsBeforeCheck != 0) continue;
-      if (ld_relaxed_sys(abort) != 0) {
-        leave = true;
-        break;
-      }
-      const u64 waited = global_timer_ns() - start;
-      if (waited > timeout_ns) {
-        f.on_timeout(peer, e, waited);
-        leave = true;
-        break;
-      }
-    }
+    auto arrived = [&] {
+      const uint32_t v = Release ? ld_acquire_sys(slot) : ld_relaxed_sys(slot);
+      return static_cast<int32_t>(v - e) >= 0;
+    };
+    leave = !spin_until(arrived, abort, timeout_ns, [&](u64 waited) { f.on_timeout(peer, e, waited); });
   }
   // Extends the acquires to the block; also the point where one thread's failure becomes
   // everyone's.
