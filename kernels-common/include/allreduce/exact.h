@@ -407,36 +407,42 @@ __device__ void twoshot(const Args& a) {
 AR_DEVICE bool registered_entry(const RegisteredArgs& r, const CallEntry& c) {
   const Args& a = r.a;
   const RankFlags f{a, c, false};
-  if (sync_block_or(c.aborted)) {
-    if (thread_x() == 0) f.on_abort();
-    return false;
-  }
   const uint32_t e = c.h->epoch[c.b] + 1;
   const unsigned long long mine = a.desc | c.tag, mine2 = r.desc2 | c.tag;
   unsigned long long theirs = mine, theirs2 = mine2;
-  bool leave = false;
+  // An abort seen at entry is acted on with any failure of the wait, at the one block barrier
+  // below: publishing our words first is harmless, as the group is being torn down anyway.
+  bool leave = c.aborted;
   const int peer = thread_x();
-  if (peer < int(a.world)) {
+  if (peer < int(a.world) && !leave) {
     char* ws = a.peers[peer];
     st_relaxed_sys(&desc2_of(ws, c.parity, c.b)[a.rank], mine2);
     st_relaxed_sys(&desc_of(ws, c.parity, c.b)[a.rank], mine);
     st_relaxed_sys(f.to_peer(peer), e);
     const unsigned long long* slot = &desc_of(c.self, c.parity, c.b)[peer];
     const unsigned long long* slot2 = &desc2_of(c.self, c.parity, c.b)[peer];
-    auto timeout = [&](u64 waited) { f.on_timeout(peer, e, waited); };
-    auto first_fresh = [&] { return ((theirs = ld_relaxed_sys(slot)) & kDescTag) == c.tag; };
-    auto second_fresh = [&] { return ((theirs2 = ld_relaxed_sys(slot2)) & kDescTag) == c.tag; };
-    leave = !spin_until(first_fresh, &c.h->abort, a.timeout_ns, timeout);
-    if (!leave && (theirs & kDescRegistered) != 0)
-      leave = !spin_until(second_fresh, &c.h->abort, a.timeout_ns, timeout);
+    // Both words are loaded together (one round trip per spin, not two in a row); the second
+    // counts only once the first says the peer is on the registered path.
+    auto fresh = [&] {
+      theirs = ld_relaxed_sys(slot);
+      theirs2 = ld_relaxed_sys(slot2);
+      return (theirs & kDescTag) == c.tag &&
+             ((theirs & kDescRegistered) == 0 || (theirs2 & kDescTag) == c.tag);
+    };
+    leave = !spin_until(fresh, &c.h->abort, a.timeout_ns, [&](u64 waited) { f.on_timeout(peer, e, waited); });
+    if ((theirs & kDescRegistered) == 0) theirs2 = mine2;  // a staged peer's second word says nothing
+  }
+  const bool differs = theirs != mine || theirs2 != mine2;
+  // One block barrier on the fast path; the slow ones tell leaving from disagreeing.
+  if (!sync_block_or(leave || differs)) {
+    if (thread_x() == 0) c.h->epoch[c.b] = e;
+    return true;
   }
   if (sync_block_or(leave)) {
     if (thread_x() == 0) f.on_abort();
     return false;
   }
   if (thread_x() == 0) c.h->epoch[c.b] = e;
-  const bool differs = theirs != mine || theirs2 != mine2;
-  if (!sync_block_or(differs)) return true;
   if (differs) {
     const bool first = theirs != mine;
     report_mismatch(a, c, peer, first ? mine : mine2, first ? theirs : theirs2);
