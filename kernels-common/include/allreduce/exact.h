@@ -47,6 +47,8 @@ struct CallEntry {
   Header* h;                 // its header
   unsigned parity;           // the call's parity: picks the staging and descriptor slots
   unsigned long long tag;    // the call's descriptor tag: kDescTag or 0 (call_tag)
+  uint32_t calls;            // calls[b] at entry
+  uint32_t epoch;            // the block's last barrier epoch, kept in step by barrier()
   bool aborted;              // the abort word at entry, in thread 0 (false elsewhere)
 };
 
@@ -98,10 +100,24 @@ struct RankFlags {
 // handled by block (v / kThreads) % G, a function of v and the fixed G only, so block b of
 // every rank reads and writes the same addresses ("class b") of every buffer in every call.
 // Whatever block b of a peer touches of ours, only our block b also touches.
+//
+// The epoch lives in a register for the call (read once at entry, with calls[b]) and is
+// written back for the next call without being read again: each dependent load of the header
+// is a round trip in the fixed cost of a small call.
 template <bool Release = true>
-AR_DEVICE bool barrier(const Args& a, const CallEntry& c, bool aborted_at_entry = false, bool describe = true) {
-  return flag_barrier<Release>(RankFlags{a, c, describe}, &c.h->epoch[c.b], a.world, &c.h->abort,
-                               a.timeout_ns, aborted_at_entry);
+AR_DEVICE bool barrier(const Args& a, CallEntry& c, bool aborted_at_entry = false, bool describe = true) {
+  const uint32_t e = c.epoch + 1;
+  if (!flag_barrier<Release>(RankFlags{a, c, describe}, e, a.world, &c.h->abort, a.timeout_ns,
+                             aborted_at_entry))
+    return false;
+  c.epoch = e;
+  if (thread_x() == 0) c.h->epoch[c.b] = e;
+  return true;
+}
+
+// The call is over on this block: the next one takes the other parity.
+AR_DEVICE void finish_call(const CallEntry& c) {
+  if (thread_x() == 0) c.h->calls[c.b] = c.calls + 1;
 }
 
 // Record a disagreement (the first report wins) and skip the call with every rank. `mine` and
@@ -112,7 +128,7 @@ AR_DEVICE void report_mismatch(const Args& a, const CallEntry& c, int peer, unsi
   if (a.desc != kDescRejected && cas_sys(&a.control->error, 0u, kErrorMismatch) == 0u) {
     a.control->rank = peer;
     a.control->block = c.b;
-    a.control->epoch = c.h->epoch[c.b];
+    a.control->epoch = c.epoch;
     a.control->mine = untagged(mine);
     a.control->theirs = untagged(theirs);
     fence_system();
@@ -120,10 +136,8 @@ AR_DEVICE void report_mismatch(const Args& a, const CallEntry& c, int peer, unsi
 }
 
 AR_DEVICE void skip_call(const CallEntry& c) {
-  if (thread_x() == 0) {
-    c.h->calls[c.b] += 1;
-    c.h->skip[c.b] = 1;  // this call's later pieces, if any, are skipped too (abi.h)
-  }
+  finish_call(c);
+  if (thread_x() == 0) c.h->skip[c.b] = 1;  // this call's later pieces, if any, are skipped too (abi.h)
 }
 
 // After the first barrier: do all ranks describe the same call? Every rank sees the same
@@ -172,9 +186,10 @@ AR_DEVICE bool enter_call(const Args& a, CallEntry& c) {
   c.h = header_of(c.self);
   if (skipped_piece(a, c.h, c.b)) return false;
   c.aborted = thread_x() == 0 && ld_relaxed_sys(&c.h->abort) != 0;
-  const uint32_t calls = c.h->calls[c.b];
-  c.parity = calls & 1;
-  c.tag = call_tag(calls);
+  c.calls = c.h->calls[c.b];
+  c.epoch = c.h->epoch[c.b];
+  c.parity = c.calls & 1;
+  c.tag = call_tag(c.calls);
   return true;
 }
 
@@ -305,7 +320,7 @@ __device__ void oneshot(const Args& a) {
     store_output<T>(a, g, v, reduce_vector<T>(a, staging, v));
 
   // Every thread read calls[b] before the barrier; only this write follows it.
-  if (thread_x() == 0) c.h->calls[c.b] += 1;
+  finish_call(c);
 }
 
 // The two-shot's all-gather: every vector from its owner's `reduced` (owner r holds vectors
@@ -366,7 +381,7 @@ __device__ void twoshot(const Args& a) {
   // ---- Phase 3: all-gather. Every vector from its owner's `reduced`, bit for bit.
   gather_reduced<T>(a, g, first, stride, sv);
 
-  if (thread_x() == 0) c.h->calls[c.b] += 1;
+  finish_call(c);
 }
 
 // ---- Registered inputs: read in place from every rank's registered memory ------------------
@@ -404,10 +419,10 @@ __device__ void twoshot(const Args& a) {
 // so its second word is never waited for; a registered peer's second word is, as the two
 // words are not ordered. The report names the first word that differs: desc, or else desc2
 // (told apart by the host by desc2's clear low bits).
-AR_DEVICE bool registered_entry(const RegisteredArgs& r, const CallEntry& c) {
+AR_DEVICE bool registered_entry(const RegisteredArgs& r, CallEntry& c) {
   const Args& a = r.a;
   const RankFlags f{a, c, false};
-  const uint32_t e = c.h->epoch[c.b] + 1;
+  const uint32_t e = c.epoch + 1;
   const unsigned long long mine = a.desc | c.tag, mine2 = r.desc2 | c.tag;
   unsigned long long theirs = mine, theirs2 = mine2;
   // An abort seen at entry is acted on with any failure of the wait, at the one block barrier
@@ -434,15 +449,14 @@ AR_DEVICE bool registered_entry(const RegisteredArgs& r, const CallEntry& c) {
   }
   const bool differs = theirs != mine || theirs2 != mine2;
   // One block barrier on the fast path; the slow ones tell leaving from disagreeing.
-  if (!sync_block_or(leave || differs)) {
-    if (thread_x() == 0) c.h->epoch[c.b] = e;
-    return true;
-  }
-  if (sync_block_or(leave)) {
+  const bool fine = !sync_block_or(leave || differs);
+  if (!fine && sync_block_or(leave)) {
     if (thread_x() == 0) f.on_abort();
     return false;
   }
+  c.epoch = e;
   if (thread_x() == 0) c.h->epoch[c.b] = e;
+  if (fine) return true;
   if (differs) {
     const bool first = theirs != mine;
     report_mismatch(a, c, peer, first ? mine : mine2, first ? theirs : theirs2);
@@ -486,7 +500,7 @@ __device__ void oneshot_registered(const RegisteredArgs& r) {
 
   // Nobody reads our input past this point, so our stream may overwrite it once we return.
   if (!barrier</*Release=*/false>(a, c, false, /*describe=*/false)) return;
-  if (thread_x() == 0) c.h->calls[c.b] += 1;
+  finish_call(c);
 }
 
 // Entry barrier, reduce-scatter from every rank's input into our `reduced`, barrier (after it
@@ -512,7 +526,7 @@ __device__ void twoshot_registered(const RegisteredArgs& r) {
 
   gather_reduced<T>(a, g, first, stride, sv);
 
-  if (thread_x() == 0) c.h->calls[c.b] += 1;
+  finish_call(c);
 }
 
 // The roofline a measurement is compared against: the plain copy the hardware can do, in the

@@ -143,7 +143,7 @@ __device__ void hierarchical_quantized(const Args& a) {
     if (jlo < jhi) decode_range<T, C>(L, reduced_of(c.self, a) + u64(j) * slot_bytes, a.output, jlo, jhi);
   }
 
-  if (thread_x() == 0) c.h->calls[c.b] += 1;
+  finish_call(c);
 }
 
 }  // namespace ar

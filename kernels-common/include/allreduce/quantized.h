@@ -216,7 +216,7 @@ __device__ void quantized_twoshot(const Args& a) {
     if (lo < hi) decode_range<T, C>(L, reduced_of(c.self, a) + u64(j) * slot_bytes, a.output, lo, hi);
   }
 
-  if (thread_x() == 0) c.h->calls[c.b] += 1;
+  finish_call(c);
 }
 
 // ---- Segment kernels: codec::encode / codec::decode of one buffer ----------------------------

@@ -75,7 +75,8 @@ AR_DEVICE bool spin_until(Ready ready, const uint32_t* abort, u64 timeout_ns, On
 //   const uint32_t* from_peer(int peer) const;  // this rank's slot for peer and block
 //   void on_timeout(int peer, uint32_t epoch, u64 waited_ns) const;  // record the failure
 //   void on_abort() const;  // record that this block left because the abort word was set
-// `epoch` is this block's counter in its own workspace (only this block touches it).
+// `e` is the barrier's epoch: one more than the last barrier's of this block, which the caller
+// keeps (in a register for the call, in its workspace header between calls).
 // `abort` is the group's abort word; `leave_now` lets a caller fold in a check it made earlier
 // (the kernels pass the abort word as read at kernel entry, so its latency overlaps phase 1).
 // Returns false when the block must return at once (the result is the same in every thread).
@@ -85,14 +86,13 @@ AR_DEVICE bool spin_until(Ready ready, const uint32_t* abort, u64 timeout_ns, On
 // barrier cannot see later writes, which is what that barrier promises; and a release at
 // system scope waits for this block's stores to reach every peer, about a microsecond.
 template <bool Release = true, typename Flags>
-AR_DEVICE bool flag_barrier(const Flags& f, uint32_t* epoch, int world, const uint32_t* abort,
+AR_DEVICE bool flag_barrier(const Flags& f, uint32_t e, int world, const uint32_t* abort,
                             u64 timeout_ns, bool leave_now) {
   // Orders this block's writes (and reads) before the release stores below.
   if (sync_block_or(leave_now)) {
     if (thread_x() == 0) f.on_abort();
     return false;
   }
-  const uint32_t e = *epoch + 1;
   bool leave = false;
   const int peer = thread_x();
   if (peer < world) {
@@ -115,9 +115,6 @@ AR_DEVICE bool flag_barrier(const Flags& f, uint32_t* epoch, int world, const ui
     if (thread_x() == 0) f.on_abort();
     return false;
   }
-  // Read above by threads < world before the sync_block_or, rewritten only after it; the
-  // next barrier's leading __syncthreads orders this write before its reads.
-  if (thread_x() == 0) *epoch = e;
   return true;
 }
 
