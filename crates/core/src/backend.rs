@@ -39,16 +39,17 @@ pub struct GroupConfig {
     /// wrong); also `ALLREDUCE_TOPOLOGY=pcie:2x4` ([`Topology::parse`]).
     pub topology: Option<Topology>,
     /// GPU backends: calls on registered inputs smaller than this many bytes per rank take the
-    /// staged path. Below it the registered kernels' closing barrier costs more than the
-    /// staging copy saves (H100, virtual ranks: registered one-shot is 1.1-2.9 us slower up to
-    /// 256 KiB, and wins from 256 KiB at 8 ranks, 1 MiB at 4, 4 MiB at 2). `None`:
-    /// `ALLREDUCE_REGISTERED_MIN_BYTES`, else [`GroupConfig::DEFAULT_REGISTERED_MIN_BYTES`].
+    /// staged path. The default is 0: since the registered kernels enter without a release,
+    /// they are as fast as the staged ones or faster at every size measured (H100, virtual
+    /// ranks, 16 B to 64 MiB at 2, 4 and 8 ranks; docs/benchmarks.md). A knob for machines
+    /// where that is not so. `None`: `ALLREDUCE_REGISTERED_MIN_BYTES`, else
+    /// [`GroupConfig::DEFAULT_REGISTERED_MIN_BYTES`].
     /// Every rank must use the same value (a rank that differs is reported as a mismatch).
     pub registered_min_bytes: Option<usize>,
 }
 
 impl GroupConfig {
-    pub const DEFAULT_REGISTERED_MIN_BYTES: usize = 1 << 20;
+    pub const DEFAULT_REGISTERED_MIN_BYTES: usize = 0;
     pub const DEFAULT_MAX_BYTES: usize = 64 << 20;
     pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 

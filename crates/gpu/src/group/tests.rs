@@ -1435,13 +1435,35 @@ fn a_registered_input_takes_the_registered_kernels_with_every_ranks_input() {
 }
 
 #[test]
+fn registered_calls_of_any_size_take_the_registered_path_by_default() {
+    assert_eq!(GroupConfig::DEFAULT_REGISTERED_MIN_BYTES, 0);
+    let comms = GpuBackend::<Mock>::create_group(&GroupConfig::new(2).devices(vec![0, 1])).unwrap();
+    let (_mems, ranges) = ranges(2, 4096);
+    comms[0].register_group(&ranges).unwrap();
+    take_launches();
+    let out = vec![0u128; 1];
+    let opts = AllReduceOptions::default().strategy(Strategy::OneShot);
+    let call = prepared(
+        &comms[1],
+        ranges[1].addr,
+        out.as_ptr() as usize,
+        4,
+        DType::F32,
+        opts,
+    );
+    comms[1].all_reduce(&call).unwrap();
+    assert_eq!(take_launches()[0].kernel, "ar_oneshot_registered_f32");
+}
+
+#[test]
 fn registered_calls_below_the_threshold_stay_staged() {
-    // The default threshold (1 MiB per rank) and one set in the config: the bytes of the call
-    // decide, the same on every rank.
+    // Thresholds set in the config: the bytes of the call decide, the same on every rank.
     for (config, min) in [
         (
-            GroupConfig::new(2).devices(vec![0, 1]),
-            GroupConfig::DEFAULT_REGISTERED_MIN_BYTES,
+            GroupConfig::new(2)
+                .devices(vec![0, 1])
+                .registered_min_bytes(1 << 20),
+            1 << 20,
         ),
         (
             GroupConfig::new(2)
