@@ -27,7 +27,7 @@ fn main() {
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
     let archs = std::env::var(ARCHS_ENV).unwrap_or_else(|_| "sm_90".into());
     let mut objects = Vec::new();
-    for shim in ["vllm", "trtllm"] {
+    for shim in ["vllm", "trtllm", "pcie"] {
         let src = manifest.join(format!("shim/{shim}.cu"));
         let obj = out.join(format!("{shim}.o"));
         let mut cmd = Command::new(&nvcc);

@@ -2,8 +2,9 @@
 # Downloads the peers' published all-reduce code, pinned, into .peers/ (git-ignored), for the
 # bench's `peers` feature (crates/peers): nothing of it is copied into the repository.
 #   - flashinfer-python 0.7.2.post1: a pure-Python wheel that ships vLLM's custom all-reduce
-#     (flashinfer/comm/vllm_custom_all_reduce.cuh, from vLLM v0.8.2's csrc) and
-#     TensorRT-LLM's all-reduce fusion headers; Apache-2.0; and the spdlog headers they
+#     (flashinfer/comm/vllm_custom_all_reduce.cuh, from vLLM v0.8.2's csrc),
+#     TensorRT-LLM's all-reduce fusion headers and FlashInfer's own PCIe IPC all-reduce
+#     (flashinfer/comm/pcie_ipc_all_reduce.cuh); Apache-2.0; and the spdlog headers they
 #     include (MIT).
 #   - nvidia-cuda-cccl 13.0.85: the libcu++ headers (nv/target) that cuda_fp16.h needs in host
 #     code, of the same CUDA release as our pinned nvcc (scripts/setup-cuda.sh); Apache-2.0

@@ -5,39 +5,56 @@
     scripts/peers/table.py fused OUT/peers_fused.txt
 
 exact: per ranks and size, ours (staged and registered) against vLLM (eager staged and
-registered), eager and graphs, with ours registered / the faster vLLM. fused: per pattern, a
-grid of ours (Auto) / the faster TensorRT-LLM kernel, eager and graph, per shape and ranks.
+registered) and FlashInfer's PCIe all-reduce, eager and graphs, with ours registered / the best
+peer (logs from before FlashInfer's column: / the faster vLLM, and "-" in its columns). fused:
+per pattern, a grid of ours (Auto) / the faster TensorRT-LLM kernel, eager and graph, per
+shape and ranks.
 """
 import re
 import sys
 
 
 def runs(path):
-    """(header line, rows) per bench run in the log."""
+    """(header line, column header line, rows) per bench run in the log."""
     out = []
     for line in open(path):
         if line.startswith("# allreduce-bench --peers"):
-            out.append((line, []))
+            out.append([line, "", []])
+        elif out and line.startswith("# ") and "bytes" in line and "|" in line:
+            out[-1][1] = line
         elif out and re.match(r"^\s+\d", line):
-            out[-1][1].append(line.split())
+            out[-1][2].append(line.split())
     return out
 
 
+def two(x):
+    """A ratio with two decimals; "-" where the bench printed "-" (nothing to compare)."""
+    return "-" if x == "-" else f"{float(x):.2f}"
+
+
 def exact(path):
-    print("| ranks | bytes | ours | ours reg | vLLM | vLLM reg | ratio | ours graph | ours reg graph | vLLM graph | graph ratio |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for head, rows in runs(path):
+    print("| ranks | bytes | ours | ours reg | vLLM | vLLM reg | FI PCIe | ratio | ours graph | ours reg graph | vLLM graph | FI PCIe graph | graph ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for head, columns, rows in runs(path):
         ranks = re.search(r"--peers: (\d+) ranks", head).group(1)
+        pcie = "flashinfer pcie" in columns
         for f in rows:
             b = int(f[0])
             size = f"{b >> 20} Mi" if b >= 1 << 20 else f"{b >> 10} Ki" if b >= 1024 else str(b)
-            # bytes ran | auto 1s 2s | vllm vllmreg | ratio | graph vllm ratio | oursreg ratio | greg ratio
-            print(f"| {ranks} | {size} | {f[3]} | {f[16]} | {f[7]} | {f[8]} | {float(f[17]):.2f} | {f[12]} | {f[19]} | {f[13]} | {float(f[20]):.2f} |")
+            if pcie:
+                # bytes ran | auto 1s 2s | vllm vllmreg pcie | ratio | graph vllm pcie ratio | oursreg ratio | greg ratio
+                auto, reg, vllm, vllm_reg, fi, r = f[3], f[18], f[7], f[8], f[9], f[19]
+                graph, greg, gvllm, gfi, gr = f[13], f[21], f[14], f[15], f[22]
+            else:
+                # bytes ran | auto 1s 2s | vllm vllmreg | ratio | graph vllm ratio | oursreg ratio | greg ratio
+                auto, reg, vllm, vllm_reg, fi, r = f[3], f[16], f[7], f[8], "-", f[17]
+                graph, greg, gvllm, gfi, gr = f[12], f[19], f[13], "-", f[20]
+            print(f"| {ranks} | {size} | {auto} | {reg} | {vllm} | {vllm_reg} | {fi} | {two(r)} | {graph} | {greg} | {gvllm} | {gfi} | {two(gr)} |")
 
 
 def fused(path):
     grids = {}
-    for head, rows in runs(path):
+    for head, _, rows in runs(path):
         ranks = int(re.search(r"--fused: (\d+) ranks", head).group(1))
         pattern = re.search(r"bf16, (\w+);", head).group(1)
         for f in rows:

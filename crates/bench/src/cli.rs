@@ -154,8 +154,9 @@ pub struct Args {
     pub fused: bool,
 
     /// CUDA with the `peers` feature: instead of the sweep, time our exact all-reduce against
-    /// the peers' kernels (vLLM's custom all-reduce) on the same buffers in the same run, eager
-    /// and in CUDA graphs, over the sweep's sizes (-b/-e/-f, -d, --ranks); out of place
+    /// the peers' kernels (vLLM's custom all-reduce, FlashInfer's PCIe IPC all-reduce) on the
+    /// same buffers in the same run, eager and in CUDA graphs, over the sweep's sizes (-b/-e/-f,
+    /// -d, --ranks); out of place
     #[arg(long)]
     pub peers: bool,
 

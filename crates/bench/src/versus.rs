@@ -1,6 +1,7 @@
 //! `--peers` (CUDA): our exact all-reduce against the peers' kernels on the same GPU, in the
-//! same run, on the same buffers, inputs, streams and method: vLLM's custom all-reduce
-//! (crates/peers; its code fetched, pinned, by scripts/peers/fetch.sh).
+//! same run, on the same buffers, inputs, streams and method: vLLM's custom all-reduce and
+//! FlashInfer's PCIe IPC all-reduce (crates/peers; their code fetched, pinned, by
+//! scripts/peers/fetch.sh).
 //!
 //! Per size, every rank thread runs warm-up calls of each contender, then alternately a timed
 //! loop of each, twice, and keeps its faster loop; the row's time is the slowest rank's. Eager:
@@ -14,12 +15,26 @@
 //!   kernel (vLLM's `all_reduce(..., reg_buffer)`);
 //! - vLLM on a registered input (no copy: what its graph mode does, and any caller that
 //!   allocates from its buffers);
-//! - in graphs, vLLM's captured calls on inputs registered after capture, as vLLM does.
+//! - in graphs, vLLM's captured calls on inputs registered after capture, as vLLM does;
+//! - FlashInfer's PCIe IPC all-reduce ("flashinfer pcie") on the plain input, eager and in
+//!   graphs, with the launch FlashInfer picks untuned (`FlashinferPcie::launch`), no PDL (its
+//!   binding refuses it); bf16 and f16 only, and only sizes FlashInfer admits (whole 16-byte
+//!   packs, at least one per rank): elsewhere "-", with the reason printed above the table.
 //!
 //! Every rank's grid gets the same share of the GPU: vLLM's block limit is our grid
-//! (min(36, SMs / ranks on the GPU)), so all grids co-reside. Every contender's output is
-//! checked against the exact sum of the integer inputs; a wrong one is reported, not timed.
-//! vLLM's kernels have no deadline: a watchdog ends the process if a row stops progressing.
+//! (min(36, SMs / ranks on the GPU)); FlashInfer's grid (at most 16 blocks) is capped at SMs /
+//! ranks, so all grids co-reside. Every contender's output is checked against the exact sum
+//! of the integer inputs; a wrong one is reported, not timed. "Best peer" is the fastest of
+//! vLLM, vLLM on a registered input and flashinfer pcie. The peers' kernels have no deadline: a
+//! watchdog ends the process if a row stops progressing.
+//!
+//! FlashInfer's 16-bit kernels add in the 16-bit type (a rounding per addition, in rank order;
+//! at 8 ranks by islands of 4), not in f32 as ours and vLLM do: on real data their sum is not
+//! the correctly rounded one. The check stays exact because the integer inputs (|x| <= 11, at
+//! most 8 ranks) make every partial sum an integer under 2^8, exact in bf16 and f16 in any
+//! order (`integer_sums_are_exact_in_any_order_and_precision` below). Its sentinel protocol
+//! publishes +0.0 as -0.0, so a zero sum may come back as -0.0: equal as a value, which is
+//! what the check compares.
 
 use std::sync::{Barrier, Mutex};
 use std::time::Duration;
@@ -28,7 +43,7 @@ use allreduce::{
     AllReduceOptions, BufMut, BufRef, Communicator, DType, GroupConfig, HostBytes,
     RegisteredBuffer, Strategy,
 };
-use allreduce_peers::Vllm;
+use allreduce_peers::{FlashinferPcie, PcieLaunch, Vllm};
 
 use crate::cli::Args;
 use crate::data::{DataSet, Inputs};
@@ -56,30 +71,68 @@ enum Who {
     Vllm,
     /// vLLM's kernel on a registered input.
     VllmRegistered,
+    /// FlashInfer's PCIe IPC all-reduce on the plain input.
+    Pcie,
     /// Ours (Auto) on an input in memory every rank registered.
     OursRegistered,
 }
 
-const EAGER: [Who; 6] = [
+const EAGER: [Who; 7] = [
     Who::Auto,
     Who::OneShot,
     Who::TwoShot,
     Who::Vllm,
     Who::VllmRegistered,
+    Who::Pcie,
     Who::OursRegistered,
 ];
-/// In graphs: ours (Auto), vLLM's captured calls (registered after capture), and ours on a
-/// registered input (captured after registration).
-const GRAPH: [Who; 3] = [Who::Auto, Who::VllmRegistered, Who::OursRegistered];
+/// In graphs: ours (Auto), vLLM's captured calls (registered after capture), FlashInfer's
+/// PCIe all-reduce, and ours on a registered input (captured after registration).
+const GRAPH: [Who; 4] = [
+    Who::Auto,
+    Who::VllmRegistered,
+    Who::Pcie,
+    Who::OursRegistered,
+];
+/// The peers, in "best peer" (eager: every peer column; graphs: the peers' graph columns).
+const PEERS: [Who; 3] = [Who::Vllm, Who::VllmRegistered, Who::Pcie];
+
+/// `w`'s column among the eager contenders.
+fn eager_col(w: Who) -> usize {
+    EAGER
+        .iter()
+        .position(|&x| x == w)
+        .expect("every contender runs eagerly")
+}
+
+/// `w`'s column among the graph contenders, if it has one.
+fn graph_col(w: Who) -> Option<usize> {
+    GRAPH.iter().position(|&x| x == w)
+}
+
+/// The fastest peer of a row (NaN: none ran): eager times by [`EAGER`] column, or graph
+/// times by [`GRAPH`] column.
+fn best_peer(times: &[f64], graphs: bool) -> f64 {
+    PEERS
+        .iter()
+        .filter_map(|&w| {
+            if graphs {
+                graph_col(w)
+            } else {
+                Some(eager_col(w))
+            }
+        })
+        .fold(f64::NAN, |best, i| min_nan(best, times[i]))
+}
 
 /// One rank's results for one size: eager and graph seconds per call per contender
 /// (NaN: not run), and each contender's wrong elements.
 #[derive(Clone, Debug, Default)]
 struct RowTimes {
-    eager: [f64; 6],
-    graph: [f64; 3],
-    wrong: [usize; 6],
-    graph_wrong: [usize; 3],
+    eager: [f64; 7],
+    graph: [f64; 4],
+    wrong: [usize; 7],
+    graph_wrong: [usize; 4],
     ran: Option<Strategy>,
 }
 
@@ -91,10 +144,82 @@ struct Bufs {
     output: DeviceBuffer<R>,
     meta: DeviceBuffer<R>,
     rank_data: DeviceBuffer<R>,
+    /// FlashInfer's workspace slab, zeroed (when some size runs it).
+    pcie: Option<DeviceBuffer<R>>,
 }
 
-/// Addresses every rank must know of every other: (meta, staging, input).
-type Shared = Mutex<Vec<(u64, u64, u64)>>;
+/// Addresses every rank must know of every other: (meta, staging, input, FlashInfer slab).
+type Shared = Mutex<Vec<(u64, u64, u64, u64)>>;
+
+/// FlashInfer's PCIe all-reduce for one run: its launch per size (or why it does not run
+/// that size), and its workspace.
+struct PcieSetup {
+    plan: Vec<Result<PcieLaunch, String>>,
+    /// Elements the workspace holds, and its bytes per rank (Err: not run at any size).
+    workspace: Result<(usize, usize), String>,
+}
+
+impl PcieSetup {
+    fn new(world: usize, dtype: DType, sizes: &[usize], grid_share: u32) -> PcieSetup {
+        let m = FlashinferPcie::MAX_BLOCKS;
+        let plan: Vec<_> = sizes
+            .iter()
+            .map(|&b| match allreduce_peers::unavailable() {
+                Some(why) => Err(why),
+                None => FlashinferPcie::launch(world, b / dtype.size(), dtype, m, grid_share),
+            })
+            .collect();
+        // Sized for the largest call, as a serving engine sizes it for its largest batch.
+        let pack = 16 / dtype.size();
+        let max_numel = sizes
+            .iter()
+            .zip(&plan)
+            .filter(|(_, p)| p.is_ok())
+            .map(|(&b, _)| (b / dtype.size()).div_ceil(pack) * pack)
+            .max();
+        let workspace = match max_numel {
+            None => Err(plan
+                .iter()
+                .find_map(|p| p.clone().err())
+                .unwrap_or_else(|| "no sizes".into())),
+            Some(n) => FlashinferPcie::workspace_bytes(world, n, dtype, m).map(|b| (n, b)),
+        };
+        PcieSetup { plan, workspace }
+    }
+
+    /// The `#` lines that say what it runs at each size, consecutive sizes with the same
+    /// outcome on one line.
+    fn notes(&self, sizes: &[usize]) -> Vec<String> {
+        let mut out: Vec<(usize, usize, String)> = Vec::new();
+        for (&bytes, p) in sizes.iter().zip(&self.plan) {
+            let what = match p {
+                Ok(l) => format!(
+                    "{} block{} x {} threads, {}",
+                    l.blocks,
+                    if l.blocks == 1 { "" } else { "s" },
+                    l.threads,
+                    l.variant
+                ),
+                Err(why) => format!("- ({why})"),
+            };
+            match out.last_mut() {
+                Some((_, to, w)) if *w == what => *to = bytes,
+                _ => out.push((bytes, bytes, what)),
+            }
+        }
+        out.into_iter()
+            .map(|(from, to, what)| {
+                let f = crate::cli::format_size;
+                let range = if from == to {
+                    f(from)
+                } else {
+                    format!("{}-{}", f(from), f(to))
+                };
+                format!("# flashinfer pcie at {range} B: {what}")
+            })
+            .collect()
+    }
+}
 
 #[allow(clippy::too_many_arguments)]
 fn rank_loop(
@@ -106,9 +231,10 @@ fn rank_loop(
     shared: &Shared,
     heartbeat: &Heartbeat,
     expected: &[f32],
-    wrongs: &Mutex<Vec<[usize; 6]>>,
+    wrongs: &Mutex<Vec<[usize; 7]>>,
     registered: &RegisteredBuffer,
-) -> Result<Vec<RowTimes>, String> {
+    pcie_setup: &PcieSetup,
+) -> Result<(Vec<RowTimes>, Option<String>), String> {
     let e = |e: allreduce::Error| e.to_string();
     let rank = comm.rank();
 
@@ -125,6 +251,12 @@ fn rank_loop(
         output: DeviceBuffer::zeroed(max.max(16), &stream).map_err(e)?,
         meta: DeviceBuffer::zeroed(Vllm::meta_bytes(max), &stream).map_err(e)?,
         rank_data: DeviceBuffer::zeroed(RANK_DATA_BYTES, &stream).map_err(e)?,
+        // Zeroed as FlashInfer's init zeroes it: its sentinel kernels read +0.0 as "not
+        // yet written".
+        pcie: match pcie_setup.workspace {
+            Ok((_, bytes)) => Some(DeviceBuffer::zeroed(bytes, &stream).map_err(e)?),
+            Err(_) => None,
+        },
     };
     allreduce_gpu::upload_registered::<R>(registered.memory(), 0, host.as_slice(), &stream)
         .map_err(e)?;
@@ -133,12 +265,21 @@ fn rank_loop(
         b.meta.addr() as u64,
         b.staging.addr() as u64,
         b.input.addr() as u64,
+        b.pcie.as_ref().map_or(0, |s| s.addr() as u64),
     );
     barrier.wait();
-    let peers: Vec<(u64, u64, u64)> = shared.lock().unwrap().clone();
+    let peers: Vec<(u64, u64, u64, u64)> = shared.lock().unwrap().clone();
     let metas: Vec<u64> = peers.iter().map(|p| p.0).collect();
     let stagings: Vec<u64> = peers.iter().map(|p| p.1).collect();
     let inputs: Vec<u64> = peers.iter().map(|p| p.2).collect();
+    let slabs: Vec<u64> = peers.iter().map(|p| p.3).collect();
+    // Every rank's slab was zeroed (and synchronized) before the barrier above, as
+    // FlashInfer requires before any rank pushes into a peer's.
+    let pcie = pcie_setup.workspace.clone().and_then(|(max_numel, _)| {
+        // SAFETY: every rank's slab is zeroed, sized by workspace_bytes for these arguments,
+        // and lives until the end of this function, after every call that uses it.
+        unsafe { FlashinferPcie::new(&slabs, rank, max_numel, dtype, FlashinferPcie::MAX_BLOCKS) }
+    });
     // SAFETY: the meta and rank-data buffers are zeroed, sized as vLLM asks, and outlive it.
     let vllm = unsafe {
         Vllm::new(
@@ -159,11 +300,11 @@ fn rank_loop(
     // Other ranks may still be registering (host work, no kernels): start together.
     barrier.wait();
     let mut rows = Vec::with_capacity(sizes.len());
-    for &bytes in sizes {
+    for (&bytes, pcie_launch) in sizes.iter().zip(&pcie_setup.plan) {
         let n = bytes / dtype.size();
         let mut row = RowTimes {
-            eager: [f64::NAN; 6],
-            graph: [f64::NAN; 3],
+            eager: [f64::NAN; 7],
+            graph: [f64::NAN; 4],
             ..Default::default()
         };
         let opts = |s: Strategy| {
@@ -221,13 +362,28 @@ fn rank_loop(
                         block_limit,
                     )
                 },
+                // SAFETY: the input and output hold n elements; every rank makes this call
+                // with the same launch (a pure function of the size).
+                Who::Pcie => unsafe {
+                    let launch = pcie_launch.as_ref().map_err(|e| e.clone())?;
+                    pcie.as_ref().map_err(|e| e.clone())?.all_reduce(
+                        stream.handle().as_raw() as u64,
+                        dtype,
+                        b.input.addr() as u64,
+                        b.output.addr() as u64,
+                        n,
+                        launch,
+                    )
+                },
             }
         };
         // Which contenders run at this size: vLLM needs a whole number of 16-byte vectors
         // and at least one; every rank decides the same.
         let vllm_ok = vllm.is_ok() && n > 0 && bytes % 16 == 0;
+        let pcie_ok = pcie.is_ok() && pcie_launch.is_ok();
         let runs = |w: Who| match w {
             Who::Vllm | Who::VllmRegistered => vllm_ok,
+            Who::Pcie => pcie_ok,
             _ => n > 0,
         };
         // Correctness first, each contender on a zeroed output: a wrong peer is not timed.
@@ -265,8 +421,7 @@ fn rank_loop(
         time_eager(&EAGER, &timed, iters, &time, &call, &mut row.eager)?;
         // Graphs.
         for (g, &w) in GRAPH.iter().enumerate() {
-            let i = EAGER.iter().position(|&x| x == w).expect("listed");
-            if !timed[i] {
+            if !timed[eager_col(w)] {
                 continue;
             }
             barrier.wait();
@@ -302,7 +457,12 @@ fn rank_loop(
         rows.push(row);
     }
     barrier.wait();
-    Ok(rows)
+    // Why FlashInfer did not run where its plan said it would (rank 0 speaks for all).
+    let pcie_error = match (&pcie_setup.workspace, &pcie) {
+        (Ok(_), Err(why)) if rank == 0 => Some(why.clone()),
+        _ => None,
+    };
+    Ok((rows, pcie_error))
 }
 
 /// Timed calls per loop: about 32 MiB of traffic per rank, 20 to 500 calls.
@@ -342,23 +502,34 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
     };
     let sms = R::compute_units(GpuDevice::<R>::open(first)?.raw());
     let block_limit = (sms / busiest).clamp(1, Vllm::max_blocks());
+    // FlashInfer picks its own grid (at most 16 blocks of at most 256 threads, whose registers
+    // let several share an SM): capped at SMs / ranks, every rank's grid co-resides too.
+    let share = (sms / busiest).max(1);
+    let pcie_setup = PcieSetup::new(world, dtype, &sizes, share);
     let json = args.json;
     if !json {
         println!(
             "# allreduce-bench --peers: {world} ranks (virtual, one GPU unless --devices says \
          otherwise), {dtype}, out of place, integer inputs; us per call, slowest rank; \
-         every grid {block_limit} blocks"
+         every grid {block_limit} blocks but flashinfer pcie's (its own, at most {share})"
         );
         crate::report::print_origin(&comms.iter().map(|c| c.device()).collect::<Vec<_>>());
         match allreduce_peers::versions() {
-            Some(v) => println!("# peers: vLLM custom all-reduce from {v}"),
+            Some(v) => println!(
+                "# peers: vLLM custom all-reduce and FlashInfer's PCIe IPC all-reduce (untuned \
+                 launch, no PDL) from {v}; best peer: the fastest of vllm, vllm reg and \
+                 flashinfer pcie"
+            ),
             None => println!(
                 "# peers: not built ({})",
                 allreduce_peers::unavailable().unwrap_or_default()
             ),
         }
+        for line in pcie_setup.notes(&sizes) {
+            println!("{line}");
+        }
         println!(
-        "# {:>10} {:>8} | {:>8} {:>8} {:>8} | {:>8} {:>8} | {:>7} | {:>8} {:>8} {:>7} | {:>8} {:>7} | {:>8} {:>7} | #wrong (auto 1s 2s vllm vllm-reg ours-reg; graphs auto vllm ours-reg)",
+        "# {:>10} {:>8} | {:>8} {:>8} {:>8} | {:>8} {:>8} {:>15} | {:>7} | {:>8} {:>8} {:>15} {:>7} | {:>8} {:>7} | {:>8} {:>7} | #wrong (auto 1s 2s vllm vllm-reg fi-pcie ours-reg; graphs auto vllm fi-pcie ours-reg)",
         "bytes",
         "auto ran",
         "auto",
@@ -366,9 +537,11 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
         "2shot",
         "vllm",
         "vllm reg",
+        "flashinfer pcie",
         "ratio",
         "graph",
         "vllm",
+        "flashinfer pcie",
         "ratio",
         "ours reg",
         "ratio",
@@ -385,26 +558,28 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
         })
         .collect();
     let barrier = Barrier::new(world);
-    let shared: Shared = Mutex::new(vec![(0, 0, 0); world]);
+    let shared: Shared = Mutex::new(vec![(0, 0, 0, 0); world]);
     let heartbeat = Heartbeat::default();
-    let wrongs = Mutex::new(vec![[0usize; 6]; world]);
+    let wrongs = Mutex::new(vec![[0usize; 7]; world]);
     // Collective, before the ranks' threads start (it allocates on every rank's device).
     let registered = Communicator::alloc_registered_group(&comms, max.max(16))?;
-    let results: Vec<Result<Vec<RowTimes>, String>> = std::thread::scope(|s| {
-        // vLLM's kernels wait for their peers without a deadline: a row that stops
-        // progressing ends the process with a message instead of hanging it.
+    type RankResult = Result<(Vec<RowTimes>, Option<String>), String>;
+    let results: Vec<RankResult> = std::thread::scope(|s| {
+        // vLLM's and FlashInfer's kernels wait for their peers without a deadline: a row that
+        // stops progressing ends the process with a message instead of hanging it.
         heartbeat.watch(s, "--peers");
         let hs: Vec<_> = comms
             .iter()
             .zip(&registered)
             .map(|(c, reg)| {
-                let (barrier, shared, heartbeat, sizes, expected, wrongs) = (
+                let (barrier, shared, heartbeat, sizes, expected, wrongs, pcie_setup) = (
                     &barrier,
                     &shared,
                     &heartbeat,
                     &sizes,
                     &expected[..],
                     &wrongs,
+                    &pcie_setup,
                 );
                 s.spawn(move || {
                     rank_loop(
@@ -418,6 +593,7 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
                         expected,
                         wrongs,
                         reg,
+                        pcie_setup,
                     )
                 })
             })
@@ -433,88 +609,126 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
         r
     });
     let mut per_rank = Vec::with_capacity(world);
+    let mut pcie_error = None;
     for r in results {
-        per_rank.push(r?);
+        let (rows, err) = r?;
+        per_rank.push(rows);
+        pcie_error = pcie_error.or(err);
+    }
+    if let (Some(why), false) = (&pcie_error, json) {
+        println!("# flashinfer pcie not run: {why}");
     }
     let mut rows_json = Vec::with_capacity(sizes.len());
-    // --plot: ours / the best vLLM column per size (log2 bytes), eager and in graphs.
+    // --plot: ours / the best peer per size (log2 bytes), eager and in graphs.
     let mut ratios: Vec<(String, Vec<(f64, f64)>)> = [
-        "ours reg / best vLLM, eager",
-        "ours reg / vLLM, graphs",
-        "ours (staged) / best vLLM, eager",
+        "ours reg / best peer, eager",
+        "ours reg / best peer, graphs",
+        "ours (staged) / best peer, eager",
     ]
     .iter()
     .map(|l| (l.to_string(), Vec::new()))
     .collect();
+    let (ec, gc) = (eager_col, |w| graph_col(w).expect("a graph contender"));
     for (k, &bytes) in sizes.iter().enumerate() {
         let slowest = |f: &dyn Fn(&RowTimes) -> f64| slowest(&per_rank, k, f);
-        let eager: Vec<f64> = (0..6).map(|i| slowest(&|r| r.eager[i])).collect();
-        let graph: Vec<f64> = (0..3).map(|i| slowest(&|r| r.graph[i])).collect();
+        let eager: Vec<f64> = (0..EAGER.len()).map(|i| slowest(&|r| r.eager[i])).collect();
+        let graph: Vec<f64> = (0..GRAPH.len()).map(|i| slowest(&|r| r.graph[i])).collect();
         // Summed over ranks already (the ranks agreed on them), graphs summed here.
         let mut wrong: Vec<usize> = per_rank[0][k].wrong.to_vec();
-        wrong.extend((0..3).map(|g| per_rank.iter().map(|r| r[k].graph_wrong[g]).sum::<usize>()));
-        let peer = min_nan(eager[3], eager[4]);
+        let graph_wrong: Vec<usize> = (0..GRAPH.len())
+            .map(|g| per_rank.iter().map(|r| r[k].graph_wrong[g]).sum::<usize>())
+            .collect();
+        wrong.extend(&graph_wrong);
+        let peer = best_peer(&eager, false);
+        let graph_peer = best_peer(&graph, true);
         let num = |x: f64| (!x.is_nan()).then_some(x * 1e6);
+        let (auto, reg) = (eager[ec(Who::Auto)], eager[ec(Who::OursRegistered)]);
+        let (g_auto, g_reg) = (graph[gc(Who::Auto)], graph[gc(Who::OursRegistered)]);
         for (line, (a, b)) in
             ratios
                 .iter_mut()
-                .zip([(eager[5], peer), (graph[2], graph[1]), (eager[0], peer)])
+                .zip([(reg, peer), (g_reg, graph_peer), (auto, peer)])
         {
             if bytes > 0 && !(a / b).is_nan() {
                 line.1.push(((bytes as f64).log2(), a / b));
             }
         }
+        let pcie_launch = match &pcie_setup.plan[k] {
+            Ok(l) => serde_json::json!({
+                "blocks": l.blocks, "threads": l.threads, "variant": l.variant.to_string(),
+            }),
+            Err(why) => serde_json::json!({ "not_run": why }),
+        };
+        let eager_json = |w: Who| num(eager[ec(w)]);
+        let graph_json = |w: Who| num(graph[gc(w)]);
+        let w_eager = |w: Who| wrong[ec(w)];
+        let w_graph = |w: Who| graph_wrong[gc(w)];
         rows_json.push(serde_json::json!({
             "bytes": bytes,
             "auto_ran": per_rank[0][k].ran.map(|s| s.to_string()),
             "eager_us": {
-                "auto": num(eager[0]), "oneshot": num(eager[1]), "twoshot": num(eager[2]),
-                "vllm": num(eager[3]), "vllm_registered": num(eager[4]),
-                "ours_registered": num(eager[5]),
+                "auto": eager_json(Who::Auto), "oneshot": eager_json(Who::OneShot),
+                "twoshot": eager_json(Who::TwoShot), "vllm": eager_json(Who::Vllm),
+                "vllm_registered": eager_json(Who::VllmRegistered),
+                "flashinfer_pcie": eager_json(Who::Pcie),
+                "ours_registered": eager_json(Who::OursRegistered),
             },
             "graph_us": {
-                "auto": num(graph[0]), "vllm": num(graph[1]), "ours_registered": num(graph[2]),
+                "auto": graph_json(Who::Auto), "vllm": graph_json(Who::VllmRegistered),
+                "flashinfer_pcie": graph_json(Who::Pcie),
+                "ours_registered": graph_json(Who::OursRegistered),
             },
             "best_peer_eager_us": num(peer),
+            "best_peer_graph_us": num(graph_peer),
+            "flashinfer_pcie_launch": pcie_launch,
             "wrong": {
-                "eager": { "auto": wrong[0], "oneshot": wrong[1], "twoshot": wrong[2],
-                           "vllm": wrong[3], "vllm_registered": wrong[4],
-                           "ours_registered": wrong[5] },
-                "graph": { "auto": wrong[6], "vllm": wrong[7], "ours_registered": wrong[8] },
+                "eager": { "auto": w_eager(Who::Auto), "oneshot": w_eager(Who::OneShot),
+                           "twoshot": w_eager(Who::TwoShot), "vllm": w_eager(Who::Vllm),
+                           "vllm_registered": w_eager(Who::VllmRegistered),
+                           "flashinfer_pcie": w_eager(Who::Pcie),
+                           "ours_registered": w_eager(Who::OursRegistered) },
+                "graph": { "auto": w_graph(Who::Auto), "vllm": w_graph(Who::VllmRegistered),
+                           "flashinfer_pcie": w_graph(Who::Pcie),
+                           "ours_registered": w_graph(Who::OursRegistered) },
             },
         }));
         if json {
             continue;
         }
         println!(
-            "  {:>10} {:>8} | {:>8} {:>8} {:>8} | {:>8} {:>8} | {:>7} | {:>8} {:>8} {:>7} | {:>8} {:>7} | {:>8} {:>7} | {:?}",
+            "  {:>10} {:>8} | {:>8} {:>8} {:>8} | {:>8} {:>8} {:>15} | {:>7} | {:>8} {:>8} {:>15} {:>7} | {:>8} {:>7} | {:>8} {:>7} | {:?}",
             bytes,
             per_rank[0][k]
                 .ran
                 .map_or("-".to_string(), |s| s.to_string()),
-            us(eager[0]),
-            us(eager[1]),
-            us(eager[2]),
-            us(eager[3]),
-            us(eager[4]),
-            ratio(eager[0], peer),
-            us(graph[0]),
-            us(graph[1]),
-            ratio(graph[0], graph[1]),
-            us(eager[5]),
-            ratio(eager[5], peer),
-            us(graph[2]),
-            ratio(graph[2], graph[1]),
+            us(auto),
+            us(eager[ec(Who::OneShot)]),
+            us(eager[ec(Who::TwoShot)]),
+            us(eager[ec(Who::Vllm)]),
+            us(eager[ec(Who::VllmRegistered)]),
+            us(eager[ec(Who::Pcie)]),
+            ratio(auto, peer),
+            us(g_auto),
+            us(graph[gc(Who::VllmRegistered)]),
+            us(graph[gc(Who::Pcie)]),
+            ratio(g_auto, graph_peer),
+            us(reg),
+            ratio(reg, peer),
+            us(g_reg),
+            ratio(g_reg, graph_peer),
             wrong
         );
     }
     if let Some(path) = &args.plot {
         crate::plot::draw_lines(
             path,
-            &format!("allreduce vs vLLM custom all-reduce, {world} ranks, {dtype}"),
+            &format!(
+                "allreduce vs vLLM custom all-reduce and FlashInfer PCIe all-reduce, {world} \
+                 ranks, {dtype}"
+            ),
             &crate::plot::Axes {
                 x_desc: "message size per rank (bytes, log2 scale)",
-                y_desc: "time / the peer's time (below 1: ours is faster)",
+                y_desc: "time / the best peer's time (below 1: ours is faster)",
                 x_label: &|x| crate::cli::format_size(2f64.powf(x).round() as usize),
                 reference: Some(1.0),
             },
@@ -532,10 +746,104 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
             "world": world,
             "dtype": dtype.to_string(),
             "grid_blocks": block_limit,
+            "flashinfer_pcie_grid_cap": share,
+            "flashinfer_pcie_error": pcie_error,
+            "best_peer": ["vllm", "vllm_registered", "flashinfer_pcie"],
             "graph_calls": GRAPH_CALLS,
             "rows": rows_json,
         });
         println!("{}", serde_json::to_string_pretty(&doc)?);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What keeps the exact check fair to FlashInfer's 16-bit accumulation: with the integer
+    /// inputs, every partial sum in rank order and in its 8-rank island order is exact in
+    /// bf16 and f16, so any order and precision gives the exact sum.
+    #[test]
+    fn integer_sums_are_exact_in_any_order_and_precision() {
+        use crate::data::{int_pattern, round_to};
+        for dtype in [DType::BF16, DType::F16] {
+            let add = |a: f32, b: f32| round_to(dtype, a + b);
+            for world in [2usize, 4, 8] {
+                // The pattern repeats every 23 elements.
+                for i in 0..23 {
+                    let v: Vec<f32> = (0..world).map(|r| int_pattern(r, i)).collect();
+                    let exact: f32 = v.iter().sum();
+                    assert_eq!(v.iter().fold(0.0, |a, &x| add(a, x)), exact);
+                    assert_eq!(v.iter().rev().fold(0.0, |a, &x| add(a, x)), exact);
+                    if world == 8 {
+                        let island = |s: &[f32]| add(add(s[0], s[1]), add(s[2], s[3]));
+                        assert_eq!(add(island(&v[..4]), island(&v[4..])), exact);
+                    }
+                    // Every partial sum stays within the integers both types hold exactly.
+                    assert!(v.iter().map(|x| x.abs()).sum::<f32>() <= 256.0);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn flashinfer_pcie_is_a_column_in_both_modes_and_in_best_peer() {
+        assert!(EAGER.contains(&Who::Pcie) && GRAPH.contains(&Who::Pcie));
+        assert!(GRAPH.iter().all(|w| EAGER.contains(w)));
+        let mut eager = [f64::NAN; 7];
+        eager[eager_col(Who::Vllm)] = 3.0;
+        eager[eager_col(Who::VllmRegistered)] = 2.0;
+        eager[eager_col(Who::Pcie)] = 1.0;
+        eager[eager_col(Who::Auto)] = 0.5;
+        assert_eq!(best_peer(&eager, false), 1.0);
+        eager[eager_col(Who::Pcie)] = f64::NAN;
+        assert_eq!(best_peer(&eager, false), 2.0);
+        let mut graph = [f64::NAN; 4];
+        assert!(best_peer(&graph, true).is_nan());
+        graph[graph_col(Who::Pcie).unwrap()] = 4.0;
+        graph[graph_col(Who::OursRegistered).unwrap()] = 1.0;
+        assert_eq!(best_peer(&graph, true), 4.0);
+        graph[graph_col(Who::VllmRegistered).unwrap()] = 3.0;
+        assert_eq!(best_peer(&graph, true), 3.0);
+    }
+
+    #[test]
+    fn flashinfer_pcie_plan_says_where_it_runs_and_why_not() {
+        let sizes = [16, 64, 256, 16 << 10, 64 << 10, 1 << 20];
+        let setup = PcieSetup::new(8, DType::BF16, &sizes, 16);
+        let notes = setup.notes(&sizes);
+        if let Some(why) = allreduce_peers::unavailable() {
+            assert_eq!(
+                notes,
+                vec![format!("# flashinfer pcie at 16-1M B: - ({why})")]
+            );
+            assert!(setup.workspace.is_err());
+            return;
+        }
+        assert_eq!(notes.len(), 4, "{notes:?}");
+        assert!(notes[0]
+            .starts_with("# flashinfer pcie at 16-64 B: - (under one 16-byte pack per rank"));
+        assert_eq!(
+            notes[1],
+            "# flashinfer pcie at 256-16K B: 16 blocks x 256 threads, unstaged"
+        );
+        assert_eq!(
+            notes[2],
+            "# flashinfer pcie at 64K B: 1 block x 256 threads, staged-ring"
+        );
+        assert_eq!(
+            notes[3],
+            "# flashinfer pcie at 1M B: 4 blocks x 256 threads, staged-ring"
+        );
+        // f32: one line, no workspace.
+        let f32_setup = PcieSetup::new(2, DType::F32, &sizes, 66);
+        assert_eq!(f32_setup.notes(&sizes).len(), 1);
+        assert!(f32_setup.workspace.is_err());
+        // The workspace holds the largest admitted size: two regions of two halves of every
+        // rank's copy.
+        let (n, bytes) = setup.workspace.clone().unwrap();
+        assert_eq!(n, (1 << 20) / 2);
+        assert!(bytes > 2 * 2 * 8 * (1 << 20), "{bytes}");
+    }
 }

@@ -9,6 +9,8 @@
 //!   kernels, its own switch rule and its 36-block limit), as FlashInfer ships it.
 //! - [`Trtllm`]: TensorRT-LLM's all-reduce fusion kernels (Lamport one-shot and two-shot, with
 //!   residual + RMSNorm and FP8 output), as FlashInfer ships them, with its own launcher.
+//! - [`FlashinferPcie`]: FlashInfer's PCIe IPC all-reduce (`flashinfer::comm::pcie_ipc`), with
+//!   the launch its Python layer picks when nothing was tuned ([`PcieLaunch::seed`]).
 
 use std::ffi::c_void;
 
@@ -81,6 +83,40 @@ mod ffi {
             n: i32,
             block_limit: i32,
             threads: i32,
+            err: *mut u8,
+            len: usize,
+        ) -> i32;
+        pub fn peers_pcie_workspace_bytes(
+            world: i32,
+            max_numel: i64,
+            elem: i32,
+            max_blocks: i32,
+            out: *mut i64,
+            err: *mut u8,
+            len: usize,
+        ) -> i32;
+        pub fn peers_pcie_create(
+            slabs: *mut *mut c_void,
+            world: i32,
+            rank: i32,
+            max_numel: i64,
+            elem: i32,
+            max_blocks: i32,
+            out: *mut *mut c_void,
+            err: *mut u8,
+            len: usize,
+        ) -> i32;
+        pub fn peers_pcie_destroy(h: *mut c_void);
+        pub fn peers_pcie_all_reduce(
+            h: *mut c_void,
+            stream: *mut c_void,
+            dtype: i32,
+            input: *const c_void,
+            output: *mut c_void,
+            numel: i64,
+            blocks: i32,
+            threads: i32,
+            variant: i32,
             err: *mut u8,
             len: usize,
         ) -> i32;
@@ -617,6 +653,319 @@ impl Trtllm {
     }
 }
 
+/// The kernels of FlashInfer's PCIe IPC all-reduce that run on SMs (`pcie_ipc::Variant`; its
+/// copy-engine variants are never picked untuned and are not wrapped).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PcieVariant {
+    /// Every rank pushes to every peer at once (at 8 ranks: two islands of 4, no barriers).
+    Unstaged,
+    /// Reduce-scatter / all-gather (at 8 ranks: island owners, block-partitioned).
+    Staged,
+    /// Reduce-scatter / all-gather pushing to one neighbour per pass (4 and 8 ranks).
+    StagedRing,
+    /// [`PcieVariant::Staged`] without the islands (8 ranks).
+    FlatStaged,
+}
+
+impl PcieVariant {
+    #[cfg_attr(not(peers_built), allow(dead_code))]
+    fn code(self) -> i32 {
+        match self {
+            PcieVariant::Unstaged => 0,
+            PcieVariant::Staged => 1,
+            PcieVariant::StagedRing => 2,
+            PcieVariant::FlatStaged => 3,
+        }
+    }
+}
+
+impl std::fmt::Display for PcieVariant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PcieVariant::Unstaged => "unstaged",
+            PcieVariant::Staged => "staged",
+            PcieVariant::StagedRing => "staged-ring",
+            PcieVariant::FlatStaged => "flat-staged",
+        })
+    }
+}
+
+/// One launch of FlashInfer's PCIe all-reduce: grid, block and kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PcieLaunch {
+    pub blocks: u32,
+    pub threads: u32,
+    pub variant: PcieVariant,
+}
+
+impl PcieLaunch {
+    /// FlashInfer's launch for a shape nothing has tuned: `_seed` in
+    /// flashinfer/comm/pcie_ipc_policy.py of flashinfer-python 0.7.2.post1, restated. Its
+    /// logic: two ranks push straight to the peer whatever the size; from 32 KiB the
+    /// neighbour-ordered reduce-scatter / all-gather, one block per 256 KiB, 1 to 4 blocks;
+    /// below that four ranks take the staged kernel on one block (its grid multiplies the
+    /// concurrency that collapses a PCIe fabric) and eight the island push on 16.
+    pub fn seed(world: usize, bytes: usize, max_blocks: u32) -> PcieLaunch {
+        const STAGE_BYTES: usize = 32 << 10;
+        const RING_BYTES_PER_BLOCK: usize = 256 << 10;
+        const RING_MAX_BLOCKS: usize = 4;
+        let launch = |blocks: u32, threads, variant| PcieLaunch {
+            blocks,
+            threads,
+            variant,
+        };
+        if world == 2 {
+            return launch(max_blocks.min(16), 128, PcieVariant::Unstaged);
+        }
+        if bytes >= STAGE_BYTES {
+            let blocks = RING_MAX_BLOCKS
+                .min(bytes / RING_BYTES_PER_BLOCK)
+                .min(max_blocks as usize)
+                .max(1);
+            return launch(blocks as u32, 256, PcieVariant::StagedRing);
+        }
+        if world == 4 {
+            return launch(1, 256, PcieVariant::Staged);
+        }
+        launch(max_blocks.min(16), 256, PcieVariant::Unstaged)
+    }
+}
+
+/// One rank of FlashInfer's PCIe IPC all-reduce (`flashinfer::comm::pcie_ipc::all_reduce`),
+/// bf16 and f16, 2, 4 or 8 ranks, out of place.
+///
+/// Memory is the caller's, as in FlashInfer: one zeroed slab per rank of
+/// [`FlashinferPcie::workspace_bytes`], every rank's slab known to every rank. Its kernels
+/// wait for their peers without a deadline and assume every rank makes the same calls with
+/// the same launch, in order, on one stream ([`FlashinferPcie::launch`] is a pure function of
+/// the shape, so every rank derives the same).
+pub struct FlashinferPcie {
+    #[cfg_attr(not(peers_built), allow(dead_code))]
+    handle: *mut c_void,
+    world: usize,
+    max_numel: usize,
+    max_blocks: u32,
+}
+
+// SAFETY: as for `Vllm`: one rank's thread uses it at a time; the C++ object holds pointers.
+unsafe impl Send for FlashinferPcie {}
+
+impl FlashinferPcie {
+    /// The workspace's block capacity FlashInfer's Python layer defaults to (`AR_MAX_BLOCKS`
+    /// in flashinfer/comm/pcie_ipc_collectives/_constants.py, 0.7.2.post1): it sizes the
+    /// barrier slots and bounds every launch's grid.
+    pub const MAX_BLOCKS: u32 = 128;
+
+    /// Bytes of one rank's slab for calls of up to `max_numel` elements of `dtype`.
+    pub fn workspace_bytes(
+        world: usize,
+        max_numel: usize,
+        dtype: DType,
+        max_blocks: u32,
+    ) -> Result<usize, String> {
+        if let Some(why) = unavailable() {
+            return Err(why);
+        }
+        Self::check_dtype(dtype)?;
+        #[cfg(peers_built)]
+        {
+            let mut bytes = 0i64;
+            // SAFETY: arithmetic into a local.
+            call("pcie_ipc::workspace_size", |e, l| unsafe {
+                ffi::peers_pcie_workspace_bytes(
+                    world as i32,
+                    max_numel as i64,
+                    dtype.size() as i32,
+                    max_blocks as i32,
+                    &mut bytes,
+                    e,
+                    l,
+                )
+            })?;
+            return Ok(bytes as usize);
+        }
+        #[allow(unreachable_code)]
+        {
+            let _ = (world, max_numel, max_blocks);
+            Err(unavailable().unwrap_or_default())
+        }
+    }
+
+    /// The launch FlashInfer would make for `numel` elements of `dtype` at `world` ranks over a
+    /// workspace of `max_blocks` (its `get_pcie_ipc_launch_config`: admission, then
+    /// [`PcieLaunch::seed`], capped at `max_blocks`), with the grid further capped at
+    /// `grid_share` blocks so that every virtual rank's grid co-resides on one GPU. The error
+    /// says why FlashInfer would not run the shape.
+    pub fn launch(
+        world: usize,
+        numel: usize,
+        dtype: DType,
+        max_blocks: u32,
+        grid_share: u32,
+    ) -> Result<PcieLaunch, String> {
+        Self::check_dtype(dtype)?;
+        if !matches!(world, 2 | 4 | 8) {
+            return Err(format!(
+                "FlashInfer's PCIe all-reduce runs 2, 4 or 8 ranks, not {world}"
+            ));
+        }
+        // FlashInfer's `_admits`: whole 16-byte packs, and at least one pack per rank.
+        let pack = 16 / dtype.size();
+        if numel % pack != 0 {
+            return Err(format!(
+                "{numel} elements are not a whole number of 16-byte packs"
+            ));
+        }
+        if numel < pack * world {
+            return Err(format!(
+                "under one 16-byte pack per rank (FlashInfer admits {} elements and up at {world} ranks)",
+                pack * world
+            ));
+        }
+        let mut l = PcieLaunch::seed(world, numel * dtype.size(), max_blocks);
+        l.blocks = l.blocks.min(max_blocks).min(grid_share.max(1));
+        // FlashInfer's `_is_launchable`, for what a cap could break.
+        if l.blocks == 0
+            || (world == 8 && l.variant == PcieVariant::Staged && l.blocks % 4 != 0)
+            || !(world as u32..=1024).contains(&l.threads)
+        {
+            return Err(format!("{l:?} is not launchable at {world} ranks"));
+        }
+        Ok(l)
+    }
+
+    fn check_dtype(dtype: DType) -> Result<(), String> {
+        // Its binding checks for 2-byte elements: the kernels' f32 path is never built.
+        if dtype == DType::F32 {
+            return Err("FlashInfer's PCIe all-reduce runs bf16 and f16 only".into());
+        }
+        Ok(())
+    }
+
+    /// Rank `rank` of `slabs.len()` (2, 4 or 8) over every rank's slab, for calls of up to
+    /// `max_numel` elements (a whole number of 16-byte packs) of `dtype`.
+    ///
+    /// # Safety
+    /// `slabs[r]` are zeroed device buffers of [`FlashinferPcie::workspace_bytes`] for the same
+    /// arguments, all zeroed before any rank's first call, living as long as every rank's
+    /// communicator.
+    pub unsafe fn new(
+        slabs: &[u64],
+        rank: usize,
+        max_numel: usize,
+        dtype: DType,
+        max_blocks: u32,
+    ) -> Result<Self, String> {
+        if let Some(why) = unavailable() {
+            return Err(why);
+        }
+        Self::check_dtype(dtype)?;
+        let world = slabs.len();
+        if !matches!(world, 2 | 4 | 8) || rank >= world {
+            return Err(format!(
+                "FlashInfer's PCIe all-reduce runs 2, 4 or 8 ranks; rank {rank} of {world} asked"
+            ));
+        }
+        #[cfg(peers_built)]
+        {
+            let mut ptrs: Vec<*mut c_void> = slabs.iter().map(|&p| p as *mut c_void).collect();
+            let mut handle = std::ptr::null_mut();
+            call("pcie_ipc init", |e, l| {
+                ffi::peers_pcie_create(
+                    ptrs.as_mut_ptr(),
+                    world as i32,
+                    rank as i32,
+                    max_numel as i64,
+                    dtype.size() as i32,
+                    max_blocks as i32,
+                    &mut handle,
+                    e,
+                    l,
+                )
+            })?;
+            return Ok(FlashinferPcie {
+                handle,
+                world,
+                max_numel,
+                max_blocks,
+            });
+        }
+        #[allow(unreachable_code)]
+        {
+            let _ = (max_numel, max_blocks);
+            unreachable!("unavailable() covers builds without the shim")
+        }
+    }
+
+    /// The ranks of its group.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The workspace's block capacity.
+    pub fn max_blocks(&self) -> u32 {
+        self.max_blocks
+    }
+
+    /// Enqueues an all-reduce of `n` elements of `input` into `output` on `stream` (a
+    /// `CUstream`) with `launch` (from [`FlashinferPcie::launch`], the same on every rank),
+    /// without programmatic dependent launch (FlashInfer's binding refuses it).
+    ///
+    /// # Safety
+    /// `input` and `output` are device buffers of `n` elements of `dtype` on the current
+    /// device; every rank makes the same calls.
+    pub unsafe fn all_reduce(
+        &self,
+        stream: u64,
+        dtype: DType,
+        input: u64,
+        output: u64,
+        n: usize,
+        launch: &PcieLaunch,
+    ) -> Result<(), String> {
+        Self::check_dtype(dtype)?;
+        if n > self.max_numel {
+            return Err(format!(
+                "{n} elements: the workspace holds {}",
+                self.max_numel
+            ));
+        }
+        #[cfg(peers_built)]
+        {
+            return call("pcie_ipc all_reduce", |e, l| {
+                ffi::peers_pcie_all_reduce(
+                    self.handle,
+                    stream as *mut c_void,
+                    dtype_code(dtype),
+                    input as *const c_void,
+                    output as *mut c_void,
+                    n as i64,
+                    launch.blocks as i32,
+                    launch.threads as i32,
+                    launch.variant.code(),
+                    e,
+                    l,
+                )
+            });
+        }
+        #[allow(unreachable_code)]
+        {
+            let _ = (stream, input, output, launch);
+            Err(unavailable().unwrap_or_default())
+        }
+    }
+}
+
+impl Drop for FlashinferPcie {
+    fn drop(&mut self) {
+        #[cfg(peers_built)]
+        // SAFETY: created by peers_pcie_create, dropped once.
+        unsafe {
+            ffi::peers_pcie_destroy(self.handle)
+        };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -655,6 +1004,83 @@ mod tests {
         assert_eq!(s.lamport_slot, 4 * 128 * 4096 * 2);
         assert_eq!(s.flags, 4 * 256 * 4);
         assert_eq!(s.table, 13 * 8);
+    }
+
+    /// Every branch of FlashInfer's untuned launch (`_seed`), at its boundaries.
+    #[test]
+    fn pcie_seed_follows_flashinfer() {
+        use PcieVariant::*;
+        let l = |blocks, threads, variant| PcieLaunch {
+            blocks,
+            threads,
+            variant,
+        };
+        let m = FlashinferPcie::MAX_BLOCKS;
+        // Two ranks: the push to the peer at every size.
+        for bytes in [256, 32 << 10, 64 << 20] {
+            assert_eq!(PcieLaunch::seed(2, bytes, m), l(16, 128, Unstaged));
+        }
+        assert_eq!(PcieLaunch::seed(2, 256, 8), l(8, 128, Unstaged));
+        // From 32 KiB at 4 and 8 ranks: the ring, one block per 256 KiB, 1 to 4.
+        for world in [4, 8] {
+            assert_eq!(PcieLaunch::seed(world, 32 << 10, m), l(1, 256, StagedRing));
+            assert_eq!(PcieLaunch::seed(world, 512 << 10, m), l(2, 256, StagedRing));
+            assert_eq!(PcieLaunch::seed(world, 768 << 10, m), l(3, 256, StagedRing));
+            assert_eq!(PcieLaunch::seed(world, 64 << 20, m), l(4, 256, StagedRing));
+            assert_eq!(PcieLaunch::seed(world, 64 << 20, 2), l(2, 256, StagedRing));
+        }
+        // Below 32 KiB: four ranks staged on one block, eight the island push on 16.
+        assert_eq!(PcieLaunch::seed(4, (32 << 10) - 16, m), l(1, 256, Staged));
+        assert_eq!(PcieLaunch::seed(4, 64, m), l(1, 256, Staged));
+        assert_eq!(
+            PcieLaunch::seed(8, (32 << 10) - 16, m),
+            l(16, 256, Unstaged)
+        );
+        assert_eq!(PcieLaunch::seed(8, 256, 8), l(8, 256, Unstaged));
+    }
+
+    #[test]
+    fn pcie_launch_admits_what_flashinfer_admits_and_caps_the_grid() {
+        let m = FlashinferPcie::MAX_BLOCKS;
+        let launch = |world, numel, dtype| FlashinferPcie::launch(world, numel, dtype, m, m);
+        // f32, world sizes without kernels, partial packs, under a pack per rank.
+        for (world, numel, dtype, why) in [
+            (2, 64, DType::F32, "bf16 and f16 only"),
+            (3, 48, DType::BF16, "2, 4 or 8"),
+            (6, 48, DType::BF16, "2, 4 or 8"),
+            (2, 20, DType::BF16, "16-byte packs"),
+            (8, 32, DType::BF16, "64 elements and up at 8 ranks"),
+            (2, 8, DType::F16, "16 elements and up at 2 ranks"),
+        ] {
+            let e = launch(world, numel, dtype).unwrap_err();
+            assert!(e.contains(why), "{world} {numel} {dtype}: {e}");
+        }
+        assert!(launch(8, 64, DType::BF16).is_ok());
+        assert!(launch(4, 32, DType::F16).is_ok());
+        // The grid share caps FlashInfer's choice (13 SMs per rank: an A100 at 8 ranks).
+        let capped = FlashinferPcie::launch(8, 1024, DType::BF16, m, 13).unwrap();
+        assert_eq!((capped.blocks, capped.variant), (13, PcieVariant::Unstaged));
+        let h100 = FlashinferPcie::launch(8, 1024, DType::BF16, m, 132 / 8).unwrap();
+        assert_eq!(h100.blocks, 16);
+    }
+
+    #[test]
+    fn pcie_refuses_what_it_has_no_kernels_for() {
+        for (slabs, rank, dtype) in [
+            (vec![1u64; 3], 0, DType::BF16),
+            (vec![1; 2], 2, DType::BF16),
+            (vec![1; 2], 0, DType::F32),
+        ] {
+            // SAFETY: refused before any pointer is used.
+            let e = unsafe { FlashinferPcie::new(&slabs, rank, 64, dtype, 128) }
+                .err()
+                .unwrap();
+            assert!(
+                e.contains("2, 4 or 8") || e.contains("bf16 and f16") || e.contains("fetch.sh"),
+                "{}: {e}",
+                slabs.len()
+            );
+        }
     }
 
     #[test]
