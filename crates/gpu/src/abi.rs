@@ -57,7 +57,8 @@ pub const ERROR_MISMATCH: u32 = 2;
 /// fatal like a timeout. The only report a rank gets of a peer's timeout in another process.
 pub const ERROR_ABORTED: u32 = 3;
 /// The ranks entered a fused call with different shapes (`mine`/`theirs` hold fused.h's call
-/// descriptors); fatal, since the call's pushes stay in the Lamport buffers.
+/// descriptors); not fatal: every rank skipped the call, and the next one refills the buffer
+/// its pushes landed in. Cleared once reported, like [`ERROR_MISMATCH`].
 pub const ERROR_FUSED_MISMATCH: u32 = 4;
 
 /// A call descriptor, compared between ranks at the first barrier of every call.

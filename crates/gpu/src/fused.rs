@@ -10,7 +10,8 @@
 //! elements plus the call tags, pre-filled with -0.0, and 1 KiB of per-block call state
 //! (zeroed). The group's existing workspaces provide the abort word, and its Controls the
 //! error reports, so a poll that times out shows up in `Communicator::synchronize` like any
-//! other timeout (group.rs maps `ERROR_FUSED_MISMATCH` the same way).
+//! other timeout; a fused call the ranks disagreed on shows up there as a `RankMismatch` that
+//! leaves the group usable (`ERROR_FUSED_MISMATCH`).
 
 use std::sync::Arc;
 

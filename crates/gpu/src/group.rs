@@ -637,7 +637,6 @@ impl<R: GpuRuntime> Group<R> {
                 .find(|c| c.error == error)
         };
         find(abi::ERROR_TIMEOUT)
-            .or_else(|| find(abi::ERROR_FUSED_MISMATCH))
             .or_else(|| find(abi::ERROR_ABORTED))
             .map(|c| aborted_reason(&c))
     }
@@ -1245,7 +1244,7 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
         R::synchronize_stream(self.device(), stream)?;
         let control = self.group.control(self.rank);
         let c = Group::<R>::read_control(control);
-        if c.error == abi::ERROR_MISMATCH {
+        if c.error == abi::ERROR_MISMATCH || c.error == abi::ERROR_FUSED_MISMATCH {
             // Not fatal: clear it once reported. No kernel of ours runs now (the stream is
             // idle) and peers never write our control.
             // SAFETY: a live, aligned, host-mapped Control.
@@ -1255,6 +1254,9 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
                     abi::ERROR_NONE,
                 )
             };
+            if c.error == abi::ERROR_FUSED_MISMATCH {
+                return Err(fused_mismatch_error(self.rank, &c));
+            }
             let call = self.calls.load(Ordering::Relaxed).saturating_sub(1);
             return Err(mismatch_error(
                 self.rank,
@@ -1270,19 +1272,6 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
                 call: self.calls.load(Ordering::Relaxed).saturating_sub(1),
                 waited: Duration::from_nanos(c.waited_ns),
                 waiting_for: format!("peers' flags at block {}, epoch {}", c.block, c.epoch),
-            });
-        }
-        if c.error == abi::ERROR_FUSED_MISMATCH {
-            return Err(Error::RankMismatch {
-                what: "a fused call's shape",
-                call: c.epoch as u64,
-                detail: format!(
-                    "rank {} called with {}, rank {} with {}; the group must be rebuilt",
-                    self.rank,
-                    allreduce_core::fused::describe_desc(c.mine),
-                    c.rank,
-                    allreduce_core::fused::describe_desc(c.theirs)
-                ),
             });
         }
         if c.error == abi::ERROR_ABORTED {
@@ -1356,20 +1345,26 @@ fn registration_across_processes() -> Error {
     }
 }
 
+/// Ranks that disagreed on a fused call's shape: every rank skipped it, the group is usable.
+fn fused_mismatch_error(me: usize, c: &Control) -> Error {
+    Error::RankMismatch {
+        what: "a fused call's shape",
+        call: c.epoch as u64,
+        detail: format!(
+            "rank {me} called with {}, rank {} with {}; every rank skipped the call",
+            allreduce_core::fused::describe_desc(c.mine),
+            c.rank,
+            allreduce_core::fused::describe_desc(c.theirs)
+        ),
+    }
+}
+
 /// Why a group is out of step for good, from a Control holding a timeout or an abort.
 fn aborted_reason(c: &Control) -> String {
     if c.error == abi::ERROR_TIMEOUT {
         format!(
             "rank {} timed out at block {} waiting for epoch {}",
             c.rank, c.block, c.epoch
-        )
-    } else if c.error == abi::ERROR_FUSED_MISMATCH {
-        format!(
-            "fused call {}: a rank called with {} and rank {} with {}",
-            c.epoch,
-            allreduce_core::fused::describe_desc(c.mine),
-            c.rank,
-            allreduce_core::fused::describe_desc(c.theirs)
         )
     } else {
         format!(

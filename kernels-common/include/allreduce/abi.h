@@ -94,8 +94,8 @@ constexpr unsigned int kErrorMismatch = 2;
 // that peer's Control; without this one the host here would see a clean stream and take a
 // half-written output for a result.
 constexpr unsigned int kErrorAborted = 3;
-// Fatal: the ranks entered a fused call (fused.h) with different shapes. Its Lamport buffers
-// then hold pushes nobody will consume, so the kernel also sets the group's abort word.
+// Not fatal, like kErrorMismatch: the ranks entered a fused call (fused.h) with different
+// shapes and every rank skipped it; the next call refills the buffer its pushes landed in.
 // `rank` is the peer that differs, `epoch` the fused call, `mine`/`theirs` the descriptors.
 constexpr unsigned int kErrorFusedMismatch = 4;
 static_assert(sizeof(Control) == 40, "Control");

@@ -29,8 +29,13 @@
 // tag per call (the call count + 1 and its descriptor) into a small area at the end of the
 // current buffer, and every block checks all tags before it reads any peer data. The tag area
 // needs no refill: a tag is recognised by its call count, and a peer rewrites the same tag
-// slot only three calls later, which it cannot reach before we finish this one. A mismatch is
-// fatal (kErrorFusedMismatch): the call's pushes stay in buffers that nobody will consume.
+// slot only three calls later, which it cannot reach before we finish this one. Ranks that
+// disagree skip the call together (every block of every rank compares the same tags) and the
+// group stays usable (kErrorFusedMismatch, reported like the exact kernels' kErrorMismatch):
+// the skipped call's pushes, of whatever shape each peer had, stay in buffer k % 3, so the
+// next call refills that whole buffer (refill_after_skip), and only once its tags have
+// arrived: a peer's tag of call k + 1 is sent after its call k kernel completed, so none of
+// its call k pushes is still in flight.
 //
 // Every poll has the deadline of sync.h: every kSpinsBeforeCheck polls it reads the group's
 // abort word and the clock; past the deadline it records the failure in this rank's Control
@@ -58,10 +63,12 @@ constexpr uint32_t kPatternAllReduce = 0, kPatternNorm = 1, kPatternNormFp8 = 2,
 struct BlockState {
   uint32_t calls;        // calls this block has run: calls % 3 is this call's buffer
   uint32_t prev_tokens;  // rows of the previous call (what to refill)
-  uint32_t prev_twoshot; // whether the previous call was two-shot (which slots it wrote)
+  uint32_t prev_twoshot; // whether the previous call was two-shot (which slots it wrote), or
+                         // kPrevSkipped: the ranks disagreed on it (refill_after_skip)
   uint32_t prev_self;    // whether the previous call pushed into our own slot `rank`
 };
 static_assert(sizeof(BlockState) == 16 && kMaxBlocks * sizeof(BlockState) == 1024, "BlockState");
+constexpr uint32_t kPrevSkipped = 2;
 
 // Passed by value (__grid_constant__ on CUDA). Null output pointers are outputs not asked for.
 // One Lamport buffer (of three, `comm_bytes` apart) holds world + 1 slots of `max_elems`
@@ -387,44 +394,42 @@ AR_DEVICE void send_tag(const FusedKernelArgs& a, uint32_t calls, uint32_t buffe
               make_uint4(calls + 1u, 0u, uint32_t(desc), uint32_t(desc >> 32)));
 }
 
+// Not fatal: every rank sees the same tags and skips the call; the host reports it once and
+// clears it, as the exact kernels' kErrorMismatch. A timeout or abort recorded first is kept.
 AR_DEVICE void record_mismatch(const FusedKernelArgs& a, uint32_t peer, uint32_t calls, u64 mine, u64 theirs) {
   Control* c = a.control;
-  uint32_t old = cas_sys(&c->error, 0u, kErrorFusedMismatch);
-  // A peer that saw the mismatch first may have set the abort word, which our other blocks
-  // report as kErrorAborted: the mismatch says more.
-  if (old == kErrorAborted && cas_sys(&c->error, kErrorAborted, kErrorFusedMismatch) == kErrorAborted) old = 0u;
-  if (old == 0u) {
+  if (cas_sys(&c->error, 0u, kErrorFusedMismatch) == 0u) {
     c->rank = peer;
     c->block = block_x();
     c->epoch = calls;
     c->mine = mine;
     c->theirs = theirs;
+    fence_system();
   }
-  for (unsigned r = 0; r < a.world; ++r) st_release_sys(abort_word(a.ws[r]), 1u);
-  fence_system();
 }
 
 // Every block, before it reads peer data: wait for every rank's tag of this call and compare
-// it with ours. False (in every thread) when the block must leave.
-AR_DEVICE bool tags_agree(const FusedKernelArgs& a, uint32_t calls, uint32_t buffer, u64 desc) {
-  bool leave = false;
+// it with ours. The same in every thread: kAgree, kDisagree (every rank's blocks see the same
+// tags, so all skip the call), or kLeave (the deadline passed or the group aborted).
+enum Agreement { kAgree, kDisagree, kLeave };
+AR_DEVICE Agreement tags_agree(const FusedKernelArgs& a, uint32_t calls, uint32_t buffer, u64 desc) {
+  bool leave = false, differs = false;
   const uint32_t peer = thread_x();
   if (peer < a.world) {
     uint4 t;
     const uint4* tag = tags(a, a.lamport[a.rank], buffer) + peer;
-    // A peer that saw the mismatch first sets the abort word, which may end our poll before
-    // we look at its tag: look once more, so both sides report the mismatch.
-    if (!poll_until(tag, t, a, calls, TagOfCall{calls + 1u}) && (t = ld_volatile(tag)).x != calls + 1u) {
+    if (!poll_until(tag, t, a, calls, TagOfCall{calls + 1u})) {
       leave = true;
     } else {
       const u64 theirs = (u64)t.w << 32 | t.z;
       if (theirs != desc) {
         record_mismatch(a, peer, calls, desc, theirs);
-        leave = true;
+        differs = true;
       }
     }
   }
-  return !sync_block_or(leave);
+  if (!sync_block_or(leave || differs)) return kAgree;
+  return sync_block_or(leave) ? kLeave : kDisagree;
 }
 
 // ---- The row epilogue: residual add, RMSNorm, FP8 ----------------------------------------------
@@ -602,7 +607,7 @@ AR_DEVICE uint4 reduce(const uint4 (&raw)[Ranks<W>::kN], uint32_t world) {
 
 struct Call {
   uint32_t calls, buffer, stale, prev_tokens;
-  bool prev_twoshot, prev_self;
+  bool prev_twoshot, prev_self, prev_skipped;
 };
 
 // Read this block's state (every thread). No abort check here, unlike the exact kernels: it
@@ -615,7 +620,8 @@ AR_DEVICE void begin(const FusedKernelArgs& a, Call& c) {
   c.buffer = s.calls % 3;
   c.stale = (s.calls + 2) % 3;
   c.prev_tokens = s.prev_tokens;
-  c.prev_twoshot = s.prev_twoshot != 0;
+  c.prev_skipped = s.prev_twoshot == kPrevSkipped;
+  c.prev_twoshot = s.prev_twoshot != 0 && !c.prev_skipped;
   c.prev_self = s.prev_self != 0;
 }
 
@@ -632,6 +638,21 @@ AR_DEVICE void finish(const FusedKernelArgs& a, const Call& c, bool twoshot, boo
     s.prev_tokens = a.tokens;
     s.prev_twoshot = twoshot;
     s.prev_self = self_pushed;
+    a.state[block_x()] = s;
+  }
+}
+
+// The ranks disagreed on this call: it ends here on every block of every rank, and the next
+// call refills this call's buffer whole.
+AR_DEVICE void finish_skipped(const Call& c, const FusedKernelArgs& a) {
+  pdl_trigger();
+  sync_block();
+  if (thread_x() == 0) {
+    BlockState s;
+    s.calls = c.calls + 1;
+    s.prev_tokens = 0;
+    s.prev_twoshot = kPrevSkipped;
+    s.prev_self = 0;
     a.state[block_x()] = s;
   }
 }
@@ -684,7 +705,7 @@ AR_DEVICE void prev_owned(const FusedKernelArgs& a, const Call& c, uint32_t worl
 // read as it reads it (twoshot, phase 2).
 template <typename T, int W, bool kFromLast>
 AR_DEVICE void refill(const FusedKernelArgs& a, const Call& c) {
-  if (c.prev_twoshot) return;
+  if (c.prev_twoshot || c.prev_skipped) return;
   const uint32_t world = world_of<W>(a);
   constexpr int E = Packed<T>::kElems;
   const u64 row_vecs = a.hidden / E;
@@ -708,6 +729,30 @@ AR_DEVICE void refill_reduced(const FusedKernelArgs& a, const Call& c) {
   prev_owned(a, c, world, lo, hi);
   uint4* reduced = slot<T>(a, a.lamport[a.rank], c.stale, world);
   fill_sentinel<T, kFromLast>(reduced + lo * row_vecs, (hi - lo) * row_vecs);
+}
+
+// After a call the ranks skipped: every slot of its buffer (our stale one now) back to -0.0,
+// whatever shape each peer pushed. Only once this call's tags have all arrived (see the
+// header). Costs a pass over the buffer, once per disagreement.
+template <typename T, int W, bool kFromLast>
+AR_DEVICE void refill_after_skip(const FusedKernelArgs& a, const Call& c) {
+  if (!c.prev_skipped) return;
+  const uint32_t world = world_of<W>(a);
+  for (uint32_t s = 0; s <= world; ++s)
+    fill_sentinel<T, kFromLast>(slot<T>(a, a.lamport[a.rank], c.stale, s), a.max_elems / Packed<T>::kElems);
+}
+
+// What every kernel does once the tags have arrived: the refills that wait for them, and on a
+// disagreement the end of the call. False: the block leaves (the call was skipped, or failed).
+template <typename T, int W, bool kFromLast>
+AR_DEVICE bool after_tags(const FusedKernelArgs& a, const Call& c, Agreement ag) {
+  if (ag == kLeave) return false;
+  refill_after_skip<T, W, kFromLast>(a, c);
+  // Every peer's tag of this call shows it left the previous one, agreeing or not.
+  refill_reduced<T, W, kFromLast>(a, c);
+  if (ag == kAgree) return true;
+  finish_skipped(c, a);
+  return false;
 }
 
 // One round of phase 1's input loads: vectors v0 + u * stride, -0.0 pushed as +0.0.
@@ -767,9 +812,7 @@ AR_DEVICE bool oneshot_exchange(const FusedKernelArgs& a, Call& c, bool own) {
   }
   // ---- Phase 2: refill the stale buffer (overlaps the peers' pushes in flight), then agree.
   refill<T, W, true>(a, c);
-  if (!tags_agree(a, c.calls, c.buffer, desc)) return false;
-  refill_reduced<T, W, true>(a, c);
-  return true;
+  return after_tags<T, W, true>(a, c, tags_agree(a, c.calls, c.buffer, desc));
 }
 
 // One-shot: push every row to every rank; each rank reduces every row itself, in rank order,
@@ -846,8 +889,7 @@ __device__ void twoshot(const FusedKernelArgs& a) {
     }
   }
   refill<T, W, false>(a, c);
-  if (!tags_agree(a, c.calls, c.buffer, desc)) return;
-  refill_reduced<T, W, false>(a, c);
+  if (!after_tags<T, W, false>(a, c, tags_agree(a, c.calls, c.buffer, desc))) return;
 
   // ---- Phase 2: reduce our rows into our own slot `world`, where every rank reads them.
   char* self = a.lamport[a.rank];
