@@ -351,6 +351,17 @@ impl Communicator {
         Ok(call.strategy)
     }
 
+    /// Refuse this rank's part of the group's next call for a reason found before the call
+    /// could be built (a language binding's own checks: an enum code that names nothing, a
+    /// null pointer), the way [`Communicator::all_reduce`] refuses arguments it checks
+    /// itself: the peers' matching call returns `Error::PeerRejected` carrying `reason` at
+    /// once instead of waiting for its deadline, and the group stays usable. Call it where
+    /// this rank would have called `all_reduce`, with that call's stream.
+    pub fn reject(&self, reason: &Error, stream: Stream) {
+        tracing::debug!(rank = self.comm.rank(), error = %reason, "rejected by the caller");
+        self.comm.reject(reason, stream);
+    }
+
     /// Register memory the caller already has with every rank of an in-process group:
     /// `ranges[r]` is rank r's device address and length (one length for all; 16-byte aligned
     /// starts). Out-of-place exact one-shot and two-shot calls (as `Auto` or the caller

@@ -1442,7 +1442,7 @@ fn registered_calls_of_any_size_take_the_registered_path_by_default() {
     let (_mems, ranges) = ranges(2, 4096);
     comms[0].register_group(&ranges).unwrap();
     take_launches();
-    let out = vec![0u128; 1];
+    let out = [0u128; 1];
     let opts = AllReduceOptions::default().strategy(Strategy::OneShot);
     let call = prepared(
         &comms[1],

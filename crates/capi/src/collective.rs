@@ -1,0 +1,107 @@
+//! The all-reduce call.
+
+use std::ffi::{c_int, c_void};
+
+use allreduce::{AllReduceOptions, BufMut, BufRef, Communicator, DType, Error, Stream};
+
+use crate::args;
+use crate::call::{self, Failure};
+use crate::codes::ar_result_t;
+use crate::handle::{self, ar_comm_t};
+
+/// Sum `count` elements of `dtype` over every rank of the group (NCCL's `ncclAllReduce`,
+/// plus a precision and a strategy). `sendbuff == recvbuff` runs in place; other overlapping
+/// buffers are `AR_INVALID_ARGUMENT`. Buffers are host memory on the host backend and device
+/// memory of this rank's GPU otherwise, aligned to `ar_comm_alignment` (16 bytes). `dtype`
+/// is an `ar_dtype_t`, `op` must be `AR_SUM`, `precision` an `ar_precision_t`, `strategy` an
+/// `ar_strategy_t`. `stream` is the `cudaStream_t` / `hipStream_t` the call is enqueued on
+/// (NULL: the legacy default stream); the host backend takes NULL and runs the call before
+/// returning. Every rank must make the matching call with the same count, dtype,
+/// precision and strategy; ranks that do not all get `AR_RANK_MISMATCH` and nothing is
+/// written.
+///
+/// Arguments this rank refuses (a code that names nothing, a null buffer, a misaligned one,
+/// a call over `ar_comm_max_bytes` on the host) are reported to the peers, whose matching
+/// call returns `AR_PEER_REJECTED`; the group stays usable. An invalid `comm` handle reaches
+/// no peer: their calls wait until the deadline (`AR_TIMEOUT`).
+///
+/// Thread safety: call it from one thread at a time per communicator (each rank from its
+/// own thread, as NCCL's ranks of one process need their own threads for host-blocking
+/// backends); different communicators may be called concurrently.
+///
+/// # Safety
+/// When `count` > 0: `sendbuff` holds `count` readable elements and `recvbuff` `count`
+/// writable elements of `dtype` on this rank's device, and they stay valid until the call's
+/// work on `stream` has completed (on the host, until it returns). NULL is refused.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)] // NCCL's shape, plus precision and strategy
+pub unsafe extern "C" fn ar_all_reduce(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    dtype: c_int,
+    op: c_int,
+    precision: c_int,
+    strategy: c_int,
+    comm: ar_comm_t,
+    stream: *mut c_void,
+) -> ar_result_t {
+    call::run(|| {
+        let found = handle::comm(comm)?;
+        let comm = found.comm();
+        let stream = Stream::from_raw(stream);
+        let checked = (|| {
+            let dtype = args::dtype(dtype)?;
+            args::op(op)?;
+            let options = AllReduceOptions::default()
+                .precision(args::precision(precision)?)
+                .strategy(args::strategy(strategy)?)
+                .stream(stream);
+            args::byte_len(count, dtype)?;
+            if count > 0 && (sendbuff.is_null() || recvbuff.is_null()) {
+                let which = if sendbuff.is_null() {
+                    "sendbuff"
+                } else {
+                    "recvbuff"
+                };
+                return Err(Error::InvalidArgument(format!(
+                    "{which} is null for a call of {count} elements"
+                )));
+            }
+            Ok((dtype, options))
+        })();
+        let (dtype, options) = checked.inspect_err(|error| {
+            // The facade never saw this call, so tell the peers as it would have.
+            comm.reject(error, stream);
+        })?;
+        // SAFETY: the caller's promise: `count` elements of `dtype` on this rank's device,
+        // valid until the call's work has completed. The facade checks alignment, size and
+        // overlap before anything touches them.
+        unsafe { enqueue(comm, sendbuff, recvbuff, count, dtype, &options) }
+    })
+}
+
+/// # Safety
+/// As `ar_all_reduce`'s buffers.
+unsafe fn enqueue(
+    comm: &Communicator,
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    dtype: DType,
+    options: &AllReduceOptions,
+) -> Result<(), Failure> {
+    // Views on the communicator's own device: a C pointer carries no device, and the
+    // contract is that it is this rank's.
+    let device = comm.device();
+    // SAFETY: the caller's promise.
+    let output = unsafe { BufMut::from_raw(recvbuff as usize, count, dtype, device) };
+    if std::ptr::eq(sendbuff, recvbuff) {
+        comm.all_reduce_in_place(output, options)?;
+    } else {
+        // SAFETY: the caller's promise.
+        let input = unsafe { BufRef::from_raw(sendbuff as usize, count, dtype, device) };
+        comm.all_reduce(input, output, options)?;
+    }
+    Ok(())
+}
