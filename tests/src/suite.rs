@@ -52,6 +52,10 @@ pub const TESTS: &[Test] = &[
         run: registration_is_checked,
     },
     Test {
+        name: "registered_memory_moves_bytes",
+        run: registered_memory_moves_bytes,
+    },
+    Test {
         name: "thousand_calls_changing_sizes",
         run: thousand_calls_changing_sizes,
     },
@@ -299,6 +303,66 @@ fn ranks_disagree_on_registration(h: &dyn Harness, comms: &[Communicator]) -> Re
             let label = format!("{case}: the {after} call after it");
             let out = check::bitwise_equal(&results[3 * k + 1 + j], &label)?;
             check::exact(out, &reference, &label)?;
+        }
+    }
+    Ok(())
+}
+
+/// The memory a collective allocation hands out moves bytes as asked on every backend: fill,
+/// upload and download at offsets, a device copy between two ranks' buffers on one device;
+/// out-of-range and overlapping requests are refused with nothing touched.
+fn registered_memory_moves_bytes(h: &dyn Harness) -> Result<(), String> {
+    let world = 2.min(h.max_world());
+    let comms = group(h, world)?;
+    let mut bufs = Communicator::alloc_registered_group(&comms, 4096)
+        .map_err(|e| format!("alloc_registered_group: {e}"))?;
+    let pattern: Vec<u8> = (0..1000u32).map(|i| (i * 7 + 3) as u8).collect();
+    let e = |what: &'static str| move |err: Error| format!("{what}: {err}");
+    bufs[0].fill(0, 4096, 0x5a).map_err(e("fill"))?;
+    bufs[0].upload(100, &pattern).map_err(e("upload"))?;
+    let mut want = vec![0x5au8; 4096];
+    want[100..1100].copy_from_slice(&pattern);
+    let read = |b: &allreduce::RegisteredBuffer| -> Result<Vec<u8>, String> {
+        let mut got = vec![0u8; 4096];
+        b.download(0, &mut got).map_err(e("download"))?;
+        Ok(got)
+    };
+    if read(&bufs[0])? != want {
+        return Err("fill then upload at offset 100: other bytes came back".into());
+    }
+    let mut one = [0u8; 1];
+    let refused = [
+        (
+            "an upload past the end",
+            bufs[0].upload(4000, &pattern).is_err(),
+        ),
+        (
+            "a download past the end",
+            bufs[0].download(4096, &mut one).is_err(),
+        ),
+        ("a fill past the end", bufs[0].fill(1, 4096, 0).is_err()),
+        (
+            "an offset that overflows",
+            bufs[0].fill(usize::MAX, 2, 0).is_err(),
+        ),
+    ];
+    if let Some((what, _)) = refused.iter().find(|(_, refused)| !refused) {
+        return Err(format!("{what} was accepted"));
+    }
+    if read(&bufs[0])? != want {
+        return Err("a refused request changed the buffer".into());
+    }
+    if world > 1 && bufs[0].device() == bufs[1].device() {
+        let (a, b) = bufs.split_at_mut(1);
+        b[0].fill(0, 4096, 0).map_err(e("fill"))?;
+        b[0].copy_from(16, &a[0], 100, 1000).map_err(e("copy"))?;
+        let mut want = vec![0u8; 4096];
+        want[16..1016].copy_from_slice(&pattern);
+        if read(&b[0])? != want {
+            return Err("a device copy between two ranks' buffers: other bytes came back".into());
+        }
+        if b[0].copy_from(4000, &a[0], 0, 200).is_ok() {
+            return Err("a copy past the end was accepted".into());
         }
     }
     Ok(())

@@ -451,3 +451,8 @@ impl fmt::Debug for Communicator {
             .finish()
     }
 }
+
+/// The README's examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;

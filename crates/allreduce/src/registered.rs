@@ -1,14 +1,18 @@
 //! Collectively allocated registered memory ([`Communicator::alloc_registered_group`]).
 
 use allreduce_core::{
-    BufMut, BufRef, DType, Device, Error, RegisteredMemory, RegistrationId, Result,
+    BufMut, BufRef, DType, Device, Error, MemoryOp, RegisteredMemory, RegistrationId, Result,
 };
 
 #[cfg(doc)]
 use crate::Communicator;
 
-/// One rank's allocation of a registered group allocation. Calls whose input is a view of it
+/// One rank's allocation of a registered group allocation: device memory (host memory on the
+/// host backend) for callers who do not bring their own. Calls whose input is a view of it
 /// (at any 16-byte aligned offset, the same on every rank) read the peers' inputs in place.
+/// [`upload`](Self::upload), [`download`](Self::download), [`fill`](Self::fill) and
+/// [`copy_from`](Self::copy_from) move bytes synchronously (complete on return, on a stream
+/// of their own): synchronize the stream of any call that touches the same bytes first.
 /// Dropping it deregisters the group's allocation, then frees this rank's memory; keep it
 /// alive until the calls that read it have completed.
 #[derive(Debug)]
@@ -56,6 +60,42 @@ impl RegisteredBuffer {
                 self.mem.bytes
             ))),
         }
+    }
+
+    /// Copy `src` into the buffer from byte `offset`.
+    pub fn upload(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        self.mem.apply(MemoryOp::Upload { offset, src })
+    }
+
+    /// Copy the buffer from byte `offset` into `dst`.
+    pub fn download(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.mem.apply(MemoryOp::Download { offset, dst })
+    }
+
+    /// Set `bytes` bytes from `offset` to `value`.
+    pub fn fill(&mut self, offset: usize, bytes: usize, value: u8) -> Result<()> {
+        self.mem.apply(MemoryOp::Fill {
+            offset,
+            bytes,
+            value,
+        })
+    }
+
+    /// Copy `bytes` of `src` from `src_offset` into the buffer at `offset`, on the device (the
+    /// same backend and device).
+    pub fn copy_from(
+        &mut self,
+        offset: usize,
+        src: &RegisteredBuffer,
+        src_offset: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        self.mem.apply(MemoryOp::Copy {
+            offset,
+            src: &src.mem,
+            src_offset,
+            bytes,
+        })
     }
 
     /// `len` elements of `dtype` from byte `offset`, to read (a call's input).

@@ -92,6 +92,47 @@ struct HostRegistered {
     _mem: allreduce_core::HostBytes,
 }
 
+impl allreduce_core::MemoryOwner for HostRegistered {
+    fn apply(&self, mem: &RegisteredMemory, op: allreduce_core::MemoryOp<'_>) -> Result<()> {
+        use allreduce_core::MemoryOp;
+        // The memory is written through its address, as the host's calls write an output
+        // view of it: ranges were checked against it by `RegisteredMemory::apply`.
+        let at = |offset: usize| (mem.addr + offset) as *mut u8;
+        // SAFETY: every range lies inside a live allocation (checked by the caller), and a
+        // copy's ranges do not overlap (checked too).
+        unsafe {
+            match op {
+                MemoryOp::Upload { offset, src } => {
+                    std::ptr::copy_nonoverlapping(src.as_ptr(), at(offset), src.len())
+                }
+                MemoryOp::Download { offset, dst } => {
+                    std::ptr::copy_nonoverlapping(at(offset), dst.as_mut_ptr(), dst.len())
+                }
+                MemoryOp::Fill {
+                    offset,
+                    bytes,
+                    value,
+                } => std::ptr::write_bytes(at(offset), value, bytes),
+                MemoryOp::Copy {
+                    offset,
+                    src,
+                    src_offset,
+                    bytes,
+                } => std::ptr::copy_nonoverlapping(
+                    (src.addr + src_offset) as *const u8,
+                    at(offset),
+                    bytes,
+                ),
+            }
+        }
+        Ok(())
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
 #[derive(Default)]
 struct Scratch {
     a: Vec<f32>,

@@ -43,7 +43,8 @@ pub use fused::{
 };
 pub use op::{Codec, Precision, ReduceOp, Strategy};
 pub use registration::{
-    Deregister, RegisteredInput, RegisteredMemory, RegisteredRange, RegistrationId, Registry,
+    Deregister, MemoryOp, MemoryOwner, RegisteredInput, RegisteredMemory, RegisteredRange,
+    RegistrationId, Registry,
 };
 pub use select::{Rule, SelectionTable};
 pub use topology::{Link, Topology, TopologyClass};

@@ -149,8 +149,85 @@ pub struct RegisteredMemory {
     pub bytes: usize,
     pub device: Device,
     pub id: RegistrationId,
-    /// Deregisters on drop, then frees (the backend's types, in that order).
-    pub owner: Box<dyn Any + Send + Sync>,
+    /// Deregisters on drop, then frees (the backend's types, in that order), and carries out
+    /// copies and fills on the memory.
+    pub owner: Box<dyn MemoryOwner>,
+}
+
+/// A copy or fill on one rank's registered memory, at byte offsets into it.
+#[derive(Debug)]
+pub enum MemoryOp<'a> {
+    /// `src` to the memory at `offset`.
+    Upload { offset: usize, src: &'a [u8] },
+    /// The memory at `offset` into `dst`.
+    Download { offset: usize, dst: &'a mut [u8] },
+    /// `bytes` bytes of `value` from `offset`.
+    Fill {
+        offset: usize,
+        bytes: usize,
+        value: u8,
+    },
+    /// `bytes` from `src` at `src_offset` to the memory at `offset` (the same backend and
+    /// device; `src` may be this memory if the ranges do not overlap).
+    Copy {
+        offset: usize,
+        src: &'a RegisteredMemory,
+        src_offset: usize,
+        bytes: usize,
+    },
+}
+
+/// What owns a rank's registered memory: the backend's allocation and its deregistration.
+pub trait MemoryOwner: Any + Send + Sync {
+    /// Carry out `op`, complete on return (ranges already checked by
+    /// [`RegisteredMemory::apply`]). `mem` is the memory this owner owns.
+    fn apply(&self, mem: &RegisteredMemory, op: MemoryOp<'_>) -> Result<()>;
+    /// For a backend to find its own type behind another owner (a copy's source).
+    fn as_any(&self) -> &dyn Any;
+}
+
+impl RegisteredMemory {
+    /// Carry out `op` on this memory, synchronously: on return the bytes are in place (a
+    /// download: in `dst`). Not ordered with any stream: a caller who enqueued work that reads
+    /// or writes the same bytes synchronizes that stream first. A range past the end, an
+    /// overlapping copy or a copy across devices is an `InvalidArgument`, nothing touched.
+    pub fn apply(&self, op: MemoryOp<'_>) -> Result<()> {
+        let fits = |offset: usize, len: usize, size: usize, what: &str| -> Result<()> {
+            match offset.checked_add(len) {
+                Some(end) if end <= size => Ok(()),
+                _ => Err(Error::InvalidArgument(format!(
+                    "{what}: {len} bytes at offset {offset} do not fit {size} bytes"
+                ))),
+            }
+        };
+        match &op {
+            MemoryOp::Upload { offset, src } => fits(*offset, src.len(), self.bytes, "upload")?,
+            MemoryOp::Download { offset, dst } => fits(*offset, dst.len(), self.bytes, "download")?,
+            MemoryOp::Fill { offset, bytes, .. } => fits(*offset, *bytes, self.bytes, "fill")?,
+            MemoryOp::Copy {
+                offset,
+                src,
+                src_offset,
+                bytes,
+            } => {
+                fits(*offset, *bytes, self.bytes, "copy destination")?;
+                fits(*src_offset, *bytes, src.bytes, "copy source")?;
+                if src.device != self.device {
+                    return Err(Error::InvalidArgument(format!(
+                        "copy from {:?} memory to {:?} memory: one device only",
+                        src.device, self.device
+                    )));
+                }
+                let (d, s) = (self.addr + offset, src.addr + src_offset);
+                if *bytes > 0 && d < s + bytes && s < d + bytes {
+                    return Err(Error::InvalidArgument(
+                        "copy between overlapping ranges".into(),
+                    ));
+                }
+            }
+        }
+        self.owner.apply(self, op)
+    }
 }
 
 impl std::fmt::Debug for RegisteredMemory {

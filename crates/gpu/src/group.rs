@@ -1295,6 +1295,51 @@ struct GpuRegistered<R: GpuRuntime> {
     group: Arc<Group<R>>,
 }
 
+impl<R: GpuRuntime> allreduce_core::MemoryOwner for GpuRegistered<R> {
+    /// On a stream of its own, synchronized before return: a convenience for filling and
+    /// reading buffers, not a hot path (no process-wide setting is touched).
+    fn apply(&self, _mem: &RegisteredMemory, op: allreduce_core::MemoryOp<'_>) -> Result<()> {
+        use allreduce_core::MemoryOp;
+        let dev = &self.group.devices[self.group.rank_device[self.rank]];
+        R::bind(dev)?;
+        let s = R::create_stream(dev)?;
+        let m = self.mem.as_ref().expect("alive until dropped");
+        // SAFETY: ranges checked by RegisteredMemory::apply; every memory involved outlives
+        // the stream synchronization below.
+        unsafe {
+            match op {
+                MemoryOp::Upload { offset, src } => R::upload(m, offset, src, &s)?,
+                MemoryOp::Download { offset, dst } => R::download(m, offset, dst, &s)?,
+                MemoryOp::Fill {
+                    offset,
+                    bytes,
+                    value,
+                } => R::fill(m, offset, bytes, crate::Fill::U8(value), &s)?,
+                MemoryOp::Copy {
+                    offset,
+                    src,
+                    src_offset,
+                    bytes,
+                } => {
+                    let Some(from) = src.owner.as_any().downcast_ref::<GpuRegistered<R>>() else {
+                        return Err(Error::InvalidArgument(format!(
+                            "copy source is not memory of the {} backend",
+                            R::NAME
+                        )));
+                    };
+                    let sm = from.mem.as_ref().expect("alive until dropped");
+                    R::copy(m, offset, sm, src_offset, bytes, &s)?
+                }
+            }
+        }
+        R::stream_synchronize(&s)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
 impl<R: GpuRuntime> Drop for GpuRegistered<R> {
     fn drop(&mut self) {
         self.deregister.take();
@@ -1312,7 +1357,7 @@ pub fn upload_registered<R: GpuRuntime>(
     src: &[u8],
     stream: &crate::device::GpuStream<R>,
 ) -> Result<()> {
-    let Some(owned) = mem.owner.downcast_ref::<GpuRegistered<R>>() else {
+    let Some(owned) = mem.owner.as_any().downcast_ref::<GpuRegistered<R>>() else {
         return Err(Error::InvalidArgument(format!(
             "not a registered allocation of the {} backend",
             R::NAME
