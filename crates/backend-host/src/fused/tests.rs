@@ -167,3 +167,85 @@ fn calls_larger_than_max_bytes_run_and_match_the_reference() {
         }
     }
 }
+
+/// Ranks that disagree on a fused call's shape (rank 0: 1 token, rank 1: 2) are all refused
+/// with the group intact, and the next fused call and a plain all-reduce are exact: what the
+/// GPU backends do too (their kernels skip the call together).
+#[test]
+fn a_fused_mismatch_is_refused_and_the_group_stays_usable() {
+    let (world, hidden, dtype) = (2, 256, DType::BF16);
+    let comms = Host::create_group(&GroupConfig::new(world)).unwrap();
+    let ws = comms[0]
+        .create_fused_group(&FusedConfig::new(8, hidden, dtype))
+        .unwrap()
+        .expect("the host backend has a fused op");
+    let inputs: Vec<HostBytes> = (0..world).map(|r| data(dtype, 2 * hidden, r)).collect();
+    let fused = |w: &dyn FusedComm, x: &HostBytes, tokens: usize| -> Result<HostBytes> {
+        let mut out = HostBytes::zeroed(tokens * hidden * dtype.size());
+        let x = HostBytes::from_bytes(&x.as_slice()[..tokens * hidden * dtype.size()]);
+        let args = FusedArgs::new(FusedPattern::AllReduce, tokens, x.view(dtype))
+            .allreduce_out(out.view_mut(dtype));
+        let call = prepare_fused(&args, w.metadata(), &default_table(), Device::Host, 1)?;
+        w.run(&call)?;
+        Ok(out)
+    };
+    let outcomes: Vec<(Result<HostBytes>, Result<HostBytes>, HostBytes)> =
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..world)
+                .map(|r| {
+                    let (w, x, comm) = (&*ws[r], &inputs[r], &comms[r]);
+                    s.spawn(move || {
+                        let refused = fused(w, x, 1 + r);
+                        let after = fused(w, x, 2);
+                        let mut plain = HostBytes::zeroed(x.len());
+                        let call = allreduce_core::prepare(
+                            Some(x.view(dtype)),
+                            &plain.view_mut(dtype),
+                            &allreduce_core::AllReduceOptions::default(),
+                            &comm.limits(),
+                            world,
+                            comm.selection(),
+                            |_, _, _| Ok(()),
+                        )
+                        .unwrap();
+                        comm.all_reduce(&call).unwrap();
+                        (refused, after, plain)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+    let views: Vec<&[u8]> = inputs.iter().map(|x| x.as_slice()).collect();
+    let want = reference(
+        &views,
+        dtype,
+        2,
+        hidden,
+        None,
+        None,
+        0.0,
+        FusedPattern::AllReduce,
+        None,
+    );
+    for (r, (refused, after, plain)) in outcomes.iter().enumerate() {
+        match refused {
+            Err(e) => assert_eq!(
+                e.aftermath(),
+                allreduce_core::Aftermath::Intact,
+                "rank {r}: {e}"
+            ),
+            Ok(_) => panic!("rank {r}: a mismatched fused call ran"),
+        }
+        let after = after.as_ref().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert_eq!(
+            after.as_slice(),
+            want.allreduce.as_slice(),
+            "rank {r}: the fused call after"
+        );
+        assert_eq!(
+            plain.as_slice(),
+            want.allreduce.as_slice(),
+            "rank {r}: the plain call after"
+        );
+    }
+}
