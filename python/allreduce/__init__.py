@@ -1,0 +1,91 @@
+"""allreduce: one vendor-neutral all-reduce for tensor-parallel LLM inference, from Python.
+
+A ctypes binding of the C ABI (``liballreduce_c``, header ``crates/capi/include/allreduce.h``);
+no compiled extension. NCCL-shaped, as vLLM's communicators are::
+
+    import numpy as np, allreduce
+    from concurrent.futures import ThreadPoolExecutor
+    comms = allreduce.Communicator.group(4)                 # host backend: threads as ranks
+    xs = [np.full(1024, r, np.float32) for r in range(4)]
+    with ThreadPoolExecutor(4) as pool:                     # one thread per rank
+        sums = list(pool.map(lambda c, x: c.all_reduce(x), comms, xs))  # in place: 0+1+2+3
+
+Each rank is driven from its own thread: ctypes releases the GIL for the length of each C
+call, so the ranks of an in-process group block in the library together. Every non-zero
+result code raises a subclass of :class:`Error` carrying the code's name and the library's
+message; nothing fails silently.
+
+The library is found on first use (``import allreduce`` never needs it), in order:
+``$ALLREDUCE_LIB`` (alone, when set), a copy inside this package, then the repository's
+``target/release`` and ``target/debug``. None loadable raises :class:`LibraryNotFound` with
+every path tried. Build it with ``cargo build --release -p allreduce-capi`` (``--features
+cuda`` for NVIDIA).
+
+What this first version does not have yet:
+
+- a torch custom op (``torch.library``) with a fake implementation, which ``torch.compile``
+  and CUDA graphs captured through it need; eager torch code can call ``all_reduce`` as is;
+- a bootstrap over ``torch.distributed`` (one process per rank): the C ABI's
+  ``ar_get_unique_id`` / ``ar_comm_init_rank`` / ``ar_comm_init_env`` are not wrapped, so
+  only in-process groups (``Communicator.group``) can be built;
+- the fused all-reduce + residual + RMSNorm (``ar_all_reduce_fused``) and
+  ``ar_comm_select``;
+- a wheel that bundles the library; ``pip install ./python`` installs the Python code only.
+
+The CUDA and ROCm paths (torch tensors, ``__cuda_array_interface__``, streams) are written
+to the C ABI's contract but have not been run; only the host backend is tested.
+"""
+
+from ._comm import PRECISIONS, STRATEGIES, Communicator
+from ._errors import (
+    Aborted,
+    BackendNotBuilt,
+    BootstrapError,
+    DeviceError,
+    DTypeMismatch,
+    Error,
+    InternalError,
+    InvalidArgument,
+    InvalidConfig,
+    InvalidUsage,
+    LengthMismatch,
+    LibraryNotFound,
+    LibraryUnavailable,
+    Misaligned,
+    PeerRejected,
+    RankMismatch,
+    StrategyUnavailable,
+    Timeout,
+    TooLarge,
+    Unsupported,
+    UnsupportedCodec,
+    UnsupportedType,
+    WorkspaceExceeded,
+    WrongDevice,
+)
+
+__version__ = "0.1.0"
+
+
+def library_path() -> str:
+    """The path of the ``liballreduce_c`` in use (loading it if needed)."""
+    from . import _lib
+
+    return str(_lib.path())
+
+
+def library_version() -> int:
+    """The loaded library's version code, ``major * 10000 + minor * 100 + patch``."""
+    from . import _lib
+
+    return _lib.version()
+
+
+__all__ = [
+    "Aborted", "BackendNotBuilt", "BootstrapError", "Communicator", "DTypeMismatch",
+    "DeviceError", "Error", "InternalError", "InvalidArgument", "InvalidConfig",
+    "InvalidUsage", "LengthMismatch", "LibraryNotFound", "LibraryUnavailable", "Misaligned",
+    "PRECISIONS", "PeerRejected", "RankMismatch", "STRATEGIES", "StrategyUnavailable",
+    "Timeout", "TooLarge", "Unsupported", "UnsupportedCodec", "UnsupportedType",
+    "WorkspaceExceeded", "WrongDevice", "library_path", "library_version",
+]

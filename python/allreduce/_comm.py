@@ -1,0 +1,283 @@
+"""``Communicator``: one rank of a group, over ``ar_comm_*`` and ``ar_all_reduce``."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import sys
+import threading
+from typing import Any, List, Optional, Sequence
+
+from . import _buffers, _errors, _lib
+from ._buffers import HOST
+from ._errors import InvalidArgument, InvalidUsage, UnsupportedType
+
+BACKENDS = {"host": 0, "cuda": 1, "rocm": 2}
+_BACKEND_NAMES = {v: k for k, v in BACKENDS.items()}
+
+# `ar_precision_t` and `ar_strategy_t`, by the names the header's comments use.
+PRECISIONS = {"exact": 0, "fp8": 1, "q8": 2, "q6": 3, "q4": 4, "q8a": 5, "q6a": 6, "q4a": 7}
+STRATEGIES = {"auto": 0, "oneshot": 1, "twoshot": 2, "quantized": 3, "hierarchical": 4,
+              "vendor": 5}
+
+_AR_SUM = 0
+# A dtype code that names nothing: how a refusal of the binding's own reaches the peers (see
+# `Communicator._reject`).
+_REJECTED_DTYPE = -1
+
+_UINT32_MAX = 2**32 - 1
+
+
+def _name_to_code(table: dict, value: Any, what: str) -> int:
+    if isinstance(value, str) and value.lower() in table:
+        return table[value.lower()]
+    raise InvalidArgument(f"{what} {value!r} is not one of {', '.join(table)}")
+
+
+class Communicator:
+    """One rank of an all-reduce group (NCCL's ``ncclComm_t``).
+
+    Build a whole in-process group with :meth:`group`; drive each rank from its own thread
+    (the host backend's call blocks until every rank has made the matching call; a GPU
+    kernel waits for the peers' kernels). One thread at a time per communicator.
+
+    Attributes, fixed for the communicator's life: ``rank``, ``world_size``, ``backend``
+    (``"host"``, ``"cuda"``, ``"rocm"``), ``device`` (GPU ordinal; -1 on the host),
+    ``alignment`` (bytes every buffer address must be aligned to: 16), ``max_bytes`` (the
+    largest call run in one piece; the host backend refuses larger calls with ``TooLarge``).
+    """
+
+    def __init__(self, handle: int):
+        # Built by `group`; the handle is the library's token for this rank.
+        self._handle: Optional[int] = handle
+        self._close_lock = threading.Lock()
+        self._busy = threading.Lock()
+        self.rank = self._query_int("ar_comm_user_rank")
+        self.world_size = self._query_int("ar_comm_count")
+        self.device = self._query_int("ar_comm_device")
+        self.backend = _BACKEND_NAMES.get(self._query_int("ar_comm_backend"), "unknown")
+        self.alignment = self._query_size("ar_comm_alignment")
+        self.max_bytes = self._query_size("ar_comm_max_bytes")
+
+    @classmethod
+    def group(cls, world: int, backend: str = "host", max_bytes: Optional[int] = None,
+              timeout: Optional[float] = None,
+              devices: Optional[Sequence[int]] = None) -> List["Communicator"]:
+        """Every rank of a new group in this process (NCCL's ``ncclCommInitAll``), in rank
+        order.
+
+        ``backend``: ``"host"`` (CPU threads as ranks, numpy arrays), ``"cuda"`` or ``"rocm"``
+        (a library built with that feature; otherwise ``BackendNotBuilt``). ``max_bytes``:
+        the largest call in bytes per rank, which sizes each rank's workspace (default 64 MiB).
+        ``timeout``: seconds any wait for a peer may last before the call fails with
+        ``Timeout`` (default 10). ``devices``: rank r's GPU ordinal (default 0..world-1; a
+        device may repeat, several ranks on one GPU); ignored by the host backend.
+        """
+        code = _name_to_code(BACKENDS, backend, "backend")
+        if isinstance(world, bool) or not isinstance(world, int):
+            raise UnsupportedType(f"world is a {type(world).__qualname__}; pass an int")
+        if not 0 < world <= 2**31 - 1:
+            raise _errors.InvalidConfig(f"world size {world} must be between 1 and 2**31 - 1")
+        config = _lib.Config(size=ctypes.sizeof(_lib.Config))
+        # Zero fields mean "the library's default" in ar_config_t, so an explicit 0 would be
+        # silently replaced: refuse it instead.
+        if max_bytes is not None:
+            if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+                raise _errors.InvalidConfig(f"max_bytes {max_bytes!r} must be a positive int")
+            config.max_bytes = max_bytes
+        if timeout is not None:
+            try:
+                seconds = float(timeout)
+            except (TypeError, ValueError):
+                seconds = math.nan
+            if not (seconds > 0 and seconds * 1000 <= _UINT32_MAX):
+                raise _errors.InvalidConfig(
+                    f"timeout {timeout!r} must be a positive number of seconds, at most "
+                    f"{_UINT32_MAX // 1000}")
+            config.timeout_ms = max(1, math.ceil(seconds * 1000))
+        devlist = None
+        if devices is not None:
+            devices = list(devices)
+            if len(devices) != world:
+                raise _errors.InvalidConfig(f"{len(devices)} devices for {world} ranks")
+            devlist = (ctypes.c_int * world)(*devices)
+        handles = (_lib.Handle * world)()
+        lib = _lib.lib()
+        _lib.check(lib.ar_comm_init_all(handles, code, world, devlist, ctypes.byref(config)))
+        comms: List[Communicator] = []
+        try:
+            for h in handles:
+                comms.append(cls(h))
+        except BaseException:
+            for c in comms:
+                c.close()
+            for h in handles[len(comms):]:
+                lib.ar_comm_destroy(h)
+            raise
+        return comms
+
+    def _live_handle(self) -> int:
+        handle = self._handle
+        if handle is None:
+            raise InvalidUsage("this communicator is closed")
+        return handle
+
+    def _query_int(self, fn: str) -> int:
+        out = ctypes.c_int(0)
+        _lib.check(getattr(_lib.lib(), fn)(self._live_handle(), ctypes.byref(out)))
+        return out.value
+
+    def _query_size(self, fn: str) -> int:
+        out = ctypes.c_size_t(0)
+        _lib.check(getattr(_lib.lib(), fn)(self._live_handle(), ctypes.byref(out)))
+        return out.value
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def close(self) -> None:
+        """Release this rank (``ar_comm_destroy``); later calls raise ``InvalidUsage``.
+        Idempotent. On a GPU, synchronize the streams of this rank's calls first. The group's
+        shared resources go when its last rank is closed."""
+        with self._close_lock:
+            handle, self._handle = self._handle, None
+        if handle is not None:
+            _lib.check(_lib.lib().ar_comm_destroy(handle))
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # A communicator dropped without close() still releases its rank. Errors are dropped:
+        # raising from __del__ only prints, and at interpreter exit the modules may be gone.
+        try:
+            if getattr(self, "_handle", None) is not None:
+                self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"device={self.device}"
+        return (f"<allreduce.Communicator rank {self.rank}/{self.world_size} "
+                f"{self.backend} {state}>")
+
+    def _resolve_stream(self, stream: Any, default: Optional[int]) -> int:
+        if stream is not None:
+            return _buffers.stream_handle(stream)
+        if default is not None:
+            return default
+        if self.backend != "host":
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_available():
+                return int(torch.cuda.current_stream(self.device).cuda_stream)
+        return 0
+
+    def _check_device(self, buf: _buffers.Buffer, what: str) -> None:
+        on_host = buf.device == HOST
+        if (self.backend == "host") != on_host:
+            where = "host memory" if on_host else "GPU memory"
+            raise _errors.WrongDevice(
+                f"{what} ({buf.kind}) is {where}; a {self.backend} communicator takes "
+                f"{'host' if self.backend == 'host' else 'device ' + str(self.device)} memory")
+        if not on_host and buf.device is not None and buf.device != self.device:
+            raise _errors.WrongDevice(
+                f"{what} is on device {buf.device}; this rank runs on device {self.device}")
+
+    def _reject(self, stream: int) -> None:
+        """Make this rank's part of the call with an argument the library refuses, so the
+        peers' matching call fails at once with ``PeerRejected`` instead of waiting for the
+        deadline, and the group stays usable: the same path the C ABI takes for its own
+        refusals. The peers' message names the invalid dtype code, as the C ABI carries no
+        message of the binding's."""
+        lib = _lib.lib()
+        lib.ar_all_reduce(None, None, 0, _REJECTED_DTYPE, _AR_SUM, 0, 0, self._handle, stream)
+
+    def all_reduce(self, x: Any, out: Any = None, precision: str = "exact",
+                   strategy: str = "auto", stream: Any = None) -> Any:
+        """Sum ``x`` over every rank of the group (NCCL's ``ncclAllReduce`` with ``ncclSum``).
+
+        ``x``: a numpy array (host backend; float32, float16, or bfloat16 from ml_dtypes), a
+        torch tensor (CPU on the host backend, CUDA on the GPU backends; float32, float16,
+        bfloat16) or an object with ``__cuda_array_interface__`` (``<f4``, ``<f2``).
+        Contiguous, with its address aligned to ``alignment`` bytes (numpy's and torch's own
+        allocations are; a view at an offset may not be: ``Misaligned``).
+
+        ``out``: where the sum goes, same dtype and shape as ``x``; ``None`` sums in place,
+        into ``x``. Returns ``out`` (or ``x``).
+
+        ``precision``: ``"exact"`` (f32 accumulation in rank order, one rounding into the
+        dtype: the same bits on every rank and every backend) or a lossy wire codec for 16-bit
+        data, ``"fp8"``, ``"q8"``, ``"q6"``, ``"q4"``, ``"q8a"``, ``"q6a"``, ``"q4a"``
+        (docs/codecs.md); with a codec, ``"auto"`` may still pick an exact path.
+        ``strategy``: ``"auto"``, ``"oneshot"``, ``"twoshot"``, ``"quantized"``,
+        ``"hierarchical"`` or ``"vendor"`` (NCCL/RCCL).
+
+        ``stream``: the ``cudaStream_t`` / ``hipStream_t`` the call is enqueued on, as an int
+        or a stream object (``.cuda_stream``, ``.ptr``). Default: torch's current stream for a
+        CUDA tensor, the producer's stream of a ``__cuda_array_interface__`` that names one,
+        else the legacy default stream. The host backend takes none and returns when the sum
+        is complete; on a GPU the call returns once enqueued, and ``x`` and ``out`` must stay
+        alive until the stream has run it.
+
+        Every rank must make the matching call (same count, dtype, precision, strategy).
+        Arguments refused on one rank (by this binding or by the library) fail there with
+        their own error and on the peers with ``PeerRejected``; the group stays usable. Every
+        failure raises a subclass of ``allreduce.Error``; ``error.rebuild`` says whether the
+        group must be rebuilt.
+        """
+        handle = self._live_handle()
+        if not self._busy.acquire(blocking=False):
+            raise InvalidUsage(
+                f"rank {self.rank} is already in a call on another thread; drive each "
+                "communicator from one thread at a time")
+        try:
+            stream_value = 0
+            try:
+                src = _buffers.describe(x, "x")
+                stream_value = self._resolve_stream(stream, src.stream)
+                dst = src if out is None else _buffers.describe(out, "out")
+                self._check_call(src, dst, out is None)
+                p = _name_to_code(PRECISIONS, precision, "precision")
+                s = _name_to_code(STRATEGIES, strategy, "strategy")
+            except Exception:
+                self._reject(stream_value)
+                raise
+            _lib.check(_lib.lib().ar_all_reduce(
+                src.ptr, dst.ptr, src.count, src.dtype, _AR_SUM, p, s, handle, stream_value))
+        finally:
+            self._busy.release()
+        return x if out is None else out
+
+    def _check_call(self, src: _buffers.Buffer, dst: _buffers.Buffer, in_place: bool) -> None:
+        self._check_device(src, "x")
+        if in_place:
+            if not src.writable:
+                raise InvalidArgument("x is read-only; the sum is written into x when out is "
+                                      "None")
+            return
+        self._check_device(dst, "out")
+        if not dst.writable:
+            raise InvalidArgument("out is read-only")
+        if dst.dtype != src.dtype:
+            raise _errors.DTypeMismatch(
+                f"x is {_buffers.DTYPE_NAMES[src.dtype]}, out is "
+                f"{_buffers.DTYPE_NAMES[dst.dtype]}")
+        if dst.count != src.count:
+            raise _errors.LengthMismatch(
+                f"x has {src.count} elements, out has {dst.count}")
+        if dst.shape != src.shape:
+            raise InvalidArgument(f"x has shape {src.shape}, out has shape {dst.shape}")
+
+    def synchronize(self, stream: Any = None) -> None:
+        """Wait for this rank's work on ``stream`` and raise any error the device recorded
+        since the last check (a peer past the deadline, an aborted group), as NCCL's
+        ``ncclCommGetAsyncError`` after a stream synchronisation. ``stream`` as in
+        :meth:`all_reduce`; default: torch's current stream on this rank's device when torch
+        is loaded, else the legacy default stream. On the host it only reports an abort."""
+        handle = self._live_handle()
+        value = self._resolve_stream(stream, None)
+        _lib.check(_lib.lib().ar_comm_synchronize(handle, value))

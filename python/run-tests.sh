@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The Python package's tests, from a fresh machine with a Rust toolchain and python3 (3.9 or
+# newer, with venv): builds liballreduce_c (release), makes .venv-py at the repository root
+# with the pinned test packages (requirements-test.txt), installs the package from ./python
+# as a user would, and runs pytest against the library just built, on the host backend.
+# Extra arguments go to pytest (e.g. -k lossy).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+cargo build --release --locked -p allreduce-capi
+# The built library's directory, wherever CARGO_TARGET_DIR or a cargo config puts it.
+target="$(cargo metadata --format-version 1 --no-deps --locked |
+  python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')"
+case "$(uname -s)" in
+  Darwin) lib="$target/release/liballreduce_c.dylib" ;;
+  *) lib="$target/release/liballreduce_c.so" ;;
+esac
+
+venv="$root/.venv-py"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check --quiet)
+"${pip[@]}" install -r python/requirements-test.txt
+# A regular (not editable) install: the tests import the installed copy, so what they pass
+# on is what `pip install ./python` ships.
+"${pip[@]}" install --force-reinstall --no-deps ./python
+
+# pytest, not `python -m pytest`: the latter puts the working directory on sys.path, and a
+# source tree there would be imported instead of the installed package.
+ALLREDUCE_LIB="$lib" "$venv/bin/pytest" python/tests -q "$@"

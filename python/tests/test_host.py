@@ -1,0 +1,395 @@
+"""The package on the host backend: ranks are threads of this process, results are checked
+bit for bit against the library's contract (f32 accumulation in rank order from rank 0's
+value, one rounding into the dtype), and every refusal is checked for its exception and for
+the group computing exactly afterwards."""
+
+import gc
+import re
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import allreduce
+from allreduce import Communicator
+
+try:
+    import ml_dtypes
+
+    BF16 = [np.dtype(ml_dtypes.bfloat16)]
+except ImportError:  # the binding takes bfloat16 only through ml_dtypes
+    BF16 = []
+
+TIMEOUT = 5.0  # seconds: a rank that hangs fails the test in seconds, not CI's limit
+MAX_BYTES = 1 << 20
+
+
+def on_ranks(comms, fn):
+    """Run ``fn(rank)`` on one thread per rank; return each rank's result or exception."""
+    results = [None] * len(comms)
+
+    def run(r):
+        try:
+            results[r] = fn(r)
+        except BaseException as e:  # noqa: B036 - handed to the test thread
+            results[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(len(comms))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(3 * TIMEOUT)
+        assert not t.is_alive(), "a rank never returned"
+    return results
+
+
+def values(results):
+    """The results, raising the first rank's exception if any rank failed."""
+    for r, v in enumerate(results):
+        if isinstance(v, BaseException):
+            raise AssertionError(f"rank {r} failed: {v!r}") from v
+    return results
+
+
+def inputs(dtype, n, rank, seed=0):
+    """Rank ``rank``'s input: magnitudes over several binades so the sums round and the order
+    of accumulation shows, and some -0.0, whose sum must stay -0.0."""
+    rng = np.random.default_rng(1000 * seed + rank)
+    x = rng.standard_normal(n) * np.exp2(rng.integers(-6, 7, n))
+    x[(np.arange(n) + 3 * rank) % 29 == 0] = -0.0
+    return x.astype(np.float32).astype(dtype)
+
+
+def reference(xs):
+    """f32 accumulation in rank order from rank 0's value, one rounding into the dtype."""
+    acc = xs[0].astype(np.float32)
+    for x in xs[1:]:
+        acc = acc + x.astype(np.float32)
+    return acc.astype(xs[0].dtype)
+
+
+def bits(a):
+    return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+def assert_bitwise(got, want, what=""):
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    diff = np.flatnonzero(bits(got) != bits(want))
+    assert diff.size == 0, (f"{what}: {diff.size} elements differ, first at {diff[0]}: "
+                            f"{got.flat[diff[0]]!r} != {want.flat[diff[0]]!r}")
+
+
+def exact_round(comms, dtype=np.float32, n=1000, in_place=False, strategy="auto", seed=0):
+    xs = [inputs(dtype, n, r, seed) for r in range(len(comms))]
+    want = reference(xs)
+    if in_place:
+        got = values(on_ranks(comms, lambda r: comms[r].all_reduce(xs[r], strategy=strategy)))
+    else:
+        outs = [np.empty_like(x) for x in xs]
+        got = values(on_ranks(
+            comms, lambda r: comms[r].all_reduce(xs[r], outs[r], strategy=strategy)))
+        assert all(g is o for g, o in zip(got, outs)), "all_reduce returns out"
+    for r, g in enumerate(got):
+        assert_bitwise(g, want, f"rank {r} {np.dtype(dtype)} n={n} {strategy}")
+
+
+@pytest.fixture
+def group4():
+    comms = Communicator.group(4, max_bytes=MAX_BYTES, timeout=TIMEOUT)
+    yield comms
+    for c in comms:
+        c.close()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16)] + BF16,
+                         ids=str)
+@pytest.mark.parametrize("in_place", [False, True], ids=["out_of_place", "in_place"])
+def test_exact_sum_equals_the_rank_order_reference_bit_for_bit(world, dtype, in_place):
+    comms = Communicator.group(world, max_bytes=MAX_BYTES, timeout=TIMEOUT)
+    try:
+        for n in (1, 1000, 4096):
+            for strategy in ("auto", "oneshot", "twoshot"):
+                exact_round(comms, dtype, n, in_place, strategy, seed=n)
+    finally:
+        for c in comms:
+            c.close()
+
+
+def test_the_reference_is_order_sensitive():
+    """Guards the test above: a sum in another order would not pass it."""
+    xs = [inputs(np.float32, 4096, r, 4096) for r in range(4)]
+    assert (bits(reference(xs)) != bits(reference(xs[::-1]))).any()
+
+
+def test_shapes_keep_their_shape_and_empty_calls_succeed(group4):
+    xs = [inputs(np.float16, 8 * 125, r).reshape(8, 125) for r in range(4)]
+    want = reference(xs)
+    for r, g in enumerate(values(on_ranks(group4, lambda r: group4[r].all_reduce(xs[r])))):
+        assert g is xs[r]
+        assert_bitwise(g, want, f"rank {r}")
+    empty = [np.empty(0, np.float32) for _ in range(4)]
+    values(on_ranks(group4, lambda r: group4[r].all_reduce(empty[r])))
+    exact_round(group4)
+
+
+def test_four_ranks_on_four_threads_block_in_the_library_together(group4):
+    # Rank 0 enters ar_all_reduce first and waits there for its peers: were the GIL held
+    # across the C call, no peer could run and every rank would time out.
+    xs = [inputs(np.float32, 4096, r) for r in range(4)]
+    start = time.monotonic()
+
+    def rank(r):
+        time.sleep(0.05 * r)
+        return group4[r].all_reduce(xs[r])
+
+    values(on_ranks(group4, rank))
+    assert time.monotonic() - start < TIMEOUT / 2
+    want = reference([inputs(np.float32, 4096, r) for r in range(4)])
+    for x in xs:
+        assert_bitwise(x, want)
+
+
+def test_queries_describe_the_communicator(group4):
+    for r, c in enumerate(group4):
+        assert (c.rank, c.world_size, c.backend, c.device) == (r, 4, "host", -1)
+        assert (c.alignment, c.max_bytes) == (16, MAX_BYTES)
+        assert c.synchronize() is None
+        assert "rank %d/4" % r in repr(c)
+    assert allreduce.library_version() == 100
+
+
+# Every rank makes the same mistake: each raises, none reaches a peer that waits.
+BAD_CALLS = [
+    ("non-contiguous", lambda x, r: (x[::2], None), allreduce.InvalidArgument, "contiguous"),
+    ("int32", lambda x, r: (x.astype(np.int32), None), allreduce.UnsupportedType, "int32"),
+    ("float64", lambda x, r: (x.astype(np.float64), None), allreduce.UnsupportedType,
+     "float64"),
+    ("a list", lambda x, r: (list(x), None), allreduce.UnsupportedType, "list"),
+    ("out of another size", lambda x, r: (x, np.empty(x.size - 4, x.dtype)),
+     allreduce.LengthMismatch, "elements"),
+    ("out of another dtype", lambda x, r: (x, np.empty(x.size, np.float16)),
+     allreduce.DTypeMismatch, "float16"),
+    ("out of another shape", lambda x, r: (x, np.empty((2, x.size // 2), x.dtype)),
+     allreduce.InvalidArgument, "shape"),
+    ("read-only in place", lambda x, r: (np.frombuffer(x.tobytes(), x.dtype), None),
+     allreduce.InvalidArgument, "read-only"),
+    # Refused by the library itself: its code, its message.
+    ("misaligned", lambda x, r: (np.zeros(x.size + 4, x.dtype)[1:x.size + 1], None),
+     allreduce.Misaligned, "not aligned to 16"),
+    ("overlapping out", lambda x, r: (lambda b: (b[:x.size], b[4:x.size + 4]))(
+        np.zeros(x.size + 4, x.dtype)), allreduce.InvalidArgument, "overlap"),
+]
+
+
+@pytest.mark.parametrize("what,make,exc,text", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_refusals_on_every_rank_raise_and_leave_the_group_exact(group4, what, make, exc, text):
+    n = 256
+    results = on_ranks(group4, lambda r: group4[r].all_reduce(*make(inputs(np.float32, n, r), r)))
+    for r, e in enumerate(results):
+        assert isinstance(e, exc), (r, e)
+        assert re.search(text, e.message), (r, e.message)
+        assert isinstance(e, allreduce.Error) and isinstance(e, ValueError), (r, e)
+        assert not e.rebuild
+        assert str(e).startswith(e.code_name + ": ")
+    exact_round(group4, n=n)
+
+
+def test_type_refusals_are_also_type_errors(group4):
+    def rank(r):
+        with pytest.raises(TypeError):
+            group4[r].all_reduce(np.arange(16, dtype=np.int32))
+
+    values(on_ranks(group4, rank))
+    exact_round(group4)
+
+
+@pytest.mark.parametrize("kwargs,exc,text", [
+    ({"precision": "q3"}, allreduce.InvalidArgument, "precision 'q3'"),
+    ({"strategy": "ring"}, allreduce.InvalidArgument, "strategy 'ring'"),
+    ({"precision": "q8"}, allreduce.UnsupportedCodec, "q8"),  # codecs take 16-bit data only
+    ({"strategy": "vendor"}, allreduce.StrategyUnavailable, "vendor"),
+    ({"stream": "default"}, allreduce.UnsupportedType, "stream"),
+])
+def test_option_refusals_raise_and_leave_the_group_exact(group4, kwargs, exc, text):
+    def rank(r):
+        with pytest.raises(exc, match=text):
+            group4[r].all_reduce(inputs(np.float32, 64, r), **kwargs)
+
+    values(on_ranks(group4, rank))
+    exact_round(group4)
+
+
+def test_one_ranks_refusal_reaches_its_peers_at_once(group4):
+    """A refusal on one rank (the binding's or the library's) makes the peers' call fail with
+    PeerRejected within the deadline, not time out; the group stays exact."""
+    n = 256
+    for culprit, bad, exc in [
+        (1, lambda x: x.astype(np.int32), allreduce.UnsupportedType),
+        (3, lambda x: x[::2], allreduce.InvalidArgument),
+        (2, lambda x: np.zeros(n + 4, np.float32)[1:n + 1], allreduce.Misaligned),
+    ]:
+        start = time.monotonic()
+
+        def rank(r):
+            x = inputs(np.float32, n, r)
+            return group4[r].all_reduce(bad(x) if r == culprit else x)
+
+        results = on_ranks(group4, rank)
+        assert time.monotonic() - start < TIMEOUT / 2
+        for r, e in enumerate(results):
+            if r == culprit:
+                assert isinstance(e, exc), (r, e)
+            else:
+                assert isinstance(e, allreduce.PeerRejected), (r, e)
+                assert f"rank {culprit}" in e.message, e.message
+        exact_round(group4, n=n)
+
+
+def test_ranks_that_disagree_get_rank_mismatch_and_stay_exact(group4):
+    def rank(r):
+        return group4[r].all_reduce(inputs(np.float32, 250 if r == 2 else 256, r))
+
+    for r, e in enumerate(on_ranks(group4, rank)):
+        assert isinstance(e, allreduce.RankMismatch), (r, e)
+        assert not e.rebuild
+    exact_round(group4, np.float16, 999)
+
+
+def test_a_call_over_max_bytes_is_too_large_on_the_host():
+    comms = Communicator.group(2, max_bytes=4096, timeout=TIMEOUT)
+    try:
+        def rank(r):
+            with pytest.raises(allreduce.TooLarge, match="exceed"):
+                comms[r].all_reduce(np.zeros(1025, np.float32))
+
+        values(on_ranks(comms, rank))
+        exact_round(comms, n=1024)
+    finally:
+        for c in comms:
+            c.close()
+
+
+def test_closed_communicators_refuse_calls(group4):
+    comms = Communicator.group(2, timeout=TIMEOUT)
+    comms[0].close()
+    assert comms[0].closed
+    comms[0].close()  # idempotent
+    x = np.ones(16, np.float32)
+    with pytest.raises(allreduce.InvalidUsage, match="closed"):
+        comms[0].all_reduce(x)
+    with pytest.raises(allreduce.InvalidUsage):
+        comms[0].synchronize()
+    assert (x == 1).all()
+    with comms[1] as c:
+        assert c.rank == 1
+    assert comms[1].closed
+    exact_round(group4)
+
+
+def test_a_rank_driven_from_two_threads_at_once_refuses_the_second(group4):
+    xs = [inputs(np.float32, 64, r) for r in range(4)]
+    first = threading.Thread(target=group4[0].all_reduce, args=(xs[0],), daemon=True)
+    first.start()
+    time.sleep(0.2)  # rank 0 is now waiting in the library for its peers
+    with pytest.raises(allreduce.InvalidUsage, match="another thread"):
+        group4[0].all_reduce(np.zeros(64, np.float32))
+    values(on_ranks(group4[1:], lambda r: group4[r + 1].all_reduce(xs[r + 1])))
+    first.join(TIMEOUT)
+    assert not first.is_alive()
+    want = reference([inputs(np.float32, 64, r) for r in range(4)])
+    for x in xs:
+        assert_bitwise(x, want)
+
+
+def test_a_missing_peer_times_out_and_the_group_then_reports_aborted():
+    comms = Communicator.group(2, timeout=0.2)
+    try:
+        with pytest.raises(allreduce.Timeout) as info:
+            comms[0].all_reduce(np.ones(8, np.float32))
+        assert info.value.rebuild
+        with pytest.raises(allreduce.Aborted):
+            comms[1].all_reduce(np.ones(8, np.float32))
+        with pytest.raises(allreduce.Aborted):
+            comms[0].synchronize()
+    finally:
+        for c in comms:
+            c.close()
+
+
+@pytest.mark.parametrize("kwargs,exc", [
+    ({"world": 0}, allreduce.InvalidConfig),
+    ({"world": 2, "max_bytes": 0}, allreduce.InvalidConfig),
+    ({"world": 2, "timeout": 0}, allreduce.InvalidConfig),
+    ({"world": 2, "timeout": float("nan")}, allreduce.InvalidConfig),
+    ({"world": 2, "devices": [0]}, allreduce.InvalidConfig),
+    ({"world": 2, "backend": "tpu"}, allreduce.InvalidArgument),
+    ({"world": 2.0}, allreduce.UnsupportedType),
+])
+def test_group_refusals(kwargs, exc):
+    with pytest.raises(exc):
+        Communicator.group(**kwargs)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "rocm"])
+def test_a_gpu_backend_not_compiled_in_says_so(backend):
+    # The library CI builds has the host backend only; a GPU build on a machine without the
+    # driver reports the missing driver instead.
+    with pytest.raises((allreduce.BackendNotBuilt, allreduce.LibraryUnavailable)) as info:
+        Communicator.group(2, backend=backend)
+    assert backend in str(info.value).lower()
+
+
+def test_host_memory_on_a_gpu_communicator_is_refused_before_the_library():
+    # Python's own check: a numpy address handed to a GPU backend would be dereferenced on
+    # the device. No GPU group can be built here, so the check is driven on a host group
+    # posing as one.
+    comms = Communicator.group(2, timeout=TIMEOUT)
+    try:
+        for c in comms:
+            c.backend, c.device = "cuda", 0
+
+        def rank(r):
+            with pytest.raises(allreduce.WrongDevice, match="host memory"):
+                comms[r].all_reduce(np.ones(16, np.float32))
+
+        values(on_ranks(comms, rank))
+    finally:
+        for c in comms:
+            c.close()
+
+
+def test_dropped_communicators_release_their_ranks():
+    comms = Communicator.group(2, timeout=TIMEOUT)
+    del comms
+    gc.collect()  # __del__ closed both; nothing raised
+
+
+# codecs.md, "Error bound": per 32-element block, |out - sum| <= c·(2 + c)·A plus the output
+# rounding, with A the sum over ranks of each rank's largest magnitude in the block and c the
+# codec's step_bound slope.
+CODEC_SLOPE = {"q8": 255 / 16384, "fp8": (1 + 2**-7) / 28}
+
+
+@pytest.mark.parametrize("precision", sorted(CODEC_SLOPE))
+def test_lossy_precision_is_close_to_the_exact_sum_and_the_same_on_every_rank(group4,
+                                                                               precision):
+    n, block = 8192, 32
+    xs = [inputs(np.float16, n, r) for r in range(4)]
+    exact = sum(x.astype(np.float64) for x in xs)
+    outs = values(on_ranks(group4, lambda r: group4[r].all_reduce(
+        xs[r], np.empty_like(xs[r]), precision=precision, strategy="quantized")))
+    for r, o in enumerate(outs[1:], 1):
+        assert_bitwise(o, outs[0], f"rank {r} differs from rank 0")
+    err = np.abs(outs[0].astype(np.float64) - exact)
+    c = CODEC_SLOPE[precision]
+    per_block = sum(np.abs(x.astype(np.float64)).reshape(-1, block).max(axis=1) for x in xs)
+    bound = np.repeat(c * (2 + c) * per_block * 1.001, block) + 2**-11 * (np.abs(exact) + 1e-3)
+    worst = np.argmax(err / bound)
+    assert (err <= bound).all(), (f"element {worst}: error {err[worst]}, bound {bound[worst]}")
+    # A codec ran: an exact path would give the rounded exact sum everywhere.
+    assert (bits(outs[0]) != bits(reference(xs))).any()
+    # And it is far from nothing: the largest error is a small part of the largest sum.
+    assert err.max() < 0.1 * np.abs(exact).max()
+    exact_round(group4, np.float16)
