@@ -187,31 +187,37 @@ pub trait MemoryOwner: Any + Send + Sync {
 }
 
 impl RegisteredMemory {
+    /// `len` bytes from `offset` lie inside this memory, or an `InvalidArgument` naming `what`.
+    pub fn check_range(&self, offset: usize, len: usize, what: &str) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.bytes => Ok(()),
+            _ => Err(Error::InvalidArgument(format!(
+                "{what}: {len} bytes at offset {offset} do not fit a registered allocation of {} \
+                 bytes",
+                self.bytes
+            ))),
+        }
+    }
+
     /// Carry out `op` on this memory, synchronously: on return the bytes are in place (a
     /// download: in `dst`). Not ordered with any stream: a caller who enqueued work that reads
     /// or writes the same bytes synchronizes that stream first. A range past the end, an
     /// overlapping copy or a copy across devices is an `InvalidArgument`, nothing touched.
     pub fn apply(&self, op: MemoryOp<'_>) -> Result<()> {
-        let fits = |offset: usize, len: usize, size: usize, what: &str| -> Result<()> {
-            match offset.checked_add(len) {
-                Some(end) if end <= size => Ok(()),
-                _ => Err(Error::InvalidArgument(format!(
-                    "{what}: {len} bytes at offset {offset} do not fit {size} bytes"
-                ))),
-            }
-        };
         match &op {
-            MemoryOp::Upload { offset, src } => fits(*offset, src.len(), self.bytes, "upload")?,
-            MemoryOp::Download { offset, dst } => fits(*offset, dst.len(), self.bytes, "download")?,
-            MemoryOp::Fill { offset, bytes, .. } => fits(*offset, *bytes, self.bytes, "fill")?,
+            MemoryOp::Upload { offset, src } => self.check_range(*offset, src.len(), "upload")?,
+            MemoryOp::Download { offset, dst } => {
+                self.check_range(*offset, dst.len(), "download")?
+            }
+            MemoryOp::Fill { offset, bytes, .. } => self.check_range(*offset, *bytes, "fill")?,
             MemoryOp::Copy {
                 offset,
                 src,
                 src_offset,
                 bytes,
             } => {
-                fits(*offset, *bytes, self.bytes, "copy destination")?;
-                fits(*src_offset, *bytes, src.bytes, "copy source")?;
+                self.check_range(*offset, *bytes, "copy destination")?;
+                src.check_range(*src_offset, *bytes, "copy source")?;
                 if src.device != self.device {
                     return Err(Error::InvalidArgument(format!(
                         "copy from {:?} memory to {:?} memory: one device only",

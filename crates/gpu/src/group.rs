@@ -1363,16 +1363,7 @@ pub fn upload_registered<R: GpuRuntime>(
             R::NAME
         )));
     };
-    if offset
-        .checked_add(src.len())
-        .is_none_or(|end| end > mem.bytes)
-    {
-        return Err(Error::InvalidArgument(format!(
-            "{} bytes at offset {offset} do not fit a registered allocation of {}",
-            src.len(),
-            mem.bytes
-        )));
-    }
+    mem.check_range(offset, src.len(), "upload")?;
     let m = owned.mem.as_ref().expect("alive until dropped");
     // SAFETY: the range lies inside `m`, which lives as long as `mem`; the caller keeps `mem`
     // until its stream has passed the copy, as with any buffer it enqueues work on.
