@@ -13,7 +13,9 @@ no compiled extension. NCCL-shaped, as vLLM's communicators are::
 Each rank is driven from its own thread: ctypes releases the GIL for the length of each C
 call, so the ranks of an in-process group block in the library together. Every non-zero
 result code raises a subclass of :class:`Error` carrying the code's name and the library's
-message; nothing fails silently.
+message; nothing fails silently. The fused all-reduce + residual add + RMSNorm (+ FP8) is
+``Communicator.all_reduce_fused`` with one :class:`FusedWorkspace` per rank, under FlashInfer's
+argument names.
 
 The library is found on first use (``import allreduce`` never needs it), in order:
 ``$ALLREDUCE_LIB`` (alone, when set), a copy inside this package, then the repository's
@@ -24,12 +26,12 @@ cuda`` for NVIDIA).
 What this first version does not have yet:
 
 - a torch custom op (``torch.library``) with a fake implementation, which ``torch.compile``
-  and CUDA graphs captured through it need; eager torch code can call ``all_reduce`` as is;
+  and CUDA graphs captured through it need; eager torch code can call ``all_reduce`` and
+  ``all_reduce_fused`` as they are;
 - a bootstrap over ``torch.distributed`` (one process per rank): the C ABI's
   ``ar_get_unique_id`` / ``ar_comm_init_rank`` / ``ar_comm_init_env`` are not wrapped, so
   only in-process groups (``Communicator.group``) can be built;
-- the fused all-reduce + residual + RMSNorm (``ar_all_reduce_fused``) and
-  ``ar_comm_select``;
+- ``ar_comm_select``;
 - a wheel that bundles the library; ``pip install ./python`` installs the Python code only.
 
 The CUDA and ROCm paths (torch tensors, ``__cuda_array_interface__``, streams) are written
@@ -37,6 +39,7 @@ to the C ABI's contract but have not been run; only the host backend is tested.
 """
 
 from ._comm import PRECISIONS, STRATEGIES, Communicator
+from ._fused import FUSED_PATTERNS, FusedWorkspace
 from ._errors import (
     Aborted,
     BackendNotBuilt,
@@ -83,9 +86,10 @@ def library_version() -> int:
 
 __all__ = [
     "Aborted", "BackendNotBuilt", "BootstrapError", "Communicator", "DTypeMismatch",
-    "DeviceError", "Error", "InternalError", "InvalidArgument", "InvalidConfig",
-    "InvalidUsage", "LengthMismatch", "LibraryNotFound", "LibraryUnavailable", "Misaligned",
-    "PRECISIONS", "PeerRejected", "RankMismatch", "STRATEGIES", "StrategyUnavailable",
-    "Timeout", "TooLarge", "Unsupported", "UnsupportedCodec", "UnsupportedType",
-    "WorkspaceExceeded", "WrongDevice", "library_path", "library_version",
+    "DeviceError", "Error", "FUSED_PATTERNS", "FusedWorkspace", "InternalError",
+    "InvalidArgument", "InvalidConfig", "InvalidUsage", "LengthMismatch", "LibraryNotFound",
+    "LibraryUnavailable", "Misaligned", "PRECISIONS", "PeerRejected", "RankMismatch",
+    "STRATEGIES", "StrategyUnavailable", "Timeout", "TooLarge", "Unsupported",
+    "UnsupportedCodec", "UnsupportedType", "WorkspaceExceeded", "WrongDevice", "library_path",
+    "library_version",
 ]

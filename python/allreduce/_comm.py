@@ -272,6 +272,56 @@ class Communicator:
         if dst.shape != src.shape:
             raise InvalidArgument(f"x has shape {src.shape}, out has shape {dst.shape}")
 
+    def all_reduce_fused(self, ws: Any, x: Any, residual_in: Any = None,
+                         residual_out: Any = None, norm_out: Any = None, quant_out: Any = None,
+                         scale_out: Any = None, rms_gamma: Any = None, rms_eps: float = 1e-6,
+                         pattern: Optional[str] = None, allreduce_out: Any = None,
+                         use_oneshot: Optional[bool] = None, static_scale: Any = None,
+                         stream: Any = None) -> None:
+        """The all-reduce fused with the residual add, the RMSNorm and FP8 quantization
+        (``ar_all_reduce_fused``; FlashInfer's ``trtllm_allreduce_fusion``, whose argument
+        names these are). With ``a = sum over ranks of x`` (exact: f32 in rank order, one
+        rounding, and a sum of -0.0 comes out +0.0)::
+
+            allreduce_out = a
+            residual_out  = round(a + residual_in)
+            norm_out      = round(residual_out / sqrt(mean(residual_out**2) + rms_eps) * rms_gamma)
+            quant_out     = FP8 E4M3 codes of norm_out at scale_out (one per token: the row's
+                            max |norm_out| / 448) or at static_scale (code = norm_out / scale)
+
+        ``ws``: this rank's :class:`FusedWorkspace`. ``x``, ``residual_in`` and every row
+        output: ``(tokens, hidden)`` arrays of the workspace's dtype and hidden, ``tokens`` at
+        most its ``max_tokens``; ``rms_gamma``: ``(hidden,)``. ``quant_out``: ``tokens *
+        hidden`` uint8 (or float8_e4m3fn) elements; ``scale_out``: ``tokens`` float32.
+        ``static_scale``: one float32 element (read when the call runs), or on the host
+        backend a number. Arrays as in :meth:`all_reduce` (contiguous, aligned, on this rank's
+        device). ``residual_out`` may be ``residual_in`` and ``allreduce_out`` may be ``x``
+        (in place); other overlaps are refused.
+
+        ``pattern``: ``"allreduce"``, ``"residual_rmsnorm"``, ``"residual_rmsnorm_fp8"`` (per
+        token scales) or ``"residual_rmsnorm_fp8_static"``; ``None`` infers it from what is
+        given: ``static_scale`` -> fp8_static; ``quant_out`` or ``scale_out`` -> fp8;
+        ``residual_in``, ``residual_out``, ``norm_out`` or ``rms_gamma`` -> residual_rmsnorm;
+        else allreduce. A pattern refuses what it lacks (residual_rmsnorm needs
+        ``residual_in``, ``rms_gamma`` and ``norm_out``; the FP8 ones ``norm_out`` optional,
+        ``quant_out`` and their scale required) and what it would not use. Pattern allreduce
+        without ``allreduce_out`` sums into ``x``; the others write ``allreduce_out`` when it
+        is given. ``use_oneshot``: True (one-shot), False (two-shot), None (the workspace's
+        choice by size). ``stream`` as in :meth:`all_reduce`. Returns None: the outputs are
+        the arrays given.
+
+        Every rank makes the matching call. A refusal (by this binding or by the library) is
+        raised on the rank that made it before anything reaches the peers and, unlike
+        :meth:`all_reduce`, the peers are not told: the C fused call has no way to tell them,
+        so they wait until the group's timeout, raise ``Timeout``, and the group must be
+        rebuilt. Arguments refused alike on every rank leave the group intact.
+        """
+        from . import _fused
+
+        _fused.all_reduce_fused(self, ws, x, residual_in, residual_out, norm_out, quant_out,
+                                scale_out, rms_gamma, rms_eps, pattern, allreduce_out,
+                                use_oneshot, static_scale, stream)
+
     def synchronize(self, stream: Any = None) -> None:
         """Wait for this rank's work on ``stream`` and raise any error the device recorded
         since the last check (a peer past the deadline, an aborted group), as NCCL's

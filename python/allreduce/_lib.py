@@ -41,7 +41,30 @@ class Config(ctypes.Structure):
     ]
 
 
+class FusedArgs(ctypes.Structure):
+    """``ar_fused_args_t``: buffers are addresses (None for absent); ``size`` is checked by
+    the library as ``ar_config_t``'s is."""
+
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("pattern", ctypes.c_int),
+        ("strategy", ctypes.c_int),
+        ("tokens", ctypes.c_size_t),
+        ("input", ctypes.c_void_p),
+        ("allreduce_out", ctypes.c_void_p),
+        ("residual_in", ctypes.c_void_p),
+        ("residual_out", ctypes.c_void_p),
+        ("gamma", ctypes.c_void_p),
+        ("norm_out", ctypes.c_void_p),
+        ("quant_out", ctypes.c_void_p),
+        ("scale_out", ctypes.c_void_p),
+        ("scale_in", ctypes.c_void_p),
+        ("eps", ctypes.c_float),
+    ]
+
+
 Handle = ctypes.c_void_p  # ar_comm_t: an opaque token, never dereferenced
+FusedHandle = ctypes.c_void_p  # ar_fused_workspace_t: the same
 _int_p = ctypes.POINTER(ctypes.c_int)
 _size_p = ctypes.POINTER(ctypes.c_size_t)
 
@@ -72,6 +95,18 @@ PROTOTYPES = {
     "ar_comm_backend": (ctypes.c_int, [Handle, _int_p]),
     "ar_comm_alignment": (ctypes.c_int, [Handle, _size_p]),
     "ar_comm_max_bytes": (ctypes.c_int, [Handle, _size_p]),
+    "ar_fused_workspace_create": (ctypes.c_int, [
+        ctypes.POINTER(FusedHandle),  # workspaces
+        ctypes.POINTER(Handle),  # comms
+        ctypes.c_int,  # nranks
+        ctypes.c_size_t,  # max_tokens
+        ctypes.c_size_t,  # hidden
+        ctypes.c_int,  # dtype
+    ]),
+    "ar_fused_workspace_destroy": (ctypes.c_int, [FusedHandle]),
+    "ar_all_reduce_fused": (ctypes.c_int, [
+        ctypes.POINTER(FusedArgs), FusedHandle, Handle, ctypes.c_void_p,
+    ]),
 }
 
 

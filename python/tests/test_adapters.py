@@ -11,7 +11,14 @@ import pytest
 
 import allreduce
 from allreduce import _buffers
-from allreduce import Communicator
+from allreduce import Communicator, FusedWorkspace
+
+try:
+    import ml_dtypes
+
+    FP8 = [np.dtype(ml_dtypes.float8_e4m3fn)]
+except ImportError:
+    FP8 = []
 
 TIMEOUT = 5.0
 
@@ -20,8 +27,11 @@ def fake_torch():
     torch = types.ModuleType("torch")
     torch.float32, torch.float16, torch.bfloat16, torch.int32 = (
         "torch.float32", "torch.float16", "torch.bfloat16", "torch.int32")
+    torch.uint8, torch.float8_e4m3fn = "torch.uint8", "torch.float8_e4m3fn"
     by_numpy = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
-                np.dtype(np.int32): torch.int32}
+                np.dtype(np.int32): torch.int32, np.dtype(np.uint8): torch.uint8}
+    if FP8:
+        by_numpy[FP8[0]] = torch.float8_e4m3fn
     torch.streams = []
 
     class Device:
@@ -94,6 +104,59 @@ def test_cpu_tensors_are_summed_on_the_host_backend(torch):
     assert torch.streams == [], "a CPU tensor has no stream to look up"
     for c in comms:
         c.close()
+
+
+def test_cpu_tensors_take_the_fused_call_on_the_host_backend(torch):
+    """The fused call through torch tensors writes the bits the same call through numpy
+    arrays writes (which test_fused_host.py holds to the reference)."""
+    comms = Communicator.group(2, timeout=TIMEOUT)
+    wss = FusedWorkspace.group(comms, 4, 64, torch.float16)
+    assert wss[0].dtype == "float16"
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((3, 64)).astype(np.float16) for _ in range(2)]
+    residual = rng.standard_normal((3, 64)).astype(np.float16)
+    gamma = rng.uniform(0.5, 2, 64).astype(np.float16)
+    results = {}
+    for kind in ("numpy", "torch"):
+        wrap = torch.Tensor if kind == "torch" else (lambda a: a)
+        outs = [{"residual_out": np.empty_like(x), "norm_out": np.empty_like(x),
+                 "quant_out": np.empty(x.shape, np.uint8),
+                 "scale_out": np.empty(3, np.float32)} for x in xs]
+        got = on_ranks(2, lambda r: comms[r].all_reduce_fused(
+            wss[r], wrap(xs[r]), residual_in=wrap(residual), rms_gamma=wrap(gamma),
+            **{k: wrap(v) for k, v in outs[r].items()}))
+        assert got == [None, None], got
+        results[kind] = outs
+    for r in range(2):
+        for key, want in results["numpy"][r].items():
+            got = results["torch"][r][key]
+            assert (got.view(np.uint8) == want.view(np.uint8)).all(), (r, key)
+        assert results["torch"][r]["norm_out"].view(np.uint16).any()
+    for w in wss:
+        w.close()
+    for c in comms:
+        c.close()
+
+
+def test_fp8_code_buffers(torch):
+    codes = np.zeros(8, np.uint8)
+    assert _buffers.describe(torch.Tensor(codes), "quant_out", codes=True).dtype == _buffers.U8
+    assert _buffers.describe(codes, "quant_out", codes=True).count == 8
+    for fp8 in FP8:
+        buf = _buffers.describe(torch.Tensor(np.zeros(8, fp8)), "quant_out", codes=True)
+        assert buf.dtype == _buffers.U8
+        assert _buffers.describe(np.zeros(8, fp8), "quant_out", codes=True).dtype == _buffers.U8
+    cai = _buffers.describe(CudaArray("|u1", shape=(2, 8)), "quant_out", codes=True)
+    assert (cai.dtype, cai.count) == (_buffers.U8, 16)
+    for bad in (torch.Tensor(np.zeros(8, np.float32)), np.zeros(8, np.int8),
+                CudaArray("<f4")):
+        with pytest.raises(allreduce.UnsupportedType, match="quant_out"):
+            _buffers.describe(bad, "quant_out", codes=True)
+    # Bytes are no dtype the library sums.
+    with pytest.raises(allreduce.UnsupportedType, match="uint8"):
+        _buffers.describe(codes, "x")
+    with pytest.raises(allreduce.UnsupportedType, match="uint8"):
+        _buffers.describe(torch.Tensor(codes), "x")
 
 
 def test_tensor_refusals(torch):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import allreduce
-from allreduce import _buffers, _comm, _errors, _lib
+from allreduce import _buffers, _comm, _errors, _fused, _lib
 
 HEADER = Path(__file__).resolve().parents[2] / "crates" / "capi" / "include" / "allreduce.h"
 
@@ -74,6 +74,9 @@ def test_argument_names_map_to_the_header_values():
     assert header_enum("ar_dtype_t") == {
         "AR_FLOAT16": _buffers.F16, "AR_FLOAT32": _buffers.F32, "AR_BFLOAT16": _buffers.BF16}
     assert header_enum("ar_red_op_t") == {"AR_SUM": _comm._AR_SUM}
+    patterns = {k[len("AR_FUSED_"):].lower(): v
+                for k, v in header_enum("ar_fused_pattern_t").items()}
+    assert patterns == _fused.FUSED_PATTERNS
 
 
 def test_prototypes_match_the_header():
@@ -86,12 +89,18 @@ def test_prototypes_match_the_header():
         params = [p for p in decl[1].split(",") if p.strip() not in ("", "void")]
         assert len(params) == len(argtypes), name
         for param, argtype in zip(params, argtypes):
-            is_pointer = "*" in param or re.search(r"\bar_comm_t\b", param)
+            is_pointer = "*" in param or re.search(r"\bar_(comm|fused_workspace)_t\b", param)
             assert bool(is_pointer) == (argtype is ctypes.c_void_p or
                                         hasattr(argtype, "contents")), (name, param)
     fields = re.search(r"typedef struct \{([^}]*)\} ar_config_t;", text)[1]
     declared = re.findall(r"^\s*(size_t|uint32_t) (\w+);", fields, re.M)
     assert [n for _, n in declared] == [n for n, _ in _lib.Config._fields_]
+    # ar_fused_args_t, field by field: its name and C type against the ctypes one.
+    fields = re.search(r"typedef struct \{([^}]*)\} ar_fused_args_t;", text)[1]
+    declared = re.findall(r"^\s*((?:const )?\w+ \*?)(\w+);", fields, re.M)
+    ctype = {"size_t": ctypes.c_size_t, "int": ctypes.c_int, "float": ctypes.c_float}
+    assert [(n, ctype.get(t.strip(), ctypes.c_void_p if "*" in t else None))
+            for t, n in declared] == _lib.FusedArgs._fields_
 
 
 @pytest.mark.parametrize("name", sorted(_lib.PROTOTYPES))
