@@ -15,7 +15,10 @@ call, so the ranks of an in-process group block in the library together. Every n
 result code raises a subclass of :class:`Error` carrying the code's name and the library's
 message; nothing fails silently. The fused all-reduce + residual add + RMSNorm (+ FP8) is
 ``Communicator.all_reduce_fused`` with one :class:`FusedWorkspace` per rank, under FlashInfer's
-argument names.
+argument names. One process per rank, as vLLM's pynccl is built, is
+``Communicator.from_process_group`` (the id over ``torch.distributed``),
+``Communicator.init_rank`` with :func:`get_unique_id`'s bytes, or ``Communicator.from_env``
+(torchrun's variables); the GPU backends only, as the host backend's ranks are threads.
 
 The library is found on first use (``import allreduce`` never needs it), in order:
 ``$ALLREDUCE_LIB`` (alone, when set), a copy inside this package, then the repository's
@@ -28,9 +31,6 @@ What this first version does not have yet:
 - a torch custom op (``torch.library``) with a fake implementation, which ``torch.compile``
   and CUDA graphs captured through it need; eager torch code can call ``all_reduce`` and
   ``all_reduce_fused`` as they are;
-- a bootstrap over ``torch.distributed`` (one process per rank): the C ABI's
-  ``ar_get_unique_id`` / ``ar_comm_init_rank`` / ``ar_comm_init_env`` are not wrapped, so
-  only in-process groups (``Communicator.group``) can be built;
 - ``ar_comm_select``;
 - a wheel that bundles the library; ``pip install ./python`` installs the Python code only.
 
@@ -38,7 +38,7 @@ The CUDA and ROCm paths (torch tensors, ``__cuda_array_interface__``, streams) a
 to the C ABI's contract but have not been run; only the host backend is tested.
 """
 
-from ._comm import PRECISIONS, STRATEGIES, Communicator
+from ._comm import PRECISIONS, STRATEGIES, Communicator, get_unique_id
 from ._fused import FUSED_PATTERNS, FusedWorkspace
 from ._errors import (
     Aborted,
@@ -90,6 +90,6 @@ __all__ = [
     "InvalidArgument", "InvalidConfig", "InvalidUsage", "LengthMismatch", "LibraryNotFound",
     "LibraryUnavailable", "Misaligned", "PRECISIONS", "PeerRejected", "RankMismatch",
     "STRATEGIES", "StrategyUnavailable", "Timeout", "TooLarge", "Unsupported",
-    "UnsupportedCodec", "UnsupportedType", "WorkspaceExceeded", "WrongDevice", "library_path",
-    "library_version",
+    "UnsupportedCodec", "UnsupportedType", "WorkspaceExceeded", "WrongDevice", "get_unique_id",
+    "library_path", "library_version",
 ]

@@ -26,12 +26,82 @@ _AR_SUM = 0
 _REJECTED_DTYPE = -1
 
 _UINT32_MAX = 2**32 - 1
+_INT_MAX = 2**31 - 1
 
 
 def _name_to_code(table: dict, value: Any, what: str) -> int:
     if isinstance(value, str) and value.lower() in table:
         return table[value.lower()]
     raise InvalidArgument(f"{what} {value!r} is not one of {', '.join(table)}")
+
+
+def _config(max_bytes: Optional[int], timeout: Optional[float]) -> _lib.Config:
+    config = _lib.Config(size=ctypes.sizeof(_lib.Config))
+    # Zero fields mean "the library's default" in ar_config_t, so an explicit 0 would be
+    # silently replaced: refuse it instead.
+    if max_bytes is not None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+            raise _errors.InvalidConfig(f"max_bytes {max_bytes!r} must be a positive int")
+        config.max_bytes = max_bytes
+    if timeout is not None:
+        try:
+            seconds = float(timeout)
+        except (TypeError, ValueError):
+            seconds = math.nan
+        if not (seconds > 0 and seconds * 1000 <= _UINT32_MAX):
+            raise _errors.InvalidConfig(
+                f"timeout {timeout!r} must be a positive number of seconds, at most "
+                f"{_UINT32_MAX // 1000}")
+        config.timeout_ms = max(1, math.ceil(seconds * 1000))
+    return config
+
+
+def _int_arg(value: Any, what: str) -> int:
+    # bool is an int subclass, but True as a rank is a bug, not a 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UnsupportedType(f"{what} is a {type(value).__qualname__}; pass an int")
+    return value
+
+
+def _check_world(world: Any) -> int:
+    world = _int_arg(world, "world")
+    if not 0 < world <= _INT_MAX:
+        raise _errors.InvalidConfig(f"world size {world} must be between 1 and 2**31 - 1")
+    return world
+
+
+def _device_arg(device: Any, backend_code: int) -> int:
+    """This process's GPU ordinal: ``device`` (an int or a ``torch.device``), else torch's
+    current device when torch is loaded with a GPU, else 0. The host backend ignores it."""
+    if device is None:
+        if backend_code == BACKENDS["host"]:
+            return 0
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            return int(torch.cuda.current_device())
+        return 0
+    # torch.device("cuda", 1).index == 1; a str's index is a method, not an ordinal.
+    index = getattr(device, "index", device)
+    if callable(index):
+        index = device
+    if index is None:
+        return _device_arg(None, backend_code)
+    index = _int_arg(index, "device")
+    if not 0 <= index <= _INT_MAX:
+        raise InvalidArgument(f"device {index} must be a GPU ordinal, 0 or more")
+    return index
+
+
+def get_unique_id() -> bytes:
+    """A new group's id (``ar_get_unique_id``; NCCL's ``ncclGetUniqueId``): make it on one
+    process and hand the bytes to every process of the group for
+    :meth:`Communicator.init_rank`. The group meets on this host's loopback interface, so
+    every rank must run on this host (a group across hosts uses
+    :meth:`Communicator.from_env`). The bytes hold the group's secret: give them to the
+    group's processes only. Each call makes a new group."""
+    uid = _lib.UniqueId()
+    _lib.check(_lib.lib().ar_get_unique_id(ctypes.byref(uid)))
+    return bytes(uid)
 
 
 class Communicator:
@@ -74,27 +144,8 @@ class Communicator:
         device may repeat, several ranks on one GPU); ignored by the host backend.
         """
         code = _name_to_code(BACKENDS, backend, "backend")
-        if isinstance(world, bool) or not isinstance(world, int):
-            raise UnsupportedType(f"world is a {type(world).__qualname__}; pass an int")
-        if not 0 < world <= 2**31 - 1:
-            raise _errors.InvalidConfig(f"world size {world} must be between 1 and 2**31 - 1")
-        config = _lib.Config(size=ctypes.sizeof(_lib.Config))
-        # Zero fields mean "the library's default" in ar_config_t, so an explicit 0 would be
-        # silently replaced: refuse it instead.
-        if max_bytes is not None:
-            if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
-                raise _errors.InvalidConfig(f"max_bytes {max_bytes!r} must be a positive int")
-            config.max_bytes = max_bytes
-        if timeout is not None:
-            try:
-                seconds = float(timeout)
-            except (TypeError, ValueError):
-                seconds = math.nan
-            if not (seconds > 0 and seconds * 1000 <= _UINT32_MAX):
-                raise _errors.InvalidConfig(
-                    f"timeout {timeout!r} must be a positive number of seconds, at most "
-                    f"{_UINT32_MAX // 1000}")
-            config.timeout_ms = max(1, math.ceil(seconds * 1000))
+        world = _check_world(world)
+        config = _config(max_bytes, timeout)
         devlist = None
         if devices is not None:
             devices = list(devices)
@@ -115,6 +166,135 @@ class Communicator:
                 lib.ar_comm_destroy(h)
             raise
         return comms
+
+    @classmethod
+    def _adopt(cls, handle: int) -> "Communicator":
+        # A rank built by one of the init functions: released if reading its attributes fails.
+        try:
+            return cls(handle)
+        except BaseException:
+            _lib.lib().ar_comm_destroy(handle)
+            raise
+
+    @classmethod
+    def init_rank(cls, unique_id: bytes, world: int, rank: int, backend: str = "cuda",
+                  device: Any = None, max_bytes: Optional[int] = None,
+                  timeout: Optional[float] = None) -> "Communicator":
+        """This process's rank of a group with one process per rank (``ar_comm_init_rank``;
+        NCCL's ``ncclCommInitRank``). Every process of the group calls it at about the same
+        time with the same ``unique_id`` (from :func:`allreduce.get_unique_id` on one of them)
+        and ``world``, and its own ``rank`` (0 <= rank < world); it returns once all have
+        joined, or fails when the rendezvous deadline (60 s) passes.
+
+        Backends: ``"cuda"`` and ``"rocm"`` only. The host backend's ranks are threads of one
+        process (:meth:`group`): it refuses with ``InvalidConfig`` ("in-process groups only")
+        once the rendezvous has met. ``device``: this process's GPU ordinal (an int or a
+        ``torch.device``; default torch's current device when torch is loaded, else 0).
+        ``max_bytes`` and ``timeout`` (seconds any wait for a peer in a call may last) as in
+        :meth:`group`; ``timeout`` does not shorten the rendezvous. A rank that disagrees
+        with rank 0 on ``world`` is refused at once (``BootstrapError``); a rank whose peers
+        never arrive, or that holds another group's id, fails at the deadline (``Timeout``).
+
+        Arguments are checked before any C call: ``UnsupportedType`` (a ``TypeError``) for a
+        wrong type, ``InvalidArgument`` / ``InvalidConfig`` (``ValueError``) for a bad value.
+        """
+        code = _name_to_code(BACKENDS, backend, "backend")
+        if not isinstance(unique_id, (bytes, bytearray)):
+            raise UnsupportedType(
+                f"unique_id is a {type(unique_id).__qualname__}; pass the bytes "
+                "allreduce.get_unique_id() returned")
+        if len(unique_id) != _lib.UNIQUE_ID_BYTES:
+            raise InvalidArgument(
+                f"unique_id has {len(unique_id)} bytes; an id from allreduce.get_unique_id() "
+                f"has {_lib.UNIQUE_ID_BYTES}")
+        world = _check_world(world)
+        rank = _int_arg(rank, "rank")
+        if not 0 <= rank < world:
+            raise _errors.InvalidConfig(f"rank {rank} is outside 0..{world}")
+        dev = _device_arg(device, code)
+        config = _config(max_bytes, timeout)
+        uid = _lib.UniqueId.from_buffer_copy(bytes(unique_id))
+        handle = _lib.Handle()
+        _lib.check(_lib.lib().ar_comm_init_rank(
+            ctypes.byref(handle), code, world, uid, rank, dev, ctypes.byref(config)))
+        return cls._adopt(handle.value)
+
+    @classmethod
+    def from_env(cls, backend: str = "cuda", device: Any = None,
+                 max_bytes: Optional[int] = None,
+                 timeout: Optional[float] = None) -> "Communicator":
+        """This process's rank from a torchrun-style environment (``ar_comm_init_env``):
+        ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and the group's
+        ``ALLREDUCE_BOOTSTRAP_SECRET`` (64 hex digits, the same in every process; torchrun
+        does not set it), optionally ``ALLREDUCE_BOOTSTRAP_TIMEOUT_S`` (the rendezvous
+        deadline, 60 s by default), ``ALLREDUCE_BOOTSTRAP_PORT`` (instead of ``MASTER_PORT``,
+        which torch.distributed's store may already hold) and
+        ``ALLREDUCE_BOOTSTRAP_ALLOW_REMOTE=1`` (on every rank, for a group across hosts). A
+        missing or malformed variable is ``InvalidConfig`` naming it.
+
+        Backends: ``"cuda"`` and ``"rocm"`` only; the host backend refuses with
+        ``InvalidConfig`` once the rendezvous has met, as in :meth:`init_rank`. ``device``:
+        default ``LOCAL_RANK`` (0 if unset). ``max_bytes`` and ``timeout`` as in :meth:`group`.
+        """
+        code = _name_to_code(BACKENDS, backend, "backend")
+        # -1 asks the library for LOCAL_RANK.
+        dev = -1 if device is None else _device_arg(device, code)
+        config = _config(max_bytes, timeout)
+        handle = _lib.Handle()
+        _lib.check(_lib.lib().ar_comm_init_env(
+            ctypes.byref(handle), code, dev, ctypes.byref(config)))
+        return cls._adopt(handle.value)
+
+    @classmethod
+    def from_process_group(cls, group: Any = None, backend: str = "cuda", device: Any = None,
+                           max_bytes: Optional[int] = None,
+                           timeout: Optional[float] = None) -> "Communicator":
+        """This process's rank of a group with the ranks of a ``torch.distributed`` process
+        group (default: the world), as vLLM's ``PyNcclCommunicator`` is built: the group's
+        rank 0 makes the id (:func:`allreduce.get_unique_id`),
+        ``torch.distributed.broadcast_object_list`` hands it to the others, and every rank
+        calls :meth:`init_rank` with its rank in ``group``. Every rank of ``group`` must call
+        it. The id's rendezvous is on loopback, so the group's processes must share a host (a
+        group across hosts uses :meth:`from_env`). On an NCCL process group the broadcast runs
+        on torch's current device; a gloo group needs no device.
+
+        Backends: ``"cuda"`` and ``"rocm"`` only (the host backend refuses, as in
+        :meth:`init_rank`). ``device``: default torch's current device. Raises
+        ``InvalidUsage`` if torch is not installed or ``torch.distributed`` is not
+        initialized.
+        """
+        _name_to_code(BACKENDS, backend, "backend")
+        try:
+            import torch.distributed as dist
+        except ImportError as e:
+            raise InvalidUsage(
+                f"Communicator.from_process_group needs torch.distributed, which cannot be "
+                f"imported ({e}); use init_rank or from_env") from e
+        if not (dist.is_available() and dist.is_initialized()):
+            raise InvalidUsage(
+                "torch.distributed is not initialized: call "
+                "torch.distributed.init_process_group first, or use init_rank or from_env")
+        if group is None:
+            group = dist.group.WORLD
+        rank = dist.get_rank(group)
+        world = dist.get_world_size(group)
+        # broadcast_object_list names its source by global rank.
+        src = dist.get_process_group_ranks(group)[0]
+        box: List[Any] = [None]
+        if rank == 0:
+            # A failure here is sent too: the peers would otherwise wait in init_rank for a
+            # rank 0 that never comes.
+            try:
+                box[0] = get_unique_id()
+            except Exception as e:
+                box[0] = f"{type(e).__name__}: {e}"
+        dist.broadcast_object_list(box, src=src, group=group)
+        unique_id = box[0]
+        if not isinstance(unique_id, bytes):
+            raise _errors.BootstrapError(
+                f"the process group's rank 0 could not make the group's id: {unique_id}")
+        return cls.init_rank(unique_id, world, rank, backend=backend, device=device,
+                             max_bytes=max_bytes, timeout=timeout)
 
     def _live_handle(self) -> int:
         handle = self._handle

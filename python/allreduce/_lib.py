@@ -63,6 +63,16 @@ class FusedArgs(ctypes.Structure):
     ]
 
 
+# The header's `AR_UNIQUE_ID_BYTES`; tests/test_errors.py checks it.
+UNIQUE_ID_BYTES = 128
+
+
+class UniqueId(ctypes.Structure):
+    """``ar_unique_id_t``: opaque bytes, passed by value to ``ar_comm_init_rank``."""
+
+    _fields_ = [("internal", ctypes.c_char * UNIQUE_ID_BYTES)]
+
+
 Handle = ctypes.c_void_p  # ar_comm_t: an opaque token, never dereferenced
 FusedHandle = ctypes.c_void_p  # ar_fused_workspace_t: the same
 _int_p = ctypes.POINTER(ctypes.c_int)
@@ -86,6 +96,19 @@ PROTOTYPES = {
     ]),
     "ar_comm_init_all": (ctypes.c_int, [
         ctypes.POINTER(Handle), ctypes.c_int, ctypes.c_int, _int_p, ctypes.POINTER(Config),
+    ]),
+    "ar_get_unique_id": (ctypes.c_int, [ctypes.POINTER(UniqueId)]),
+    "ar_comm_init_rank": (ctypes.c_int, [
+        ctypes.POINTER(Handle),  # comm
+        ctypes.c_int,  # backend
+        ctypes.c_int,  # nranks
+        UniqueId,  # id, by value
+        ctypes.c_int,  # rank
+        ctypes.c_int,  # device
+        ctypes.POINTER(Config),
+    ]),
+    "ar_comm_init_env": (ctypes.c_int, [
+        ctypes.POINTER(Handle), ctypes.c_int, ctypes.c_int, ctypes.POINTER(Config),
     ]),
     "ar_comm_destroy": (ctypes.c_int, [Handle]),
     "ar_comm_synchronize": (ctypes.c_int, [Handle, ctypes.c_void_p]),
