@@ -3,7 +3,6 @@ module whose CPU tensors share numpy memory (so the torch path runs a real host 
 and ``__cuda_array_interface__`` objects that describe memory the way CuPy or Numba do."""
 
 import sys
-import threading
 import types
 
 import numpy as np
@@ -12,6 +11,7 @@ import pytest
 import allreduce
 from allreduce import _buffers
 from allreduce import Communicator, FusedWorkspace
+from ranks import TIMEOUT, on_ranks
 
 try:
     import ml_dtypes
@@ -20,7 +20,6 @@ try:
 except ImportError:
     FP8 = []
 
-TIMEOUT = 5.0
 
 
 def fake_torch():
@@ -76,28 +75,11 @@ def torch(monkeypatch):
     return t
 
 
-def on_ranks(n, fn):
-    results = [None] * n
-
-    def run(r):
-        try:
-            results[r] = fn(r)
-        except Exception as e:
-            results[r] = e
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(3 * TIMEOUT)
-    return results
-
-
 def test_cpu_tensors_are_summed_on_the_host_backend(torch):
     comms = Communicator.group(2, timeout=TIMEOUT)
     arrays = [np.arange(64, dtype=np.float16) * (r + 1) for r in range(2)]
     tensors = [torch.Tensor(a) for a in arrays]
-    got = on_ranks(2, lambda r: comms[r].all_reduce(tensors[r]))
+    got = on_ranks(range(2), lambda r: comms[r].all_reduce(tensors[r]))
     assert got[0] is tensors[0] and got[1] is tensors[1]
     for a in arrays:
         assert (a == np.arange(64, dtype=np.float16) * 3).all()
@@ -122,7 +104,7 @@ def test_cpu_tensors_take_the_fused_call_on_the_host_backend(torch):
         outs = [{"residual_out": np.empty_like(x), "norm_out": np.empty_like(x),
                  "quant_out": np.empty(x.shape, np.uint8),
                  "scale_out": np.empty(3, np.float32)} for x in xs]
-        got = on_ranks(2, lambda r: comms[r].all_reduce_fused(
+        got = on_ranks(range(2), lambda r: comms[r].all_reduce_fused(
             wss[r], wrap(xs[r]), residual_in=wrap(residual), rms_gamma=wrap(gamma),
             **{k: wrap(v) for k, v in outs[r].items()}))
         assert got == [None, None], got
@@ -179,7 +161,7 @@ def test_cuda_tensors_take_torchs_current_stream_of_their_device(torch):
 def test_cuda_tensors_are_refused_by_a_host_communicator(torch):
     comms = Communicator.group(2, timeout=TIMEOUT)
     cuda = [torch.Tensor(np.zeros(8, np.float32), torch.device("cuda", 0)) for _ in range(2)]
-    got = on_ranks(2, lambda r: comms[r].all_reduce(cuda[r]))
+    got = on_ranks(range(2), lambda r: comms[r].all_reduce(cuda[r]))
     for e in got:
         assert isinstance(e, allreduce.WrongDevice) and "GPU memory" in e.message, e
     for c in comms:

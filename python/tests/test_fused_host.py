@@ -14,7 +14,6 @@ computing exactly afterwards."""
 
 import gc
 import re
-import threading
 import time
 
 import numpy as np
@@ -22,6 +21,7 @@ import pytest
 
 import allreduce
 from allreduce import Communicator, FusedWorkspace
+from ranks import TIMEOUT, assert_bitwise, bits, on_ranks, values
 
 try:
     import ml_dtypes
@@ -31,7 +31,6 @@ try:
 except ImportError:  # the binding takes bfloat16 only through ml_dtypes
     BF16, FP8 = [], []
 
-TIMEOUT = 5.0
 EPS = 1e-6
 MAX_TOKENS = 16
 DTYPES = [np.dtype(np.float32), np.dtype(np.float16)] + BF16
@@ -39,43 +38,6 @@ DTYPES = [np.dtype(np.float32), np.dtype(np.float16)] + BF16
 # `DType::unit_roundoff` and `DType::min_subnormal` of crates/core/src/dtype.rs.
 UNIT_ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 MIN_SUBNORMAL = {"float32": 2.0**-149, "float16": 2.0**-24, "bfloat16": 2.0**-133}
-
-
-def on_ranks(comms, fn):
-    """Run ``fn(rank)`` on one thread per rank; return each rank's result or exception."""
-    results = [None] * len(comms)
-
-    def run(r):
-        try:
-            results[r] = fn(r)
-        except BaseException as e:  # noqa: B036 - handed to the test thread
-            results[r] = e
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(len(comms))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(3 * TIMEOUT)
-        assert not t.is_alive(), "a rank never returned"
-    return results
-
-
-def values(results):
-    for r, v in enumerate(results):
-        if isinstance(v, BaseException):
-            raise AssertionError(f"rank {r} failed: {v!r}") from v
-    return results
-
-
-def bits(a):
-    return a.view(np.dtype(f"u{a.dtype.itemsize}"))
-
-
-def assert_bitwise(got, want, what=""):
-    assert got.dtype == want.dtype and got.shape == want.shape, what
-    diff = np.flatnonzero(bits(got) != bits(want))
-    assert diff.size == 0, (f"{what}: {diff.size} elements differ, first at {diff[0]}: "
-                            f"{got.flat[diff[0]]!r} != {want.flat[diff[0]]!r}")
 
 
 def rows(dtype, tokens, hidden, seed):
