@@ -11,6 +11,7 @@ from typing import Any, List, Optional, Sequence
 from . import _buffers, _errors, _lib
 from ._buffers import HOST
 from ._errors import InvalidArgument, InvalidUsage, UnsupportedType
+from ._handle import Handle
 
 BACKENDS = {"host": 0, "cuda": 1, "rocm": 2}
 _BACKEND_NAMES = {v: k for k, v in BACKENDS.items()}
@@ -104,7 +105,7 @@ def get_unique_id() -> bytes:
     return bytes(uid)
 
 
-class Communicator:
+class Communicator(Handle):
     """One rank of an all-reduce group (NCCL's ``ncclComm_t``).
 
     Build a whole in-process group with :meth:`group`; drive each rank from its own thread
@@ -119,8 +120,7 @@ class Communicator:
 
     def __init__(self, handle: int):
         # Built by `group`; the handle is the library's token for this rank.
-        self._handle: Optional[int] = handle
-        self._close_lock = threading.Lock()
+        super().__init__(handle)
         self._busy = threading.Lock()
         self.rank = self._query_int("ar_comm_user_rank")
         self.world_size = self._query_int("ar_comm_count")
@@ -312,33 +312,13 @@ class Communicator:
         _lib.check(getattr(_lib.lib(), fn)(self._live_handle(), ctypes.byref(out)))
         return out.value
 
-    @property
-    def closed(self) -> bool:
-        return self._handle is None
+    _DESTROY = "ar_comm_destroy"
 
     def close(self) -> None:
         """Release this rank (``ar_comm_destroy``); later calls raise ``InvalidUsage``.
         Idempotent. On a GPU, synchronize the streams of this rank's calls first. The group's
         shared resources go when its last rank is closed."""
-        with self._close_lock:
-            handle, self._handle = self._handle, None
-        if handle is not None:
-            _lib.check(_lib.lib().ar_comm_destroy(handle))
-
-    def __enter__(self) -> "Communicator":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        # A communicator dropped without close() still releases its rank. Errors are dropped:
-        # raising from __del__ only prints, and at interpreter exit the modules may be gone.
-        try:
-            if getattr(self, "_handle", None) is not None:
-                self.close()
-        except Exception:
-            pass
+        self._release()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"device={self.device}"

@@ -10,13 +10,13 @@ from __future__ import annotations
 import ctypes
 import math
 import numbers
-import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 from . import _buffers, _errors, _lib
 from ._buffers import F32
 from ._comm import STRATEGIES, Communicator, _name_to_code
 from ._errors import InvalidArgument, InvalidUsage, UnsupportedType
+from ._handle import Handle
 
 # `ar_fused_pattern_t`, by the names the library's Rust API gives them (FlashInfer's
 # `AllReduceFusionPattern` 0 to 3: kAllReduce, kARResidualRMSNorm, then the FP8 quantizations
@@ -57,7 +57,7 @@ def _size_arg(value: Any, what: str) -> int:
     return value
 
 
-class FusedWorkspace:
+class FusedWorkspace(Handle):
     """One rank's workspace for the fused call (FlashInfer's
     ``trtllm_create_ipc_workspace_for_all_reduce_fusion``): calls of up to ``max_tokens``
     rows of ``hidden`` elements of ``dtype``. Build every rank's with :meth:`group`.
@@ -74,8 +74,7 @@ class FusedWorkspace:
     def __init__(self, handle: int, rank: int, world_size: int, max_tokens: int, hidden: int,
                  dtype: int):
         # Built by `group`; the handle is the library's token for this rank's workspace.
-        self._handle: Optional[int] = handle
-        self._close_lock = threading.Lock()
+        super().__init__(handle)
         self._dtype = dtype
         self.rank = rank
         self.world_size = world_size
@@ -137,31 +136,12 @@ class FusedWorkspace:
             raise InvalidUsage("this fused workspace is closed")
         return handle
 
-    @property
-    def closed(self) -> bool:
-        return self._handle is None
+    _DESTROY = "ar_fused_workspace_destroy"
 
     def close(self) -> None:
         """Release this rank's workspace (``ar_fused_workspace_destroy``); later calls with
         it raise ``InvalidUsage``. Idempotent."""
-        with self._close_lock:
-            handle, self._handle = self._handle, None
-        if handle is not None:
-            _lib.check(_lib.lib().ar_fused_workspace_destroy(handle))
-
-    def __enter__(self) -> "FusedWorkspace":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        # As Communicator.__del__: a dropped workspace is still released, errors dropped.
-        try:
-            if getattr(self, "_handle", None) is not None:
-                self.close()
-        except Exception:
-            pass
+        self._release()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self.max_tokens} x {self.hidden} {self.dtype}"
