@@ -6,6 +6,9 @@
 //! hierarchical quantized calls on 8 ranks forced into two NUMA groups (`pcie:2x4`). Then
 //! graphs whose calls read registered inputs in place (captured after the registration),
 //! beside a staged call, with new input written into the registered memory between replays.
+//! Then graphs captured on plain memory with graph registration on, whose buffers are
+//! registered after capture (vLLM's graph buffers): a replay before the registration must fail
+//! on every rank and write nothing; the replays after it must be exact.
 //! Generic
 //! over the runtime; the test binaries (tests/cuda_graphs.rs, tests/rocm_graphs.rs) call
 //! [`run`] with theirs.
@@ -305,6 +308,154 @@ fn run_registered<R: GpuTestRuntime>() {
     }
 }
 
+/// The calls of a graph whose buffers are registered after capture: (length, dtype,
+/// strategy). The first is split into pieces by the 64 KiB workspace.
+const GRAPH_BUFFER_CALLS: [(usize, DType, Strategy); 4] = [
+    (70_001, DType::BF16, Strategy::TwoShot),
+    (1000, DType::F16, Strategy::OneShot),
+    (5, DType::F32, Strategy::OneShot),
+    (4097, DType::F32, Strategy::Auto),
+];
+
+fn run_rank_graph_buffers<R: GpuTestRuntime>(
+    comms: &[Communicator],
+    rank: usize,
+    both: &std::sync::Barrier,
+) -> Result<(), String> {
+    let e = |e: allreduce::Error| e.to_string();
+    let comm = &comms[rank];
+    let (_dev, stream) = open_rank::<R>(comm).map_err(e)?;
+    let world = comm.world_size();
+    let mut bufs = Vec::new();
+    for &(n, dtype, _) in &GRAPH_BUFFER_CALLS {
+        let bytes = n * dtype.size();
+        bufs.push((
+            DeviceBuffer::<R>::zeroed(bytes, &stream).map_err(e)?,
+            DeviceBuffer::<R>::zeroed(bytes, &stream).map_err(e)?,
+        ));
+    }
+    let enqueue = || -> allreduce::Result<()> {
+        for (&(n, dtype, strategy), (inp, out)) in GRAPH_BUFFER_CALLS.iter().zip(&bufs) {
+            // SAFETY: the buffers hold n elements and outlive the graph.
+            let (iv, ov) = unsafe {
+                (
+                    BufRef::from_raw(inp.addr(), n, dtype, comm.device()),
+                    BufMut::from_raw(out.addr(), n, dtype, comm.device()),
+                )
+            };
+            let o = AllReduceOptions::default()
+                .strategy(strategy)
+                .stream(stream.handle());
+            comm.all_reduce(iv, ov, &o)?;
+        }
+        Ok(())
+    };
+    let upload = |iteration: usize| -> Result<(), String> {
+        for (&(n, dtype, _), (inp, _)) in GRAPH_BUFFER_CALLS.iter().zip(&bufs) {
+            inp.upload(input(n, dtype, rank, iteration).as_slice(), &stream)
+                .map_err(e)?;
+        }
+        Ok(())
+    };
+    let check = |iteration: usize, what: &str| -> Result<(), String> {
+        for (&(n, dtype, _), (_, out)) in GRAPH_BUFFER_CALLS.iter().zip(&bufs) {
+            let mut h = HostBytes::zeroed(n * dtype.size());
+            out.download(h.as_mut_slice(), &stream).map_err(e)?;
+            let want = expected(n, world, iteration);
+            if let Some(i) = (0..n).find(|&i| dtype.load_f32(h.as_slice(), i) != want[i]) {
+                return Err(format!(
+                    "rank {rank}, graph registered after capture, {what} {iteration}: element \
+                     {i} of {n} {dtype} is {} not {}",
+                    dtype.load_f32(h.as_slice(), i),
+                    want[i]
+                ));
+            }
+        }
+        Ok(())
+    };
+    // Every rank reaches both waits whatever happens before them, so a failure cannot leave
+    // the others waiting.
+    let before = || -> Result<GpuGraph<R>, String> {
+        comm.set_graph_registration(true).map_err(e)?;
+        // Eager calls stay staged with the mode on.
+        upload(0)?;
+        enqueue().map_err(e)?;
+        comm.synchronize(stream.handle()).map_err(e)?;
+        check(0, "eager")?;
+        let graph = GpuGraph::capture(&stream, enqueue).map_err(e)?;
+        // Too early: every rank skips every call, reports it, and the outputs stay as they were.
+        upload(1)?;
+        graph.launch(&stream).map_err(e)?;
+        match comm.synchronize(stream.handle()) {
+            Err(allreduce::Error::InvalidArgument(m)) if m.contains("register_graph_buffers") => {}
+            other => return Err(format!("replay before registration gave {other:?}")),
+        }
+        check(0, "outputs after the refused replay")?;
+        Ok(graph)
+    };
+    let graph = before();
+    both.wait();
+    let registered = if rank == 0 && graph.is_ok() {
+        Communicator::register_graph_buffers(comms).map_err(e)
+    } else {
+        Ok(GRAPH_BUFFER_CALLS.len())
+    };
+    both.wait();
+    let graph = graph.map_err(|m| format!("rank {rank}: {m}"))?;
+    let n = registered?;
+    if n != GRAPH_BUFFER_CALLS.len() {
+        return Err(format!(
+            "registered {n} calls, captured {}",
+            GRAPH_BUFFER_CALLS.len()
+        ));
+    }
+    for it in 1..=REPLAYS {
+        upload(it)?;
+        graph.launch(&stream).map_err(e)?;
+        comm.synchronize(stream.handle()).map_err(e)?;
+        check(it, "replay")?;
+        if it == REPLAYS / 2 {
+            upload(it + 7)?;
+            enqueue().map_err(e)?;
+            comm.synchronize(stream.handle()).map_err(e)?;
+            check(it + 7, "eager between replays")?;
+        }
+    }
+    comm.set_graph_registration(false).map_err(e)?;
+    Ok(())
+}
+
+/// Graphs captured on plain memory and registered after capture, on 2, 4 and 8 ranks.
+fn run_graph_buffers<R: GpuTestRuntime>() {
+    for world in [2usize, 4, 8] {
+        let config = GroupConfig::new(world)
+            .max_bytes(1 << 16)
+            .registered_min_bytes(0);
+        let comms = Communicator::new_group(R::KIND, config).expect("group");
+        let both = std::sync::Barrier::new(world);
+        let start = std::time::Instant::now();
+        let results: Vec<Result<(), String>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..world)
+                .map(|rank| {
+                    let (comms, both) = (&comms, &both);
+                    s.spawn(move || run_rank_graph_buffers::<R>(comms, rank, both))
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().expect("rank thread"))
+                .collect()
+        });
+        for r in results {
+            r.unwrap();
+        }
+        crate::say!(
+            R,
+            "{world} ranks, graph registered after capture x {REPLAYS} replays: ok ({:.2} s)",
+            start.elapsed().as_secs_f64()
+        );
+    }
+}
+
 /// Panics (a failing test) on the first wrong replay.
 pub fn run<R: GpuTestRuntime>() {
     if !gpu_available::<R>("graphs") {
@@ -343,4 +494,5 @@ pub fn run<R: GpuTestRuntime>() {
         }
     }
     run_registered::<R>();
+    run_graph_buffers::<R>();
 }

@@ -6,6 +6,10 @@
 //! format's definition. Then a group in which one rank stops making calls: the others must
 //! report `Error::Timeout` (or `Aborted`) within the deadline, not hang, drop cleanly, and
 //! build a new group of the survivors (ranks renumbered, a new rendezvous) that works.
+//! Then registration across processes: memory allocated and registered over the bootstrap is
+//! read by the peers in place (ranks that disagree on the offset get the registered path's
+//! mismatch), and a graph captured on plain memory replays exactly once its buffers are
+//! registered after capture (and fails on every rank before).
 //!
 //! All ranks share GPU 0 by default (`ALLREDUCE_TEST_DEVICES=0,1,..` spreads them): start
 //! MPS first (`nvidia-cuda-mps-control -d`), or the processes' kernels only time-slice. Skips with the
@@ -126,6 +130,18 @@ mod procs {
             println!(
                 "{world} processes, {} calls x 3 rounds: {} ({:.2} s)",
                 calls().len(),
+                if good { "ok" } else { "FAILED" },
+                t.elapsed().as_secs_f64()
+            );
+            ok &= good;
+        }
+        for world in [2usize, 4, 8] {
+            let t = Instant::now();
+            let codes = launch(world, "registered");
+            let good = codes.iter().all(|&c| c == 0);
+            println!(
+                "{world} processes, registered memory and graph buffers registered after \
+                 capture x {GRAPH_REPLAYS} replays: {} ({:.2} s)",
                 if good { "ok" } else { "FAILED" },
                 t.elapsed().as_secs_f64()
             );
@@ -273,6 +289,141 @@ mod procs {
         Communicator::new_rank(BackendKind::Cuda, config, boot).map_err(|e| e.to_string())
     }
 
+    const GRAPH_REPLAYS: usize = 100;
+
+    /// Registered memory and graph buffers across processes (see the module's comment).
+    fn registered(
+        comm: &Communicator,
+        boot: &mut TcpBootstrap,
+        stream: &GpuStream<CudaRuntime>,
+    ) -> Result<(), String> {
+        let e = |e: Error| e.to_string();
+        let (rank, world) = (comm.rank(), comm.world_size());
+        // (length, dtype, strategy, byte offset); the two-shot is split by the 4 MiB workspace.
+        let shapes = [
+            (1000, DType::F16, Strategy::OneShot, 0usize),
+            (3 << 20, DType::BF16, Strategy::TwoShot, 4096),
+            (
+                4097,
+                DType::F32,
+                Strategy::Auto,
+                (4096 + (6 << 20) + 4095) / 16 * 16,
+            ),
+        ];
+        let bytes = shapes
+            .iter()
+            .map(|&(n, d, _, at)| at + n * d.size())
+            .max()
+            .unwrap();
+        let check = |out: &DeviceBuffer<CudaRuntime>, n: usize, dtype: DType, round: usize| {
+            let mut got = HostBytes::zeroed(n * dtype.size());
+            out.download(got.as_mut_slice(), stream).map_err(e)?;
+            let want = expected(n, dtype, Precision::Exact, world, round);
+            match (0..n).find(|&i| {
+                got.as_slice()[i * dtype.size()..][..dtype.size()]
+                    != want.as_slice()[i * dtype.size()..][..dtype.size()]
+            }) {
+                Some(i) => Err(format!(
+                    "round {round}, {n} {dtype}: element {i} is {} not {}",
+                    dtype.load_f32(got.as_slice(), i),
+                    dtype.load_f32(want.as_slice(), i)
+                )),
+                None => Ok(()),
+            }
+        };
+        let outs: Vec<DeviceBuffer<CudaRuntime>> = shapes
+            .iter()
+            .map(|&(n, d, _, _)| DeviceBuffer::zeroed(n * d.size(), stream))
+            .collect::<Result<_, _>>()
+            .map_err(e)?;
+        stream.synchronize().map_err(e)?;
+
+        // Eager calls on registered memory.
+        let mut reg = comm.alloc_registered(bytes, boot).map_err(e)?;
+        for &(n, dtype, _, at) in &shapes {
+            reg.upload(at, ints(n, dtype, rank, 0).as_slice())
+                .map_err(e)?;
+        }
+        allreduce::Bootstrap::all_gather(boot, b"uploaded").map_err(e)?;
+        for (&(n, dtype, strategy, at), out) in shapes.iter().zip(&outs) {
+            let iv = reg.view(at, n, dtype).map_err(e)?;
+            // SAFETY: the output holds n elements and outlives the call.
+            let ov = unsafe { BufMut::from_raw(out.addr(), n, dtype, comm.device()) };
+            let o = AllReduceOptions::default()
+                .strategy(strategy)
+                .stream(stream.handle());
+            comm.all_reduce(iv, ov, &o).map_err(e)?;
+        }
+        comm.synchronize(stream.handle()).map_err(e)?;
+        for (&(n, dtype, _, _), out) in shapes.iter().zip(&outs) {
+            check(out, n, dtype, 0)?;
+        }
+        // Only the registered path compares offsets: rank 1 reads 16 bytes further.
+        let at = if rank == 1 { 16 } else { 0 };
+        let iv = reg.view(at, 64, DType::F32).map_err(e)?;
+        // SAFETY: as above.
+        let ov = unsafe { BufMut::from_raw(outs[0].addr(), 64, DType::F32, comm.device()) };
+        let o = AllReduceOptions::default()
+            .strategy(Strategy::OneShot)
+            .stream(stream.handle());
+        comm.all_reduce(iv, ov, &o).map_err(e)?;
+        match comm.synchronize(stream.handle()) {
+            Err(Error::RankMismatch {
+                what: "registered input",
+                ..
+            }) => {}
+            other => return Err(format!("offsets that differ gave {other:?}")),
+        }
+
+        // Graph buffers: plain memory (this allocation, deregistered), captured with graph
+        // registration on, registered after capture.
+        let id = reg.id();
+        comm.deregister(id).map_err(e)?;
+        comm.set_graph_registration(true).map_err(e)?;
+        let enqueue = || -> allreduce::Result<()> {
+            for (&(n, dtype, strategy, at), out) in shapes.iter().zip(&outs) {
+                let iv = reg.view(at, n, dtype)?;
+                // SAFETY: as above; the graph outlives neither buffer.
+                let ov = unsafe { BufMut::from_raw(out.addr(), n, dtype, comm.device()) };
+                let o = AllReduceOptions::default()
+                    .strategy(strategy)
+                    .stream(stream.handle());
+                comm.all_reduce(iv, ov, &o)?;
+            }
+            Ok(())
+        };
+        let graph = allreduce_gpu::device::GpuGraph::capture(stream, enqueue).map_err(e)?;
+        graph.launch(stream).map_err(e)?;
+        match comm.synchronize(stream.handle()) {
+            Err(Error::InvalidArgument(m)) if m.contains("register_graph_buffers") => {}
+            other => return Err(format!("a replay before registration gave {other:?}")),
+        }
+        let n = comm.register_graph_buffers_rank(boot).map_err(e)?;
+        if n != shapes.len() {
+            return Err(format!(
+                "registered {n} graph calls, captured {}",
+                shapes.len()
+            ));
+        }
+        for round in 1..=GRAPH_REPLAYS {
+            // Every rank's new input is in place before any rank's replay reads it.
+            for &(n, dtype, _, at) in &shapes {
+                reg.upload(at, ints(n, dtype, rank, round).as_slice())
+                    .map_err(e)?;
+            }
+            allreduce::Bootstrap::all_gather(boot, b"uploaded").map_err(e)?;
+            graph.launch(stream).map_err(e)?;
+            comm.synchronize(stream.handle()).map_err(e)?;
+            for (&(n, dtype, _, _), out) in shapes.iter().zip(&outs) {
+                check(out, n, dtype, round)?;
+            }
+            // No rank overwrites its input while a peer's replay may still read it.
+            allreduce::Bootstrap::all_gather(boot, b"checked").map_err(e)?;
+        }
+        comm.set_graph_registration(false).map_err(e)?;
+        Ok(())
+    }
+
     fn run_worker(scenario: &str) -> Result<ExitCode, String> {
         let e = |e: Error| e.to_string();
         let mut boot = TcpBootstrap::from_env().map_err(e)?;
@@ -283,6 +434,11 @@ mod procs {
         dev.prepare_virtual_ranks().map_err(e)?;
         let stream = GpuStream::new(&dev).map_err(e)?;
         stream.warm(&dev).map_err(e)?;
+        if scenario == "registered" {
+            registered(&comm, &mut boot, &stream)?;
+            allreduce::Bootstrap::all_gather(&mut boot, b"done").map_err(e)?;
+            return Ok(ExitCode::SUCCESS);
+        }
         let mut bufs = Vec::new();
         for &(n, dtype, _, _) in &calls() {
             bufs.push((

@@ -386,6 +386,73 @@ impl Communicator {
         Self::whole_group(comms)?.comm.register_group(ranges)
     }
 
+    /// Graph buffers registered after capture, as vLLM registers them: while `on`, every
+    /// out-of-place exact one-shot or two-shot call this rank enqueues on a stream being
+    /// captured into a CUDA/HIP graph, on an input outside registered memory, is captured to
+    /// read every rank's input in place, at addresses that
+    /// [`Communicator::register_graph_buffers`] supplies after capture; eager calls are
+    /// unchanged. Turn it on for the capture (on every rank), capture, then register before
+    /// the first replay: a replay before registration skips the call on every rank and
+    /// returns `Error::InvalidArgument` at synchronize (the group stays usable). The captured
+    /// inputs must stay allocated while the graph may replay.
+    pub fn set_graph_registration(&self, on: bool) -> Result<()> {
+        self.comm.set_graph_registration(on)
+    }
+
+    /// Register the inputs of the calls every rank of an in-process group captured with
+    /// graph registration on since the last registration (see
+    /// [`Communicator::set_graph_registration`]); returns how many calls each rank captured.
+    /// Ranks that captured different calls (counts or lengths) get `Error::RankMismatch` and
+    /// their graphs keep failing on replay. `comms` is the whole group in rank order; no
+    /// graph of the group may be running.
+    pub fn register_graph_buffers(comms: &[Communicator]) -> Result<usize> {
+        Self::whole_group(comms)?
+            .comm
+            .register_graph_buffers_group()
+    }
+
+    /// This rank's part of a registration in a group of one process per rank (made by
+    /// [`Communicator::new_rank`]): `range` is this rank's memory (from cudaMalloc /
+    /// cuMemAlloc or hipMalloc, such as a PyTorch caching-allocator tensor; not from a
+    /// stream-ordered pool), shared with every peer as an IPC handle over `bootstrap`, with
+    /// the same effect as [`Communicator::register_group`] in-process. Collective: every rank
+    /// calls it with a range of the same length, in the same order as its other
+    /// registrations; a rank that cannot share its memory fails it for all. The memory must
+    /// stay allocated while registered; the peers keep its mapping until the group is dropped.
+    pub fn register(
+        &self,
+        range: RegisteredRange,
+        bootstrap: &mut dyn Bootstrap,
+    ) -> Result<RegistrationId> {
+        self.comm.register_rank(range, bootstrap)
+    }
+
+    /// `bytes` of device memory for this rank of a group of one process per rank, registered
+    /// with every rank as [`Communicator::register`] does. Collective. Dropping it deregisters
+    /// it on this rank (later calls on it are staged; drop it on every rank alike).
+    pub fn alloc_registered(
+        &self,
+        bytes: usize,
+        bootstrap: &mut dyn Bootstrap,
+    ) -> Result<RegisteredBuffer> {
+        Ok(RegisteredBuffer::new(
+            self.comm.alloc_registered_rank(bytes, bootstrap)?,
+        ))
+    }
+
+    /// [`Communicator::register_graph_buffers`] for a group of one process per rank: this
+    /// rank's captured inputs are shared with every peer over `bootstrap`. Collective.
+    pub fn register_graph_buffers_rank(&self, bootstrap: &mut dyn Bootstrap) -> Result<usize> {
+        self.comm.register_graph_buffers_rank(bootstrap)
+    }
+
+    /// Forget this rank's part of a registration of a group of one process per rank
+    /// ([`Communicator::register`]); every rank must do it before its next call on that memory
+    /// (a rank still registered and one not would disagree on the call's path).
+    pub fn deregister(&self, id: RegistrationId) -> Result<()> {
+        self.comm.deregister_group(id)
+    }
+
     /// Forget a registration made by [`Communicator::register_group`] (calls that read it
     /// must have completed). Later calls on that memory take the staged path.
     pub fn deregister_group(comms: &[Communicator], id: RegistrationId) -> Result<()> {

@@ -291,6 +291,30 @@ impl GpuRuntime for CudaRuntime {
         Ok(h.reserved.iter().map(|&b| b as u8).collect())
     }
 
+    fn export_address(dev: &driver::Device, addr: u64) -> Result<(Vec<u8>, u64)> {
+        dev.bind()?;
+        let (mut base, mut size) = (0, 0);
+        // SAFETY: out-pointers to locals; an address no allocation holds is an error return.
+        check(
+            unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) },
+            "cuMemGetAddressRange",
+        )?;
+        let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: the base of the live allocation holding `addr`.
+        check(
+            unsafe { sys::cuIpcGetMemHandle(&mut h, base) },
+            "cuIpcGetMemHandle",
+        )
+        .map_err(|e| Error::Device {
+            api: "cuIpcGetMemHandle",
+            detail: format!(
+                "{e}: only memory from cuMemAlloc/cudaMalloc can be shared with other \
+                     processes (not a stream-ordered pool's, nor VMM memory)"
+            ),
+        })?;
+        Ok((h.reserved.iter().map(|&b| b as u8).collect(), addr - base))
+    }
+
     unsafe fn import_memory(dev: &driver::Device, handle: &[u8]) -> Result<u64> {
         let bytes: [u8; 64] = handle.try_into().map_err(|_| Error::Bootstrap {
             detail: format!(
@@ -501,6 +525,17 @@ impl GpuRuntime for CudaRuntime {
             ),
             "cuMemcpyDtoDAsync",
         )
+    }
+
+    fn stream_capturing(dev: &driver::Device, stream: Stream) -> Result<bool> {
+        dev.bind()?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: the caller's live stream (or the null stream) on this device.
+        check(
+            unsafe { sys::cuStreamIsCapturing(stream.as_raw() as _, &mut status) },
+            "cuStreamIsCapturing",
+        )?;
+        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
     fn begin_capture(s: &OwnedStream) -> Result<()> {

@@ -457,6 +457,15 @@ impl BackendComm for HostComm {
         reg.register(self.group.world, ranges)
     }
 
+    /// Host ranks have no graphs: nothing is ever captured, so nothing waits for registration.
+    fn set_graph_registration(&self, _on: bool) -> Result<()> {
+        Ok(())
+    }
+
+    fn register_graph_buffers_group(&self) -> Result<usize> {
+        Ok(0)
+    }
+
     fn deregister_group(&self, id: RegistrationId) -> Result<()> {
         let mut reg = self
             .group

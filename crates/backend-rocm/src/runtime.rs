@@ -450,6 +450,12 @@ impl GpuRuntime for Hip {
         Ok(device::synchronize()?)
     }
 
+    fn stream_capturing(dev: &HipDevice, stream: Stream) -> Result<bool> {
+        Self::bind(dev)?;
+        // SAFETY: the caller's stream (or null).
+        Ok(unsafe { graph::is_capturing(stream.as_raw() as sys::hipStream_t) }?)
+    }
+
     fn synchronize_stream(_dev: &HipDevice, stream: Stream) -> Result<()> {
         // SAFETY: the caller's stream (or null); HIP reports a stale handle as an error.
         Ok(unsafe { hip::stream::synchronize(stream.as_raw() as sys::hipStream_t) }?)
@@ -480,6 +486,16 @@ impl GpuRuntime for Hip {
 
     fn export_memory(mem: &HipMemory) -> Result<Vec<u8>> {
         Ok(mem.ipc_handle()?.to_vec())
+    }
+
+    fn export_address(dev: &HipDevice, addr: u64) -> Result<(Vec<u8>, u64)> {
+        Self::bind(dev)?;
+        // SAFETY: queries only; the handle is of the live allocation holding `addr`.
+        let (base, h) = unsafe {
+            let base = hip::ipc::allocation_base(addr as *mut c_void)?;
+            (base, hip::ipc::get_handle(base)?)
+        };
+        Ok((h.reserved.map(|c| c as u8).to_vec(), addr - base as u64))
     }
 
     unsafe fn import_memory(dev: &HipDevice, handle: &[u8]) -> Result<u64> {

@@ -408,6 +408,62 @@ pub trait BackendComm: Send + Sync {
         })
     }
 
+    /// While `on`, out-of-place exact one-shot and two-shot calls that this rank enqueues on
+    /// a stream being captured into a graph, on inputs outside registered memory, take a
+    /// graph slot instead of staging: the captured kernel reads every rank's input in place
+    /// from addresses that [`BackendComm::register_graph_buffers_group`] fills after capture
+    /// (vLLM's `capture()` and `register_graph_buffers`). A replay before that skips the call
+    /// on every rank and reports `Error::InvalidArgument`. Eager calls are unchanged.
+    /// Backends without graphs accept it and never capture a call.
+    fn set_graph_registration(&self, _on: bool) -> Result<()> {
+        Err(Error::Unsupported {
+            what: "graph buffer registration on this backend".into(),
+        })
+    }
+
+    /// Fill the graph slots every rank of this rank's in-process group took since the last
+    /// call (see [`BackendComm::set_graph_registration`]); returns how many calls of each rank
+    /// were registered. Ranks that captured different calls get `Error::RankMismatch`, and
+    /// those calls keep skipping on replay.
+    fn register_graph_buffers_group(&self) -> Result<usize> {
+        Err(Error::Unsupported {
+            what: "graph buffer registration on this backend".into(),
+        })
+    }
+
+    /// This rank's part of a registration in a group of one process per rank: `range` is this
+    /// rank's memory, and the peers' reach every rank over `bootstrap` (the one the group was
+    /// built with, or any other over the same ranks). Collective: every rank calls it, in the
+    /// same order as its other registrations.
+    fn register_rank(
+        &self,
+        _range: crate::RegisteredRange,
+        _bootstrap: &mut dyn Bootstrap,
+    ) -> Result<crate::RegistrationId> {
+        Err(Error::Unsupported {
+            what: "memory registration across processes on this backend".into(),
+        })
+    }
+
+    /// `bytes` on this rank's device, registered as [`BackendComm::register_rank`] does.
+    fn alloc_registered_rank(
+        &self,
+        _bytes: usize,
+        _bootstrap: &mut dyn Bootstrap,
+    ) -> Result<crate::RegisteredMemory> {
+        Err(Error::Unsupported {
+            what: "registered allocations across processes on this backend".into(),
+        })
+    }
+
+    /// [`BackendComm::register_graph_buffers_group`] for a group of one process per rank:
+    /// the captured inputs reach every rank over `bootstrap`. Collective.
+    fn register_graph_buffers_rank(&self, _bootstrap: &mut dyn Bootstrap) -> Result<usize> {
+        Err(Error::Unsupported {
+            what: "graph buffer registration on this backend".into(),
+        })
+    }
+
     /// Identifies this rank's group among the groups of this process: equal for the ranks
     /// of one in-process group (the facade checks collective calls with it).
     /// `None` where the backend has no collective registration.

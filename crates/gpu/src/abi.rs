@@ -113,6 +113,14 @@ impl Desc {
 pub struct Desc2(pub u64);
 
 impl Desc2 {
+    /// Registration ids with this bit name a graph slot (its index below it) rather than a
+    /// registration: a registration id reaches it only after 2^22 registrations, and then can
+    /// only make two calls look alike, as the wrap below.
+    pub const GRAPH_SLOT: u64 = 1 << 22;
+    /// What a rank publishes for a graph slot whose row was never filled
+    /// (`kDesc2Unregistered`): registration 0, which names nothing (ids start at 1).
+    pub const UNREGISTERED: Desc2 = Desc2(0);
+
     /// Offsets up to 4 TiB and 2^23 registrations are told apart (bit 63 stays clear for the
     /// kernels' call tag); beyond, the word wraps, which can only make two different calls look
     /// alike to the comparison, never fail one.
@@ -125,6 +133,10 @@ impl Desc2 {
     }
     pub fn offset(self) -> u64 {
         ((self.0 >> 2) & ((1 << 38) - 1)) * 16
+    }
+    /// The word of a call captured on graph slot `slot`.
+    pub fn graph_slot(slot: usize) -> Desc2 {
+        Desc2::new(Self::GRAPH_SLOT | slot as u64, 0)
     }
 }
 
@@ -156,18 +168,28 @@ const _: () = assert!(std::mem::offset_of!(Control, waited_ns) == 16);
 const _: () = assert!(std::mem::offset_of!(Control, theirs) == 32);
 
 /// The registered kernels' parameter (`RegisteredArgs` in abi.h): [`Args`], every rank's
-/// input of the call (in rank order, ours included), and the second descriptor word.
+/// input of the call (in rank order, ours included), the second descriptor word, and for a
+/// call captured on a graph slot the device address of its row (then `inputs` is unused).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct RegisteredArgs {
     pub a: Args,
     pub inputs: [u64; MAX_WORLD],
     pub desc2: u64,
+    pub slot: u64,
 }
 
-const _: () = assert!(size_of::<RegisteredArgs>() == 200);
+const _: () = assert!(size_of::<RegisteredArgs>() == 208);
 const _: () = assert!(std::mem::offset_of!(RegisteredArgs, inputs) == 128);
 const _: () = assert!(std::mem::offset_of!(RegisteredArgs, desc2) == 192);
+const _: () = assert!(std::mem::offset_of!(RegisteredArgs, slot) == 200);
+
+/// Rows of a rank's graph slot table: how many calls captured on unregistered inputs a group
+/// can register after capture over its life (slots are never reused: a destroyed graph's
+/// rows stay as they were). Calls past it take the staged path. A row is [`MAX_WORLD`]
+/// addresses, so the table is 1 MiB per rank.
+pub const GRAPH_SLOTS: usize = 16384;
+pub const GRAPH_SLOT_BYTES: usize = MAX_WORLD * 8;
 
 /// The fused kernels' one by-value parameter (`ar::fused::FusedKernelArgs` in
 /// `kernels-common/include/allreduce/fused.h`, which asserts the same size and offsets). Null

@@ -11,7 +11,7 @@
 
 use std::ffi::c_void;
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -58,6 +58,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
                 group: group.clone(),
                 table: table.clone(),
                 calls: AtomicU64::new(0),
+                graph_registration: AtomicBool::new(false),
             })
             .collect())
     }
@@ -91,6 +92,7 @@ impl<R: GpuRuntime> Backend for GpuBackend<R> {
             group,
             table,
             calls: AtomicU64::new(0),
+            graph_registration: AtomicBool::new(false),
         })
     }
 }
@@ -217,6 +219,29 @@ struct Group<R: GpuRuntime> {
     /// Memory every rank registered ([`BackendComm::register_group`]); shared with the
     /// allocations that deregister themselves on drop.
     registry: Arc<Mutex<Registry>>,
+    /// Each local rank's graph slot table ([`abi::GRAPH_SLOTS`] rows, zeroed), for calls
+    /// captured on unregistered inputs and registered after capture.
+    slot_tables: Vec<Option<R::Memory>>,
+    slots: Mutex<GraphSlots>,
+    /// Peers' allocations mapped for registrations in a group of processes.
+    mapped: exchange::Mapped,
+}
+
+/// The graph slots every local rank took, in capture order. Ranks capture the same calls in
+/// the same order, so slot k of every rank is one call; `register_graph_buffers` checks that.
+#[derive(Default)]
+struct GraphSlots {
+    /// Per rank: slots taken so far (the next one's index).
+    next: Vec<usize>,
+    /// Per rank: slots taken since the last registration, waiting for their rows.
+    pending: Vec<Vec<PendingSlot>>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct PendingSlot {
+    slot: usize,
+    addr: usize,
+    bytes: usize,
 }
 
 impl<R: GpuRuntime> Group<R> {
@@ -508,6 +533,12 @@ impl<R: GpuRuntime> Group<R> {
             cast_bf16_to_f16: config.cast_bf16_to_f16,
             registered_min_bytes,
             registry: Arc::new(Mutex::new(Registry::new())),
+            slot_tables: (0..world).map(|_| None).collect(),
+            slots: Mutex::new(GraphSlots {
+                next: vec![0; world],
+                pending: vec![Vec::new(); world],
+            }),
+            mapped: Default::default(),
         };
         for d in &group.devices {
             R::bind(d)?;
@@ -520,6 +551,10 @@ impl<R: GpuRuntime> Group<R> {
             group.peers[rank] = R::memory_addr(&ws);
             group.workspaces[rank] = Some(ws);
             group.controls[rank] = Some(R::alloc_host_mapped(dev, size_of::<Control>())?);
+            group.slot_tables[rank] = Some(R::alloc_workspace(
+                dev,
+                abi::GRAPH_SLOTS * abi::GRAPH_SLOT_BYTES,
+            )?);
         }
         Ok(group)
     }
@@ -552,15 +587,126 @@ impl<R: GpuRuntime> Group<R> {
     /// peers' inputs in place there: out of place, exact, one-shot or two-shot. Every other
     /// call takes the staged path.
     fn registered_input(&self, rank: usize, call: &Call) -> Option<RegisteredInput> {
-        if call.in_place()
-            || call.precision != Precision::Exact
-            || !matches!(call.strategy, Strategy::OneShot | Strategy::TwoShot)
-            || call.input.bytes() < self.registered_min_bytes
-        {
+        if !self.reads_in_place(call) {
             return None;
         }
         let reg = self.registry.lock().unwrap_or_else(|e| e.into_inner());
         reg.find(rank, call.input.addr, call.input.bytes())
+    }
+
+    /// Whether `call` may read the peers' inputs where they are, given memory to read:
+    /// out of place, exact, one-shot or two-shot, and not below the registered threshold.
+    fn reads_in_place(&self, call: &Call) -> bool {
+        !call.in_place()
+            && call.precision == Precision::Exact
+            && matches!(call.strategy, Strategy::OneShot | Strategy::TwoShot)
+            && call.input.bytes() >= self.registered_min_bytes
+    }
+
+    /// The next graph slot of `rank` for `call`, recorded for `register_graph_buffers`; `None`
+    /// once every slot is taken (the call is then staged).
+    fn take_slot(&self, rank: usize, call: &Call) -> Option<usize> {
+        let mut s = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let slot = s.next[rank];
+        if slot >= abi::GRAPH_SLOTS {
+            tracing::warn!(
+                rank,
+                slots = abi::GRAPH_SLOTS,
+                "every graph slot is taken: this captured call stages its input"
+            );
+            return None;
+        }
+        s.next[rank] += 1;
+        s.pending[rank].push(PendingSlot {
+            slot,
+            addr: call.input.addr,
+            bytes: call.input.bytes(),
+        });
+        Some(slot)
+    }
+
+    /// Device address of `rank`'s row for `slot`.
+    fn slot_row(&self, rank: usize, slot: usize) -> u64 {
+        let table = self.slot_tables[rank].as_ref().expect("a local rank's");
+        R::memory_addr(table) + (slot * abi::GRAPH_SLOT_BYTES) as u64
+    }
+
+    /// Whether every rank's pending slots match rank 0's: the same slots, of the same lengths.
+    fn same_slots(pending: &[Vec<PendingSlot>]) -> Result<()> {
+        let first = &pending[0];
+        for (r, mine) in pending.iter().enumerate() {
+            if mine.len() != first.len() {
+                return Err(Error::RankMismatch {
+                    what: "graph buffers",
+                    call: 0,
+                    detail: format!(
+                        "rank 0 captured {} calls to register, rank {r} {}",
+                        first.len(),
+                        mine.len()
+                    ),
+                });
+            }
+            for (a, b) in first.iter().zip(mine) {
+                if a.slot != b.slot || a.bytes != b.bytes {
+                    return Err(Error::RankMismatch {
+                        what: "graph buffers",
+                        call: 0,
+                        detail: format!(
+                            "rank 0 captured slot {} of {} bytes where rank {r} captured slot \
+                             {} of {} bytes",
+                            a.slot, a.bytes, b.slot, b.bytes
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Fill the rows of the slots every local rank of an in-process group took since the last
+    /// registration: row k of every rank holds every rank's input of call k. The ranks must
+    /// have taken the same slots for inputs of the same lengths; if not, nothing is filled, the
+    /// pending slots are dropped (their graphs' calls keep skipping with an error) and every
+    /// rank's next slot is the same again.
+    fn register_graph_slots(&self) -> Result<usize> {
+        let mut s = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let pending = std::mem::replace(&mut s.pending, vec![Vec::new(); self.world]);
+        let agreed = Self::same_slots(&pending);
+        if agreed.is_err() {
+            let next = s.next.iter().copied().max().unwrap_or(0);
+            s.next.fill(next);
+        }
+        drop(s);
+        agreed?;
+        let first = &pending[0];
+        let Some(lo) = first.first().map(|p| p.slot) else {
+            return Ok(0);
+        };
+        // Slots are taken one after another, so the pending rows are one range of the table.
+        let mut rows = vec![0u8; first.len() * abi::GRAPH_SLOT_BYTES];
+        for (i, row) in rows.chunks_exact_mut(abi::GRAPH_SLOT_BYTES).enumerate() {
+            debug_assert_eq!(first[i].slot, lo + i);
+            for (k, word) in row.chunks_exact_mut(8).take(self.world).enumerate() {
+                word.copy_from_slice(&(pending[k][i].addr as u64).to_le_bytes());
+            }
+        }
+        for &rank in &self.local {
+            self.write_rows(rank, lo, &rows)?;
+        }
+        Ok(first.len())
+    }
+
+    /// Write `rows` into `rank`'s slot table from slot `lo` on, complete on return.
+    fn write_rows(&self, rank: usize, lo: usize, rows: &[u8]) -> Result<()> {
+        let dev = &self.devices[self.rank_device[rank]];
+        R::bind(dev)?;
+        let table = self.slot_tables[rank].as_ref().expect("a local rank's");
+        let stream = R::create_stream(dev)?;
+        // SAFETY: the rows are of slots taken (< GRAPH_SLOTS), inside the table, which lives
+        // with the group; waited for below. No kernel reads these rows yet: a replay before
+        // this returns read zeros and skipped.
+        unsafe { R::upload(table, lo * abi::GRAPH_SLOT_BYTES, rows, &stream)? };
+        R::stream_synchronize(&stream)
     }
 
     /// Run every kernel once per rank, alone (world 1, nothing to move), before any rank waits
@@ -600,6 +746,7 @@ impl<R: GpuRuntime> Group<R> {
                 a: args,
                 inputs: [0; MAX_WORLD],
                 desc2: 0,
+                slot: 0,
             };
             for &f in k.oneshot_registered.iter().chain(&k.twoshot_registered) {
                 // SAFETY: as above; no input is read for n = 0.
@@ -687,7 +834,8 @@ impl<R: GpuRuntime> Drop for Group<R> {
         }
         // Unmap peers' workspaces before ours go (a peer may still map ours; it must drop its
         // communicator first, as with ncclCommDestroy).
-        for &addr in &self.imported {
+        let mapped = self.mapped.get_mut().unwrap_or_else(|e| e.into_inner());
+        for &addr in self.imported.iter().chain(mapped.values()) {
             // SAFETY: mapped by import_memory on our (single) device; no kernel of ours runs
             // any more (dropping a communicator with calls in flight is the caller's error).
             unsafe { R::close_import(&self.devices[0], addr) };
@@ -698,6 +846,7 @@ impl<R: GpuRuntime> Drop for Group<R> {
             let _ = R::bind(&self.devices[d]);
             self.workspaces[rank].take();
             self.controls[rank].take();
+            self.slot_tables[rank].take();
         }
         for (d, k) in self.kernels.iter_mut().enumerate() {
             let _ = R::bind(&self.devices[d]);
@@ -750,6 +899,17 @@ pub struct GpuComm<R: GpuRuntime> {
     group: Arc<Group<R>>,
     table: SelectionTable,
     calls: AtomicU64,
+    /// [`BackendComm::set_graph_registration`]: captured calls on unregistered inputs take
+    /// graph slots.
+    graph_registration: AtomicBool,
+}
+
+/// Where a call that reads its peers' inputs in place finds them.
+enum InPlace<'a> {
+    /// Memory every rank registered.
+    Registered(&'a RegisteredInput),
+    /// A graph slot, filled after capture.
+    Slot(usize),
 }
 
 fn dtype_index(d: DType) -> usize {
@@ -812,17 +972,25 @@ fn mismatch_error(me: usize, peer: usize, call: u64, mine: Desc, theirs: Desc) -
     precisions.extend(Codec::ALL.iter().map(|c| c.name()));
     if mine.is_desc2() {
         let (m, t) = (Desc2(mine.0), Desc2(theirs.0));
+        if m == Desc2::UNREGISTERED || t == Desc2::UNREGISTERED {
+            let who = if m == Desc2::UNREGISTERED { me } else { peer };
+            return Error::InvalidArgument(format!(
+                "a graph captured with graph registration on was replayed before \
+                 register_graph_buffers filled rank {who}'s part: every rank skipped the call; \
+                 register the graph's buffers after capture and before its first replay"
+            ));
+        }
+        let name = |d: Desc2| {
+            if d.id() & Desc2::GRAPH_SLOT != 0 {
+                format!("graph slot {}", d.id() & !Desc2::GRAPH_SLOT)
+            } else {
+                format!("registration {} at offset {}", d.id(), d.offset())
+            }
+        };
         return Error::RankMismatch {
             what: "registered input",
             call,
-            detail: format!(
-                "rank {me} reads registration {} at offset {}, rank {peer} registration {} at \
-                 offset {}",
-                m.id(),
-                m.offset(),
-                t.id(),
-                t.offset()
-            ),
+            detail: format!("rank {me} reads {}, rank {peer} {}", name(m), name(t)),
         };
     }
     let path = |d: Desc| {
@@ -863,6 +1031,19 @@ fn mismatch_error(me: usize, peer: usize, call: u64, mine: Desc, theirs: Desc) -
 }
 
 impl<R: GpuRuntime> GpuComm<R> {
+    /// Refuses the registrations that exchange over a bootstrap in an in-process group, whose
+    /// ranks register together instead (`register_group`).
+    fn one_process_per_rank(&self) -> Result<()> {
+        if self.group.local.len() == self.group.world {
+            return Err(Error::InvalidArgument(
+                "an in-process group registers all its ranks at once (register_group, \
+                 register_graph_buffers); these calls are for groups of one process per rank"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
     fn device(&self) -> &R::Device {
         &self.group.devices[self.group.rank_device[self.rank]]
     }
@@ -897,7 +1078,7 @@ impl<R: GpuRuntime> GpuComm<R> {
     /// The descriptor says so (`Desc::REGISTERED`) and the second word names the registration
     /// and offset, so ranks that did not all take this path, or not on the same memory, skip
     /// the call together and report a mismatch.
-    fn all_reduce_registered(&self, call: &Call, input: &RegisteredInput) -> Result<()> {
+    fn all_reduce_registered(&self, call: &Call, input: InPlace) -> Result<()> {
         let g = &*self.group;
         let kernels = g.kernels[g.rank_device[self.rank]].as_ref().expect("alive");
         let d = dtype_index(call.dtype());
@@ -909,7 +1090,10 @@ impl<R: GpuRuntime> GpuComm<R> {
         };
         R::bind(self.device())?;
         let desc = Desc(describe(call).0 | Desc::REGISTERED);
-        let desc2 = Desc2::new(input.id.0, input.offset);
+        let (desc2, slot) = match input {
+            InPlace::Registered(r) => (Desc2::new(r.id.0, r.offset), 0),
+            InPlace::Slot(k) => (Desc2::graph_slot(k), g.slot_row(self.rank, k)),
+        };
         let total = call.len();
         let elem = call.dtype().size();
         // One-shot touches no staging, so it runs whole whatever the size. Two-shot's shards
@@ -928,8 +1112,10 @@ impl<R: GpuRuntime> GpuComm<R> {
                 Desc(desc.0 | Desc::CONTINUED)
             };
             let mut inputs = [0u64; MAX_WORLD];
-            for (slot, &base) in inputs.iter_mut().zip(&input.bases) {
-                *slot = (base + input.offset + start * elem) as u64;
+            if let InPlace::Registered(r) = input {
+                for (word, &base) in inputs.iter_mut().zip(&r.bases) {
+                    *word = (base + r.offset + start * elem) as u64;
+                }
             }
             let args = RegisteredArgs {
                 a: g.args(
@@ -941,6 +1127,7 @@ impl<R: GpuRuntime> GpuComm<R> {
                 ),
                 inputs,
                 desc2: desc2.0,
+                slot,
             };
             // SAFETY: RegisteredArgs mirrors the kernel's parameter. Every rank registered its
             // range (live until deregistered: the caller keeps it alive while calls on it run,
@@ -971,6 +1158,81 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
         }
         let mut reg = g.registry.lock().unwrap_or_else(|e| e.into_inner());
         reg.register(g.world, ranges)
+    }
+
+    fn set_graph_registration(&self, on: bool) -> Result<()> {
+        self.graph_registration.store(on, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn register_graph_buffers_group(&self) -> Result<usize> {
+        let g = &*self.group;
+        if g.local.len() != g.world {
+            return Err(registration_across_processes());
+        }
+        g.register_graph_slots()
+    }
+
+    fn register_rank(
+        &self,
+        range: RegisteredRange,
+        bootstrap: &mut dyn Bootstrap,
+    ) -> Result<RegistrationId> {
+        self.one_process_per_rank()?;
+        self.group.register_rank(self.rank, range, bootstrap)
+    }
+
+    fn alloc_registered_rank(
+        &self,
+        bytes: usize,
+        bootstrap: &mut dyn Bootstrap,
+    ) -> Result<RegisteredMemory> {
+        self.one_process_per_rank()?;
+        let g = &*self.group;
+        // Refused before the exchange would be refused by every rank alike: the lengths are
+        // compared there, and an empty allocation fails everywhere.
+        if bytes == 0 {
+            return Err(Error::InvalidArgument(
+                "a registered allocation must be non-empty".into(),
+            ));
+        }
+        let dev = self.device();
+        R::bind(dev)?;
+        // Plain device memory, which IPC can share (a stream-ordered pool's cannot).
+        let mem = R::alloc_workspace(dev, bytes);
+        let range = mem.as_ref().map(|m| RegisteredRange {
+            addr: R::memory_addr(m) as usize,
+            bytes,
+        });
+        // Every rank enters the exchange, so a rank whose allocation failed fails it for all.
+        let id = match &range {
+            Ok(range) => g.register_rank(self.rank, *range, bootstrap)?,
+            Err(_) => {
+                let _ = g.register_rank(self.rank, RegisteredRange { addr: 0, bytes }, bootstrap);
+                return Err(mem.err().expect("failed"));
+            }
+        };
+        let range = range.expect("allocated");
+        Ok(RegisteredMemory {
+            addr: range.addr,
+            bytes,
+            device: R::device_tag(R::ordinal(dev)),
+            id,
+            owner: Box::new(GpuRegistered::<R> {
+                deregister: Some(Deregister {
+                    registry: g.registry.clone(),
+                    id,
+                }),
+                mem: mem.ok(),
+                rank: self.rank,
+                group: self.group.clone(),
+            }),
+        })
+    }
+
+    fn register_graph_buffers_rank(&self, bootstrap: &mut dyn Bootstrap) -> Result<usize> {
+        self.one_process_per_rank()?;
+        self.group.register_graph_slots_rank(self.rank, bootstrap)
     }
 
     fn deregister_group(&self, id: RegistrationId) -> Result<()> {
@@ -1092,7 +1354,15 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
         self.calls.fetch_add(1, Ordering::Relaxed);
         let g = &*self.group;
         if let Some(input) = g.registered_input(self.rank, call) {
-            return self.all_reduce_registered(call, &input);
+            return self.all_reduce_registered(call, InPlace::Registered(&input));
+        }
+        if self.graph_registration.load(Ordering::Relaxed) && g.reads_in_place(call) {
+            R::bind(self.device())?;
+            if R::stream_capturing(self.device(), call.stream)? {
+                if let Some(k) = g.take_slot(self.rank, call) {
+                    return self.all_reduce_registered(call, InPlace::Slot(k));
+                }
+            }
         }
         let kernels = g.kernels[g.rank_device[self.rank]].as_ref().expect("alive");
         let f = match call.strategy {
@@ -1409,6 +1679,8 @@ fn aborted_reason(c: &Control) -> String {
         )
     }
 }
+
+mod exchange;
 
 #[cfg(test)]
 pub(crate) mod tests;

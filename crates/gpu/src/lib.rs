@@ -287,6 +287,14 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
         Err(unsupported::<Self>("memory export to other processes"))
     }
 
+    /// A handle another process can open to map the allocation that holds `addr` (any
+    /// address in memory this process allocated), and `addr`'s offset in that allocation: how
+    /// a caller's buffer is registered with a group of processes. Memory the vendor cannot
+    /// share this way (a stream-ordered pool's) is an error.
+    fn export_address(_dev: &Self::Device, _addr: u64) -> Result<(Vec<u8>, u64)> {
+        Err(unsupported::<Self>("memory export to other processes"))
+    }
+
     /// Map a peer process's memory from its [`GpuRuntime::export_memory`] handle; returns
     /// the device address in this process.
     ///
@@ -376,6 +384,14 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
         bytes: usize,
         s: &Self::Stream,
     ) -> Result<()>;
+
+    /// Whether `stream` (any stream of `dev`, bound by the caller) is being captured into a
+    /// graph: calls captured with graph registration on take graph slots
+    /// (`BackendComm::set_graph_registration`). The default, for runtimes without graphs:
+    /// never.
+    fn stream_capturing(_dev: &Self::Device, _stream: Stream) -> Result<bool> {
+        Ok(false)
+    }
 
     /// Start capturing what this thread enqueues on `s` into a graph (thread-local capture
     /// mode: other ranks' threads keep enqueueing eagerly or capture their own).

@@ -132,13 +132,26 @@ static_assert(offsetof(Args, desc) == 120, "Args");
 // it (the host encodes id << 40 | (offset / 16) << 2 with id < 2^23; its low two bits are clear,
 // which tells the host a reported mismatch of this word from one of `desc`). Fixed for the
 // life of a registration like the rest of Args, so a captured graph replays correctly.
+//
+// A call captured into a graph before its inputs were registered names a graph slot instead
+// (`slot` non-null, `inputs` unused): a row of kMaxWorld device addresses in this rank's slot
+// table, every rank's input of the call in rank order, which the host fills after capture
+// (register_graph_buffers, as vLLM registers graph buffers) and the kernel reads at every
+// replay. A row still zero says the graph runs before its buffers were registered: the ranks
+// then skip the call together and the host reports it (kDesc2Unregistered).
 struct RegisteredArgs {
   Args a;
   const void* inputs[kMaxWorld];  // rank order; inputs[a.rank] == a.input
   unsigned long long desc2;
+  const unsigned long long* slot;  // null, or this call's row of the graph slot table
 };
-static_assert(sizeof(RegisteredArgs) == 200, "RegisteredArgs");
+static_assert(sizeof(RegisteredArgs) == 208, "RegisteredArgs");
 static_assert(offsetof(RegisteredArgs, inputs) == 128, "RegisteredArgs");
 static_assert(offsetof(RegisteredArgs, desc2) == 192, "RegisteredArgs");
+static_assert(offsetof(RegisteredArgs, slot) == 200, "RegisteredArgs");
+
+// The second word a rank publishes for a graph slot whose row was never filled: registration
+// 0, which names no registration (ids start at 1), so every peer's word differs from it.
+constexpr unsigned long long kDesc2Unregistered = 0;
 
 }  // namespace ar

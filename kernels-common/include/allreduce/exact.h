@@ -418,12 +418,14 @@ __device__ void twoshot(const Args& a) {
 // it has them. A staged peer's first word (released before its flag) lacks kDescRegistered,
 // so its second word is never waited for; a registered peer's second word is, as the two
 // words are not ordered. The report names the first word that differs: desc, or else desc2
-// (told apart by the host by desc2's clear low bits).
-AR_DEVICE bool registered_entry(const RegisteredArgs& r, CallEntry& c) {
+// (told apart by the host by desc2's clear low bits). A rank whose graph slot is not `ready`
+// publishes kDesc2Unregistered, which no peer's word equals, and skips whatever it reads, so
+// the ranks skip together however many of them are unready; it reports its own word.
+AR_DEVICE bool registered_entry(const RegisteredArgs& r, CallEntry& c, bool ready) {
   const Args& a = r.a;
   const RankFlags f{a, c, false};
   const uint32_t e = c.epoch + 1;
-  const unsigned long long mine = a.desc | c.tag, mine2 = r.desc2 | c.tag;
+  const unsigned long long mine = a.desc | c.tag, mine2 = (ready ? r.desc2 : kDesc2Unregistered) | c.tag;
   unsigned long long theirs = mine, theirs2 = mine2;
   // An abort seen at entry is acted on with any failure of the wait, at the one block barrier
   // below: publishing our words first is harmless, as the group is being torn down anyway.
@@ -448,8 +450,9 @@ AR_DEVICE bool registered_entry(const RegisteredArgs& r, CallEntry& c) {
     if ((theirs & kDescRegistered) == 0) theirs2 = mine2;  // a staged peer's second word says nothing
   }
   const bool differs = theirs != mine || theirs2 != mine2;
+  const bool unready = !ready && thread_x() == 0;
   // One block barrier on the fast path; the slow ones tell leaving from disagreeing.
-  const bool fine = !sync_block_or(leave || differs);
+  const bool fine = !sync_block_or(leave || differs || unready);
   if (!fine && sync_block_or(leave)) {
     if (thread_x() == 0) f.on_abort();
     return false;
@@ -460,73 +463,122 @@ AR_DEVICE bool registered_entry(const RegisteredArgs& r, CallEntry& c) {
   if (differs) {
     const bool first = theirs != mine;
     report_mismatch(a, c, peer, first ? mine : mine2, first ? theirs : theirs2);
+  } else if (unready) {
+    report_mismatch(a, c, a.rank, mine2, r.desc2);
   }
   skip_call(c);
   return false;
 }
 
+// Every rank's input of a call captured on a graph slot, from the slot's row: the row holds
+// the call's first element on every rank, and a later piece of a split call is as far past it
+// on every rank as a.input is past ours. Not ready while the row is still zero. The row is
+// eight words of our own memory, the same for every thread: one broadcast load each.
+struct SlotInputs {
+  const void* p[kMaxWorld];
+  bool ready;
+};
+
+AR_DEVICE SlotInputs slot_inputs(const RegisteredArgs& r) {
+  SlotInputs s;
+  const unsigned long long mine = r.slot[r.a.rank];
+  s.ready = mine != 0;
+  const unsigned long long delta = reinterpret_cast<unsigned long long>(r.a.input) - mine;
+#pragma unroll
+  for (int k = 0; k < kMaxWorld; ++k)
+    s.p[k] = k < int(r.a.world) && s.ready ? reinterpret_cast<const void*>(r.slot[k] + delta) : nullptr;
+  return s;
+}
+
 // Vector v of rank `rank`'s input, whole: a partial last vector is zero-padded as
 // stage_input pads it, so the sums (and the bits) are the staged kernels'.
 template <typename T>
-AR_DEVICE uint4 load_input(const RegisteredArgs& r, const Geometry<T>& g, int rank, u64 v) {
-  const uint4* in = static_cast<const uint4*>(r.inputs[rank]);
+AR_DEVICE uint4 load_input(const void* const* inputs, const Geometry<T>& g, int rank, u64 v) {
+  const uint4* in = static_cast<const uint4*>(inputs[rank]);
   return v < g.full ? load_peer(in + v) : load_partial<T>(in + v, g.tail);
 }
 
 template <typename T>
-AR_DEVICE uint4 reduce_inputs(const RegisteredArgs& r, const Geometry<T>& g, u64 v) {
+AR_DEVICE uint4 reduce_inputs(const Args& a, const void* const* inputs, const Geometry<T>& g, u64 v) {
   uint4 raw[kMaxWorld];
 #pragma unroll
   for (int k = 0; k < kMaxWorld; ++k)
-    if (k < int(r.a.world)) raw[k] = load_input<T>(r, g, k, v);
-  return sum_in_rank_order<T>(r.a, raw);
+    if (k < int(a.world)) raw[k] = load_input<T>(inputs, g, k, v);
+  return sum_in_rank_order<T>(a, raw);
+}
+
+// The registered kernels' bodies take the inputs apart from the arguments: the kernel
+// parameter's own array on the common path (read where it is, as before), the slot row's on a
+// graph slot.
+template <typename T, template <typename> class Body>
+__device__ void registered_kernel(const RegisteredArgs& r) {
+  if (r.slot == nullptr) {
+    Body<T>::run(r, r.inputs, true);
+  } else {
+    const SlotInputs s = slot_inputs(r);
+    Body<T>::run(r, s.p, s.ready);
+  }
 }
 
 // Entry barrier, every rank's input reduced straight into our output, closing barrier. Not
 // split when larger than the workspace: it touches none of it but the header and the flags.
 template <typename T>
+struct OneshotRegistered {
+  static AR_DEVICE void run(const RegisteredArgs& r, const void* const* inputs, bool ready) {
+    const Args& a = r.a;
+    CallEntry c;
+    if (!enter_call(a, c)) return;
+    const Geometry<T> g(a.n);
+
+    if (!registered_entry(r, c, ready)) return;
+
+    const u64 stride = (u64)grid_dim_x() * kThreads;
+    auto input = [&](int k, u64 v) { return load_peer(static_cast<const uint4*>(inputs[k]) + v); };
+    for (u64 v = reduce_pairs<T>(a, g, (u64)c.b * kThreads + thread_x(), stride, input); v < g.nvec; v += stride)
+      store_output<T>(a, g, v, reduce_inputs<T>(a, inputs, g, v));
+
+    // Nobody reads our input past this point, so our stream may overwrite it once we return.
+    if (!barrier</*Release=*/false>(a, c, false, /*describe=*/false)) return;
+    finish_call(c);
+  }
+};
+
+template <typename T>
 __device__ void oneshot_registered(const RegisteredArgs& r) {
-  const Args& a = r.a;
-  CallEntry c;
-  if (!enter_call(a, c)) return;
-  const Geometry<T> g(a.n);
-
-  if (!registered_entry(r, c)) return;
-
-  const u64 stride = (u64)grid_dim_x() * kThreads;
-  auto input = [&](int k, u64 v) { return load_peer(static_cast<const uint4*>(r.inputs[k]) + v); };
-  for (u64 v = reduce_pairs<T>(a, g, (u64)c.b * kThreads + thread_x(), stride, input); v < g.nvec; v += stride)
-    store_output<T>(a, g, v, reduce_inputs<T>(r, g, v));
-
-  // Nobody reads our input past this point, so our stream may overwrite it once we return.
-  if (!barrier</*Release=*/false>(a, c, false, /*describe=*/false)) return;
-  finish_call(c);
+  registered_kernel<T, OneshotRegistered>(r);
 }
 
 // Entry barrier, reduce-scatter from every rank's input into our `reduced`, barrier (after it
 // no rank reads inputs), all-gather from the owners' `reduced` as twoshot() does. Pieces of a
 // call larger than the workspace as for the staged kernel: `reduced` holds the piece.
 template <typename T>
+struct TwoshotRegistered {
+  static AR_DEVICE void run(const RegisteredArgs& r, const void* const* inputs, bool ready) {
+    const Args& a = r.a;
+    CallEntry c;
+    if (!enter_call(a, c)) return;
+    const Geometry<T> g(a.n);
+    const u64 stride = (u64)grid_dim_x() * kThreads;
+    const u64 first = (u64)c.b * kThreads + thread_x();
+    const u64 sv = (g.nvec + a.world - 1) / a.world;
+
+    if (!registered_entry(r, c, ready)) return;
+
+    const u64 lo = (u64)a.rank * sv, hi = min_u64(lo + sv, g.nvec);
+    uint4* reduced = reinterpret_cast<uint4*>(reduced_of(c.self, a));
+    for (u64 v = lo / stride * stride + first; v < hi; v += stride)
+      if (v >= lo) reduced[v] = reduce_inputs<T>(a, inputs, g, v);
+    if (!barrier(a, c, false, /*describe=*/false)) return;
+
+    gather_reduced<T>(a, g, first, stride, sv);
+
+    finish_call(c);
+  }
+};
+
+template <typename T>
 __device__ void twoshot_registered(const RegisteredArgs& r) {
-  const Args& a = r.a;
-  CallEntry c;
-  if (!enter_call(a, c)) return;
-  const Geometry<T> g(a.n);
-  const u64 stride = (u64)grid_dim_x() * kThreads;
-  const u64 first = (u64)c.b * kThreads + thread_x();
-  const u64 sv = (g.nvec + a.world - 1) / a.world;
-
-  if (!registered_entry(r, c)) return;
-
-  const u64 lo = (u64)a.rank * sv, hi = min_u64(lo + sv, g.nvec);
-  uint4* reduced = reinterpret_cast<uint4*>(reduced_of(c.self, a));
-  for (u64 v = lo / stride * stride + first; v < hi; v += stride)
-    if (v >= lo) reduced[v] = reduce_inputs<T>(r, g, v);
-  if (!barrier(a, c, false, /*describe=*/false)) return;
-
-  gather_reduced<T>(a, g, first, stride, sv);
-
-  finish_call(c);
+  registered_kernel<T, TwoshotRegistered>(r);
 }
 
 // The roofline a measurement is compared against: the plain copy the hardware can do, in the

@@ -428,6 +428,21 @@ pub mod ipc {
         Ok(h)
     }
 
+    /// The base of the allocation holding `p`.
+    ///
+    /// # Safety
+    /// None beyond a live library: an address no allocation holds is an error return.
+    pub unsafe fn allocation_base(p: *mut c_void) -> Result<*mut c_void, HipError> {
+        let lib = lib()?;
+        let (mut base, mut size) = (std::ptr::null_mut(), 0);
+        check(
+            lib,
+            (lib.hipMemGetAddressRange)(&mut base, &mut size, p),
+            "hipMemGetAddressRange",
+        )?;
+        Ok(base)
+    }
+
     /// Map a peer's allocation (lazily enabling peer access).
     ///
     /// # Safety
@@ -575,6 +590,21 @@ pub mod graph {
             (lib.hipStreamBeginCapture)(s, sys::hipStreamCaptureModeThreadLocal),
             "hipStreamBeginCapture",
         )
+    }
+
+    /// Whether `s` is being captured (active or invalidated).
+    ///
+    /// # Safety
+    /// `s` is a live stream or null.
+    pub unsafe fn is_capturing(s: sys::hipStream_t) -> Result<bool, HipError> {
+        let lib = lib()?;
+        let mut status = 0;
+        check(
+            lib,
+            (lib.hipStreamIsCapturing)(s, &mut status),
+            "hipStreamIsCapturing",
+        )?;
+        Ok(status != 0)
     }
 
     /// # Safety

@@ -35,6 +35,8 @@ pub type hipGraph_t = *mut c_void;
 pub type hipGraphExec_t = *mut c_void;
 pub type hipGraphNode_t = *mut c_void;
 pub type hipStreamCaptureMode = c_int;
+/// hipStreamCaptureStatusNone is 0; active and invalidated are not.
+pub type hipStreamCaptureStatus = c_int;
 
 pub const hipSuccess: hipError_t = 0;
 pub const hipErrorInvalidValue: hipError_t = 1;
@@ -141,6 +143,8 @@ loader::function_table! {
     ) -> hipError_t;
 
     fn hipIpcGetMemHandle(handle: *mut hipIpcMemHandle_t, ptr: *mut c_void) -> hipError_t;
+    fn hipMemGetAddressRange(base: *mut *mut c_void, size: *mut usize, ptr: *mut c_void)
+        -> hipError_t;
     fn hipIpcOpenMemHandle(ptr: *mut *mut c_void, handle: hipIpcMemHandle_t, flags: c_uint)
         -> hipError_t;
     fn hipIpcCloseMemHandle(ptr: *mut c_void) -> hipError_t;
@@ -158,6 +162,8 @@ loader::function_table! {
 
     fn hipStreamBeginCapture(stream: hipStream_t, mode: hipStreamCaptureMode) -> hipError_t;
     fn hipStreamEndCapture(stream: hipStream_t, graph: *mut hipGraph_t) -> hipError_t;
+    fn hipStreamIsCapturing(stream: hipStream_t, status: *mut hipStreamCaptureStatus)
+        -> hipError_t;
     fn hipGraphInstantiate(
         exec: *mut hipGraphExec_t,
         graph: hipGraph_t,

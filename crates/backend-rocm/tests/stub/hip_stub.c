@@ -123,6 +123,10 @@ int hipStreamBeginCapture(void* s, int mode) {
   captured = 0;
   return 0;
 }
+int hipStreamIsCapturing(void* s, int* status) {
+  *status = s != NULL && s == capturing;
+  return 0;
+}
 int hipStreamEndCapture(void* s, void** g) {
   if (s != capturing) return 1;
   capturing = NULL;
@@ -172,6 +176,12 @@ int hipModuleLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsign
 typedef struct { char reserved[64]; } hipIpcMemHandle_t;
 static unsigned last_ipc_flags = 0xffffffff;
 static int ipc_closes;
+int hipMemGetAddressRange(void** base, size_t* size, void* p) {
+  if (!works()) return 1;
+  *base = p;
+  *size = 0;
+  return 0;
+}
 int hipIpcGetMemHandle(hipIpcMemHandle_t* h, void* p) {
   if (!works()) return 1;
   memset(h, 0, sizeof *h);

@@ -100,6 +100,8 @@ thread_local! {
     /// Whether the mock's devices run thread-block clusters (`has_clusters`).
     static CLUSTERS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     static PDL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// What `stream_capturing` answers for every stream.
+    static CAPTURING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// Fills asked of `alloc_filled`, with their sizes.
     static FILLS: RefCell<Vec<(usize, Fill)>> = const { RefCell::new(Vec::new()) };
     /// Every name `function` was asked for.
@@ -354,6 +356,9 @@ impl GpuRuntime for Mock {
             bytes,
         );
         Ok(())
+    }
+    fn stream_capturing(_dev: &MockDevice, _stream: Stream) -> Result<bool> {
+        Ok(CAPTURING.with(|c| c.get()))
     }
     fn begin_capture(_s: &()) -> Result<()> {
         Ok(())
@@ -1729,4 +1734,195 @@ fn registered_mismatches_name_the_path_or_the_registration() {
     );
     // Reported, cleared: the group is intact.
     comms[0].synchronize(Stream::NULL).unwrap();
+}
+
+/// Rank `rank`'s row `slot` of its graph slot table, as the kernels would read it.
+fn slot_row(c: &GpuComm<Mock>, slot: usize) -> Vec<u64> {
+    let table = c.group.slot_tables[c.rank].as_ref().expect("local");
+    table[slot * MAX_WORLD..(slot + 1) * MAX_WORLD].to_vec()
+}
+
+#[test]
+fn captured_calls_on_unregistered_inputs_take_graph_slots_filled_by_registration() {
+    let comms = group(vec![0, 1, 2]);
+    let ins: Vec<Vec<u128>> = (0..3).map(|_| vec![0u128; 256]).collect();
+    let out = vec![0u128; 256];
+    let call = |c: &GpuComm<Mock>, strategy, n| {
+        let opts = AllReduceOptions::default().strategy(strategy);
+        let input = ins[c.rank].as_ptr() as usize;
+        prepared(c, input, out.as_ptr() as usize, n, DType::F16, opts)
+    };
+    take_launches();
+    // Off, or on but not capturing: staged, as before.
+    CAPTURING.with(|c| c.set(true));
+    comms[0]
+        .all_reduce(&call(&comms[0], Strategy::OneShot, 64))
+        .unwrap();
+    assert_eq!(take_launches()[0].kernel, "ar_oneshot_f16");
+    for c in &comms {
+        c.set_graph_registration(true).unwrap();
+    }
+    CAPTURING.with(|c| c.set(false));
+    comms[0]
+        .all_reduce(&call(&comms[0], Strategy::OneShot, 64))
+        .unwrap();
+    assert_eq!(take_launches()[0].kernel, "ar_oneshot_f16");
+
+    // Captured: two calls per rank, each on the next slot, with no inputs yet.
+    CAPTURING.with(|c| c.set(true));
+    for c in &comms {
+        for (k, (strategy, kernel)) in [
+            (Strategy::OneShot, "ar_oneshot_registered_f16"),
+            (Strategy::TwoShot, "ar_twoshot_registered_f16"),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            c.all_reduce(&call(c, strategy, 64 + k)).unwrap();
+            let l = take_launches().pop().expect("one launch");
+            assert_eq!(l.kernel, kernel);
+            let r = l.registered();
+            assert!(r.inputs.iter().all(|&p| p == 0));
+            assert_eq!(r.slot, c.group.slot_row(c.rank, k));
+            assert_eq!(Desc2(r.desc2), Desc2::graph_slot(k));
+            assert!(Desc(r.a.desc).registered());
+        }
+        // In place or lossy: never a slot.
+        let inplace = prepared(
+            c,
+            out.as_ptr() as usize,
+            out.as_ptr() as usize,
+            64,
+            DType::F16,
+            AllReduceOptions::default().strategy(Strategy::OneShot),
+        );
+        c.all_reduce(&inplace).unwrap();
+        assert_eq!(take_launches()[0].kernel, "ar_oneshot_f16");
+    }
+    CAPTURING.with(|c| c.set(false));
+    assert!(
+        slot_row(&comms[1], 0).iter().all(|&w| w == 0),
+        "zero until registered"
+    );
+
+    assert_eq!(comms[0].register_graph_buffers_group().unwrap(), 2);
+    for c in &comms {
+        for k in 0..2 {
+            let row = slot_row(c, k);
+            for (r, input) in ins.iter().enumerate() {
+                assert_eq!(row[r], input.as_ptr() as u64, "rank {}'s row {k}", c.rank);
+            }
+            assert!(row[3..].iter().all(|&w| w == 0));
+        }
+    }
+    // Nothing pending any more; the next capture takes the next slots.
+    assert_eq!(comms[2].register_graph_buffers_group().unwrap(), 0);
+    CAPTURING.with(|c| c.set(true));
+    comms[1]
+        .all_reduce(&call(&comms[1], Strategy::OneShot, 8))
+        .unwrap();
+    CAPTURING.with(|c| c.set(false));
+    assert_eq!(
+        take_launches()[0].registered().slot,
+        comms[1].group.slot_row(1, 2)
+    );
+}
+
+#[test]
+fn ranks_that_captured_different_calls_cannot_register_them() {
+    let comms = group(vec![0, 1]);
+    let ins: Vec<Vec<u128>> = (0..2).map(|_| vec![0u128; 64]).collect();
+    let out = vec![0u128; 64];
+    for c in &comms {
+        c.set_graph_registration(true).unwrap();
+    }
+    CAPTURING.with(|c| c.set(true));
+    let opts = || AllReduceOptions::default().strategy(Strategy::OneShot);
+    for (rank, n) in [(0, 16), (1, 16), (0, 16)] {
+        let c = &comms[rank];
+        let call = prepared(
+            c,
+            ins[rank].as_ptr() as usize,
+            out.as_ptr() as usize,
+            n,
+            DType::F32,
+            opts(),
+        );
+        c.all_reduce(&call).unwrap();
+    }
+    CAPTURING.with(|c| c.set(false));
+    match comms[0].register_graph_buffers_group() {
+        Err(Error::RankMismatch { what, detail, .. }) => {
+            assert_eq!(what, "graph buffers");
+            assert_eq!(detail, "rank 0 captured 2 calls to register, rank 1 1");
+        }
+        other => panic!("{other:?}"),
+    }
+    for c in &comms {
+        assert!(slot_row(c, 0).iter().all(|&w| w == 0), "nothing filled");
+    }
+    // The mismatched calls are dropped and the ranks' next slots realigned: a later, agreeing
+    // capture registers alone.
+    CAPTURING.with(|c| c.set(true));
+    for c in &comms {
+        let call = prepared(
+            c,
+            ins[c.rank].as_ptr() as usize,
+            out.as_ptr() as usize,
+            8,
+            DType::F32,
+            opts(),
+        );
+        c.all_reduce(&call).unwrap();
+        assert_eq!(
+            take_launches().pop().unwrap().registered().slot,
+            c.group.slot_row(c.rank, 2)
+        );
+    }
+    CAPTURING.with(|c| c.set(false));
+    assert_eq!(comms[1].register_graph_buffers_group().unwrap(), 1);
+    assert_eq!(slot_row(&comms[0], 2)[1], ins[1].as_ptr() as u64);
+}
+
+#[test]
+fn a_replay_before_registration_is_reported_and_the_group_goes_on() {
+    let comms = group(vec![0, 1]);
+    write_control(
+        &comms[1],
+        1,
+        Control {
+            error: abi::ERROR_MISMATCH,
+            rank: 1,
+            mine: Desc2::UNREGISTERED.0,
+            theirs: Desc2::graph_slot(4).0,
+            ..Default::default()
+        },
+    );
+    match comms[1].synchronize(Stream::NULL) {
+        Err(Error::InvalidArgument(m)) => {
+            assert!(
+                m.contains("before register_graph_buffers filled rank 1's part"),
+                "{m}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    comms[1].synchronize(Stream::NULL).unwrap();
+    write_control(
+        &comms[0],
+        0,
+        Control {
+            error: abi::ERROR_MISMATCH,
+            rank: 1,
+            mine: Desc2::graph_slot(4).0,
+            theirs: Desc2::graph_slot(5).0,
+            ..Default::default()
+        },
+    );
+    match comms[0].synchronize(Stream::NULL) {
+        Err(Error::RankMismatch { detail, .. }) => {
+            assert_eq!(detail, "rank 0 reads graph slot 4, rank 1 graph slot 5")
+        }
+        other => panic!("{other:?}"),
+    }
 }
