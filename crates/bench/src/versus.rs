@@ -7,7 +7,9 @@
 //! loop of each, twice, and keeps its faster loop; the row's time is the slowest rank's. Eager:
 //! one launch per call. Graph: `GRAPH_CALLS` calls captured into a CUDA graph and replayed.
 //! Contenders:
-//! - ours: `Communicator::all_reduce` with `Auto`, and one-shot / two-shot forced;
+//! - ours: `Communicator::all_reduce` with `Auto`, and one-shot / two-shot forced; in graphs,
+//!   `Auto` on the same plain input captured with graph registration on and registered after
+//!   the capture (`Communicator::register_graph_buffers`), as an engine captures it;
 //! - ours on a registered input (`ours reg`: `Auto` on memory from
 //!   `Communicator::alloc_registered_group`, which the peers read in place), eager and in
 //!   graphs (captured after the registration);
@@ -223,6 +225,7 @@ impl PcieSetup {
 
 #[allow(clippy::too_many_arguments)]
 fn rank_loop(
+    comms: &[Communicator],
     comm: &Communicator,
     dtype: DType,
     sizes: &[usize],
@@ -425,10 +428,21 @@ fn rank_loop(
                 continue;
             }
             barrier.wait();
+            // Ours as an engine captures it, and as vLLM's column runs: plain buffers captured
+            // with graph registration on, registered after the capture.
+            comm.set_graph_registration(w == Who::Auto).map_err(e)?;
             let graph = GpuGraph::capture(&stream, || {
                 (0..GRAPH_CALLS).try_for_each(|_| call(w).map_err(allreduce::Error::InvalidConfig))
             })
-            .map_err(e)?;
+            .map_err(e);
+            comm.set_graph_registration(false).map_err(e)?;
+            let graph = graph?;
+            if w == Who::Auto {
+                barrier.wait();
+                if rank == 0 {
+                    Communicator::register_graph_buffers(comms).map_err(e)?;
+                }
+            }
             if w == Who::VllmRegistered {
                 let ptrs: Vec<u64> = (0..GRAPH_CALLS)
                     .flat_map(|_| inputs.iter().copied())
@@ -581,8 +595,10 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
                     &wrongs,
                     &pcie_setup,
                 );
+                let comms = &comms[..];
                 s.spawn(move || {
                     rank_loop(
+                        comms,
                         c,
                         dtype,
                         sizes,
