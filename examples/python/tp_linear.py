@@ -132,15 +132,17 @@ def main():
     d_unsplit = (ours - unsplit).abs().max().item()
     identical = torch.equal(y.cpu(), (summed + b.to(summed.dtype)))
     ok = d_dist <= tol * scale and d_unsplit <= tol * scale
-    print(f"rank {rank}/{world} {args.device} {args.dtype}: max |ours - torch.distributed| = "
-          f"{d_dist:.3g}, max |ours - unsplit| = {d_unsplit:.3g} (largest output {scale:.3g}); "
-          f"bitwise equal to torch.distributed: {identical}; {'ok' if ok else 'FAILED'}",
-          flush=True)
+    line = (f"rank {rank}/{world} {args.device} {args.dtype}: max |ours - torch.distributed| "
+            f"= {d_dist:.3g}, max |ours - unsplit| = {d_unsplit:.3g} (largest output "
+            f"{scale:.3g}); bitwise equal to torch.distributed: {identical}; "
+            f"{'ok' if ok else 'FAILED'}\n")
     dist.destroy_process_group()
+    # One write: the ranks share torchrun's output, and print's separate writes of the text
+    # and the newline interleave.
+    os.write(sys.stdout.fileno(), line.encode())
     # os._exit, not sys.exit: torch 2.11's gloo worker thread may drop the last reference to
     # the all-reduced tensor while the interpreter shuts down, and then aborts the process
     # ("terminate called without an active exception").
-    sys.stdout.flush()
     os._exit(0 if ok else 1)
 
 
