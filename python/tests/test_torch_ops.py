@@ -74,12 +74,22 @@ def rank_inputs(world, dtype, seed):
     return [inputs(dtype, SHAPE[0] * SHAPE[1], r, seed).reshape(SHAPE) for r in range(world)]
 
 
+def op_inplace(comm, x):
+    ops.all_reduce_inplace(x, comm.key)
+    return x
+
+
+def op_out(comm, x):
+    out = torch.empty_like(x)
+    ops.all_reduce_out(x, out, comm.key)
+    return out
+
+
 # Each way to call the all-reduce on a tensor: returns where the sum is.
 CALLS = {
     "op": lambda comm, x: ops.all_reduce(x, comm.key),
-    "op_inplace": lambda comm, x: ops.all_reduce_inplace(x, comm.key) or x,
-    "op_out": lambda comm, x: (lambda out: ops.all_reduce_out(x, out, comm.key) or out)(
-        torch.empty_like(x)),
+    "op_inplace": op_inplace,
+    "op_out": op_out,
     "comm_inplace": lambda comm, x: comm.all_reduce(x),
     "comm_out": lambda comm, x: comm.all_reduce(x, torch.empty_like(x)),
 }
