@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The Python package's tests, from a fresh machine with a Rust toolchain and python3 (3.9 or
 # newer, with venv): builds liballreduce_c (release), makes .venv-py at the repository root
-# with the pinned test packages (requirements-test.txt), installs the package from ./python
-# as a user would, and runs pytest against the library just built, on the host backend.
-# Extra arguments go to pytest (e.g. -k lossy).
+# with the pinned test packages (requirements-test.txt) and torch (requirements-torch.txt:
+# about 3 GB, a minute to install; ALLREDUCE_TEST_TORCH=0 leaves it out and the torch tests
+# skip), installs the package from ./python as a user would, and runs pytest against the
+# library just built, on the host backend. Extra arguments go to pytest (e.g. -k lossy).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -23,10 +24,16 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check --quiet)
 "${pip[@]}" install -r python/requirements-test.txt
+if [ "${ALLREDUCE_TEST_TORCH:-1}" != 0 ]; then
+  start=$SECONDS
+  "${pip[@]}" install -r python/requirements-torch.txt
+  echo "torch and its packages installed or checked in $((SECONDS - start)) s"
+fi
 # A regular (not editable) install: the tests import the installed copy, so what they pass
 # on is what `pip install ./python` ships.
 "${pip[@]}" install --force-reinstall --no-deps ./python
 
 # pytest, not `python -m pytest`: the latter puts the working directory on sys.path, and a
 # source tree there would be imported instead of the installed package.
-ALLREDUCE_LIB="$lib" "$venv/bin/pytest" python/tests -q "$@"
+# -rs: each skipped test's reason (no torch, no CUDA) is printed.
+ALLREDUCE_LIB="$lib" "$venv/bin/pytest" python/tests -q -rs "$@"

@@ -26,11 +26,16 @@ The library is found on first use (``import allreduce`` never needs it), in orde
 every path tried. Build it with ``cargo build --release -p allreduce-capi`` (``--features
 cuda`` for NVIDIA).
 
+With torch, the all-reduce is also the custom op ``torch.ops.allreduce.all_reduce(x,
+comm.key)`` (plus ``all_reduce_inplace`` and ``all_reduce_out``), with a fake implementation,
+so it traces under ``torch.compile`` and is captured by ``torch.cuda.graph``;
+``comm.all_reduce`` on a tensor goes through it. The ops are registered when this package is
+imported after torch, on the first tensor ``comm.all_reduce`` sees, or by :func:`torch_ops`.
+torch is never imported by ``import allreduce``.
+
 What this first version does not have yet:
 
-- a torch custom op (``torch.library``) with a fake implementation, which ``torch.compile``
-  and CUDA graphs captured through it need; eager torch code can call ``all_reduce`` and
-  ``all_reduce_fused`` as they are;
+- the fused call as a torch op (eager torch code calls ``all_reduce_fused`` as it is);
 - ``ar_comm_select``;
 - a wheel that bundles the library; ``pip install ./python`` installs the Python code only.
 
@@ -39,6 +44,7 @@ to the C ABI's contract but have not been run; only the host backend is tested.
 """
 
 from ._comm import PRECISIONS, STRATEGIES, Communicator, get_unique_id
+from ._comm import torch_with_ops as _torch_with_ops
 from ._fused import FUSED_PATTERNS, FusedWorkspace
 from ._errors import (
     Aborted,
@@ -69,6 +75,11 @@ from ._errors import (
 
 __version__ = "0.1.0"
 
+# Registered now only when torch is already loaded: importing it here would cost every
+# host-only user its import time, and this package depends on nothing.
+if _torch_with_ops() is not None:
+    from . import _torch_ops  # noqa: F401
+
 
 def library_path() -> str:
     """The path of the ``liballreduce_c`` in use (loading it if needed)."""
@@ -84,6 +95,14 @@ def library_version() -> int:
     return _lib.version()
 
 
+def torch_ops():
+    """``torch.ops.allreduce``, the all-reduce's torch custom ops, registered if they are not
+    yet (this imports torch). Raises ``ImportError`` without torch."""
+    from . import _torch_ops
+
+    return _torch_ops.torch.ops.allreduce
+
+
 __all__ = [
     "Aborted", "BackendNotBuilt", "BootstrapError", "Communicator", "DTypeMismatch",
     "DeviceError", "Error", "FUSED_PATTERNS", "FusedWorkspace", "InternalError",
@@ -91,5 +110,5 @@ __all__ = [
     "LibraryUnavailable", "Misaligned", "PRECISIONS", "PeerRejected", "RankMismatch",
     "STRATEGIES", "StrategyUnavailable", "Timeout", "TooLarge", "Unsupported",
     "UnsupportedCodec", "UnsupportedType", "WorkspaceExceeded", "WrongDevice", "get_unique_id",
-    "library_path", "library_version",
+    "library_path", "library_version", "torch_ops",
 ]

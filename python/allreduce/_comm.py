@@ -6,6 +6,7 @@ import ctypes
 import math
 import sys
 import threading
+import weakref
 from typing import Any, List, Optional, Sequence
 
 from . import _buffers, _errors, _lib
@@ -93,6 +94,43 @@ def _device_arg(device: Any, backend_code: int) -> int:
     return index
 
 
+# Every open communicator by its key, for the torch ops, which take ints rather than objects.
+# Weak: the registry keeps no rank alive that its owner dropped.
+_OPEN: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
+
+
+def lookup(key: Any) -> "Communicator":
+    """The open communicator whose ``key`` this is; ``InvalidUsage`` if there is none."""
+    comm = _OPEN.get(key) if isinstance(key, int) else None
+    if comm is None or comm.closed:
+        raise InvalidUsage(f"no open communicator has key {key!r}")
+    return comm
+
+
+def torch_with_ops() -> Any:
+    """torch, if it is loaded and has ``torch.library.custom_op`` (2.4 and newer); else
+    None. Never imports it."""
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(getattr(torch, "library", None), "custom_op"):
+        return None
+    return torch
+
+
+def _through_torch_ops(x: Any, out: Any, precision: Any, strategy: Any, stream: Any) -> bool:
+    """Whether ``all_reduce`` goes through the torch ops (``_torch_ops``): torch tensors on
+    a torch that has ``torch.library.custom_op``. Anything the ops' schema or autograd would
+    refuse with torch's own error instead of this package's (a non-string option, a stream
+    object, a tensor autograd tracks) takes the direct path, whose refusals reach the
+    peers."""
+    torch = torch_with_ops()
+    if torch is None:
+        return False
+    tensors = (x,) if out is None else (x, out)
+    return (stream is None and isinstance(precision, str) and isinstance(strategy, str)
+            and all(isinstance(t, torch.Tensor) for t in tensors)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+
+
 def get_unique_id() -> bytes:
     """A new group's id (``ar_get_unique_id``; NCCL's ``ncclGetUniqueId``): make it on one
     process and hand the bytes to every process of the group for
@@ -115,7 +153,8 @@ class Communicator(Handle):
     Attributes, fixed for the communicator's life: ``rank``, ``world_size``, ``backend``
     (``"host"``, ``"cuda"``, ``"rocm"``), ``device`` (GPU ordinal; -1 on the host),
     ``alignment`` (bytes every buffer address must be aligned to: 16), ``max_bytes`` (the
-    largest call run in one piece; the host backend refuses larger calls with ``TooLarge``).
+    largest call run in one piece; the host backend refuses larger calls with ``TooLarge``),
+    ``key`` (the int that names this rank to the torch ops, ``torch.ops.allreduce.*``).
     """
 
     def __init__(self, handle: int):
@@ -128,6 +167,9 @@ class Communicator(Handle):
         self.backend = _BACKEND_NAMES.get(self._query_int("ar_comm_backend"), "unknown")
         self.alignment = self._query_size("ar_comm_alignment")
         self.max_bytes = self._query_size("ar_comm_max_bytes")
+        # The library's token: never reused in the process, so a stale key finds nothing.
+        self.key = int(handle)
+        _OPEN[self.key] = self
 
     @classmethod
     def group(cls, world: int, backend: str = "host", max_bytes: Optional[int] = None,
@@ -388,7 +430,18 @@ class Communicator(Handle):
         their own error and on the peers with ``PeerRejected``; the group stays usable. Every
         failure raises a subclass of ``allreduce.Error``; ``error.rebuild`` says whether the
         group must be rebuilt.
+
+        Torch tensors go through the custom op ``torch.ops.allreduce.all_reduce_inplace`` (or
+        ``all_reduce_out``), so the call traces under ``torch.compile`` and is captured by
+        ``torch.cuda.graph`` as one op; an explicit ``stream`` takes the direct path.
         """
+        if _through_torch_ops(x, out, precision, strategy, stream):
+            from . import _torch_ops
+
+            return _torch_ops.call(self, x, out, precision, strategy)
+        return self._all_reduce(x, out, precision, strategy, stream)
+
+    def _all_reduce(self, x: Any, out: Any, precision: Any, strategy: Any, stream: Any) -> Any:
         handle = self._live_handle()
         if not self._busy.acquire(blocking=False):
             raise InvalidUsage(

@@ -1,4 +1,5 @@
-"""What the host-backend tests share: ranks driven from threads, and bitwise comparison."""
+"""What the host-backend tests share: ranks driven from threads, their inputs, the reference
+sum, and bitwise comparison."""
 
 import threading
 
@@ -43,3 +44,20 @@ def assert_bitwise(got, want, what=""):
     diff = np.flatnonzero(bits(got) != bits(want))
     assert diff.size == 0, (f"{what}: {diff.size} elements differ, first at {diff[0]}: "
                             f"{got.flat[diff[0]]!r} != {want.flat[diff[0]]!r}")
+
+
+def inputs(dtype, n, rank, seed=0):
+    """Rank ``rank``'s input: magnitudes over several binades so the sums round and the order
+    of accumulation shows, and some -0.0, whose sum must stay -0.0."""
+    rng = np.random.default_rng(1000 * seed + rank)
+    x = rng.standard_normal(n) * np.exp2(rng.integers(-6, 7, n))
+    x[(np.arange(n) + 3 * rank) % 29 == 0] = -0.0
+    return x.astype(np.float32).astype(dtype)
+
+
+def reference(xs):
+    """f32 accumulation in rank order from rank 0's value, one rounding into the dtype."""
+    acc = xs[0].astype(np.float32)
+    for x in xs[1:]:
+        acc = acc + x.astype(np.float32)
+    return acc.astype(xs[0].dtype)

@@ -13,7 +13,7 @@ import pytest
 
 import allreduce
 from allreduce import Communicator
-from ranks import TIMEOUT, assert_bitwise, bits, on_ranks, values
+from ranks import TIMEOUT, assert_bitwise, bits, inputs, on_ranks, reference, values
 
 try:
     import ml_dtypes
@@ -23,23 +23,6 @@ except ImportError:  # the binding takes bfloat16 only through ml_dtypes
     BF16 = []
 
 MAX_BYTES = 1 << 20
-
-
-def inputs(dtype, n, rank, seed=0):
-    """Rank ``rank``'s input: magnitudes over several binades so the sums round and the order
-    of accumulation shows, and some -0.0, whose sum must stay -0.0."""
-    rng = np.random.default_rng(1000 * seed + rank)
-    x = rng.standard_normal(n) * np.exp2(rng.integers(-6, 7, n))
-    x[(np.arange(n) + 3 * rank) % 29 == 0] = -0.0
-    return x.astype(np.float32).astype(dtype)
-
-
-def reference(xs):
-    """f32 accumulation in rank order from rank 0's value, one rounding into the dtype."""
-    acc = xs[0].astype(np.float32)
-    for x in xs[1:]:
-        acc = acc + x.astype(np.float32)
-    return acc.astype(xs[0].dtype)
 
 
 def exact_round(comms, dtype=np.float32, n=1000, in_place=False, strategy="auto", seed=0):
