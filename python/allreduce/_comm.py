@@ -490,15 +490,15 @@ class Communicator(Handle):
                          scale_out: Any = None, rms_gamma: Any = None, rms_eps: float = 1e-6,
                          pattern: Optional[str] = None, allreduce_out: Any = None,
                          use_oneshot: Optional[bool] = None, static_scale: Any = None,
-                         stream: Any = None) -> None:
+                         stream: Any = None, weight_bias: float = 0.0) -> None:
         """The all-reduce fused with the residual add, the RMSNorm and FP8 quantization
         (``ar_all_reduce_fused``; FlashInfer's ``trtllm_allreduce_fusion``, whose argument
         names these are). With ``a = sum over ranks of x`` (exact: f32 in rank order, one
         rounding, and a sum of -0.0 comes out +0.0)::
 
             allreduce_out = a
-            residual_out  = round(a + residual_in)
-            norm_out      = round(residual_out / sqrt(mean(residual_out**2) + rms_eps) * rms_gamma)
+            residual_out  = round(a + residual_in)        (r = a without residual_in)
+            norm_out      = round(r / sqrt(mean(r**2) + rms_eps) * (rms_gamma + weight_bias))
             quant_out     = FP8 E4M3 codes of norm_out at scale_out (one per token: the row's
                             max |norm_out| / 448) or at static_scale (code = norm_out / scale)
 
@@ -515,9 +515,11 @@ class Communicator(Handle):
         token scales) or ``"residual_rmsnorm_fp8_static"``; ``None`` infers it from what is
         given: ``static_scale`` -> fp8_static; ``quant_out`` or ``scale_out`` -> fp8;
         ``residual_in``, ``residual_out``, ``norm_out`` or ``rms_gamma`` -> residual_rmsnorm;
-        else allreduce. A pattern refuses what it lacks (residual_rmsnorm needs
-        ``residual_in``, ``rms_gamma`` and ``norm_out``; the FP8 ones ``norm_out`` optional,
-        ``quant_out`` and their scale required) and what it would not use. Pattern allreduce
+        else allreduce. A pattern refuses what it lacks (residual_rmsnorm needs ``rms_gamma``
+        and ``norm_out``; the FP8 ones ``norm_out`` optional, ``quant_out`` and their scale
+        required) and what it would not use. ``residual_in`` is optional (FlashInfer's
+        all-reduce + RMSNorm without residual); ``residual_out`` needs it. ``weight_bias``
+        (FlashInfer's name; 1.0 for Gemma's ``(1 + gamma)``) is added to every gamma in f32. Pattern allreduce
         without ``allreduce_out`` sums into ``x``; the others write ``allreduce_out`` when it
         is given. ``use_oneshot``: True (one-shot), False (two-shot), None (the workspace's
         choice by size). ``stream`` as in :meth:`all_reduce`. Returns None: the outputs are
@@ -533,7 +535,7 @@ class Communicator(Handle):
 
         _fused.all_reduce_fused(self, ws, x, residual_in, residual_out, norm_out, quant_out,
                                 scale_out, rms_gamma, rms_eps, pattern, allreduce_out,
-                                use_oneshot, static_scale, stream)
+                                use_oneshot, static_scale, stream, weight_bias)
 
     def synchronize(self, stream: Any = None) -> None:
         """Wait for this rank's work on ``stream`` and raise any error the device recorded

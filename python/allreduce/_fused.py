@@ -28,9 +28,9 @@ FUSED_PATTERNS = {"allreduce": 0, "residual_rmsnorm": 1, "residual_rmsnorm_fp8":
 # not among them: pattern allreduce without it sums into `x`, as `all_reduce` does.
 _NEEDS = {
     "allreduce": (),
-    "residual_rmsnorm": ("residual_in", "rms_gamma", "norm_out"),
-    "residual_rmsnorm_fp8": ("residual_in", "rms_gamma", "quant_out", "scale_out"),
-    "residual_rmsnorm_fp8_static": ("residual_in", "rms_gamma", "quant_out", "static_scale"),
+    "residual_rmsnorm": ("rms_gamma", "norm_out"),
+    "residual_rmsnorm_fp8": ("rms_gamma", "quant_out", "scale_out"),
+    "residual_rmsnorm_fp8_static": ("rms_gamma", "quant_out", "static_scale"),
 }
 # What each pattern takes at all: anything else given is refused rather than ignored, as the
 # library refuses an output its pattern does not write (a caller who passes it expects it to be
@@ -192,6 +192,15 @@ def _strategy(use_oneshot: Any) -> int:
     return _name_to_code(STRATEGIES, "oneshot" if use_oneshot else "twoshot", "strategy")
 
 
+def _weight_bias(weight_bias: Any) -> float:
+    if isinstance(weight_bias, bool) or not isinstance(weight_bias, numbers.Real):
+        raise UnsupportedType(
+            f"weight_bias is a {type(weight_bias).__qualname__}; pass a float")
+    if not math.isfinite(weight_bias):
+        raise InvalidArgument(f"weight_bias must be finite, not {weight_bias!r}")
+    return float(weight_bias)
+
+
 def _eps(rms_eps: Any) -> float:
     if rms_eps is None:
         return 1e-6
@@ -254,7 +263,7 @@ class _Call:
 def all_reduce_fused(comm: Communicator, ws: Any, x: Any, residual_in: Any, residual_out: Any,
                      norm_out: Any, quant_out: Any, scale_out: Any, rms_gamma: Any,
                      rms_eps: Any, pattern: Any, allreduce_out: Any, use_oneshot: Any,
-                     static_scale: Any, stream: Any) -> None:
+                     static_scale: Any, stream: Any, weight_bias: Any = 0.0) -> None:
     """``Communicator.all_reduce_fused``'s body (documented there)."""
     handle = comm._live_handle()
     if not isinstance(ws, FusedWorkspace):
@@ -279,6 +288,13 @@ def all_reduce_fused(comm: Communicator, ws: Any, x: Any, residual_in: Any, resi
         name = _resolve_pattern(pattern, given)
         strategy = _strategy(use_oneshot)
         eps = _eps(rms_eps)
+        bias = _weight_bias(weight_bias)
+        if residual_out is not None and residual_in is None:
+            raise InvalidArgument(
+                "residual_out needs residual_in (without a residual the norm is of the "
+                "all-reduce output, which allreduce_out holds)")
+        if bias != 0.0 and name == "allreduce":
+            raise InvalidArgument("pattern allreduce has no norm for a weight_bias")
 
         call = _Call(comm, ws)
         src = _buffers.describe(x, "x")
@@ -298,7 +314,7 @@ def all_reduce_fused(comm: Communicator, ws: Any, x: Any, residual_in: Any, resi
         stream_value = comm._resolve_stream(stream, src.stream)
 
         args = _lib.FusedArgs(size=ctypes.sizeof(_lib.FusedArgs), pattern=FUSED_PATTERNS[name],
-                              strategy=strategy, tokens=tokens, eps=eps)
+                              strategy=strategy, tokens=tokens, eps=eps, weight_bias=bias)
         args.input = src.ptr
         if allreduce_out is not None:
             args.allreduce_out = call.rows(allreduce_out, "allreduce_out", src.shape, True)

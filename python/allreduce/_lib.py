@@ -60,6 +60,7 @@ class FusedArgs(ctypes.Structure):
         ("scale_out", ctypes.c_void_p),
         ("scale_in", ctypes.c_void_p),
         ("eps", ctypes.c_float),
+        ("weight_bias", ctypes.c_float),
     ]
 
 

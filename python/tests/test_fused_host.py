@@ -72,7 +72,7 @@ def e4m3(v):
 
 
 def reference(xs, residual=None, gamma=None, eps=EPS, static_scale=None,
-              order=None, hidden_divisor=None):
+              order=None, hidden_divisor=None, weight_bias=0.0):
     """The contract's outputs. ``order`` and ``hidden_divisor`` make deliberately wrong
     references, for the tests that show a wrong answer would fail."""
     dtype = xs[0].dtype
@@ -83,9 +83,9 @@ def reference(xs, residual=None, gamma=None, eps=EPS, static_scale=None,
     a = acc.astype(dtype)
     a[a == 0] = 0  # -0.0 -> +0.0
     out = {"allreduce": a}
-    if residual is None:
+    if gamma is None:
         return out
-    r = (a.astype(np.float32) + residual.astype(np.float32)).astype(dtype)
+    r = a if residual is None else (a.astype(np.float32) + residual.astype(np.float32)).astype(dtype)
     rf = r.astype(np.float32)
     tokens, hidden = rf.shape
     sum_sq = np.zeros(tokens, np.float32)
@@ -93,7 +93,10 @@ def reference(xs, residual=None, gamma=None, eps=EPS, static_scale=None,
         sum_sq = sum_sq + rf[:, i] * rf[:, i]
     divisor = np.float32(hidden if hidden_divisor is None else hidden_divisor)
     inv = np.float32(1) / np.sqrt(sum_sq / divisor + np.float32(eps))
-    n = ((rf * inv[:, None]) * gamma.astype(np.float32)).astype(dtype)
+    g = gamma.astype(np.float32)
+    if weight_bias != 0:  # a zero bias leaves a -0.0 gamma as it is
+        g = g + np.float32(weight_bias)
+    n = ((rf * inv[:, None]) * g).astype(dtype)
     nf = n.astype(np.float32)
     out.update(residual=r, norm=n)
     if static_scale is not None:
@@ -401,8 +404,9 @@ BAD_CALLS = [
      allreduce.DTypeMismatch, "residual_in"),
     ("missing rms_gamma", good(rms_gamma=None), allreduce.InvalidArgument,
      "pattern residual_rmsnorm .inferred.* needs rms_gamma"),
-    ("missing residual_in", good(residual_in=None), allreduce.InvalidArgument,
-     "needs residual_in"),
+    ("residual_out without residual_in",
+     good(residual_in=None, residual_out=np.empty((T, H), np.float32)), allreduce.InvalidArgument,
+     "residual_out needs residual_in"),
     ("rms_gamma of rows", good(rms_gamma=f32(T, H)), allreduce.InvalidArgument,
      r"rms_gamma has shape \(3, 64\), expected \(64,\)"),
     ("norm_out read-only", good(norm_out=np.frombuffer(bytes(T * H * 4), np.float32)
@@ -578,3 +582,55 @@ def test_communicators_closed_before_their_workspaces():
         comms[0].all_reduce_fused(wss[0], **good())
     for w in wss:
         w.close()
+
+
+@pytest.mark.parametrize("pattern,outputs,extra", [
+    ("residual_rmsnorm", ("allreduce_out", "norm_out"), {}),
+    ("residual_rmsnorm_fp8", ("norm_out", "quant_out", "scale_out"), {}),
+    ("residual_rmsnorm_fp8_static", ("quant_out",), {"static_scale": 0.004}),
+])
+@pytest.mark.parametrize("with_residual,weight_bias", [(False, 0.0), (True, 1.0), (False, -0.5)])
+def test_norm_without_residual_and_with_weight_bias(pattern, outputs, extra, with_residual,
+                                                    weight_bias):
+    dtype, tokens, hidden = np.dtype(np.float16), 5, 128
+    comms, wss = fused_group(3, hidden, dtype)
+    try:
+        xs, residual, gamma = case(3, dtype, tokens, hidden, seed=11)
+        residual = residual if with_residual else None
+        want = reference(xs, residual, gamma, weight_bias=weight_bias,
+                         static_scale=extra.get("static_scale"))
+        outs, _ = run_fused(comms, wss, xs, residual, gamma, outputs, pattern=pattern,
+                            weight_bias=weight_bias, **extra)
+        check_outputs(outs, want, dtype, f"{pattern} residual={with_residual} "
+                                         f"weight_bias={weight_bias}")
+        # A different bias is a different answer (the check above can fail).
+        other = reference(xs, residual, gamma, weight_bias=weight_bias + 0.25)
+        assert (bits(other["norm"]) != bits(want["norm"])).any()
+    finally:
+        close(comms, wss)
+
+
+def test_residual_out_needs_residual_in_and_weight_bias_needs_a_norm():
+    dtype, tokens, hidden = np.dtype(np.float16), 2, 64
+    comms, wss = fused_group(2, hidden, dtype)
+    try:
+        xs, residual, gamma = case(2, dtype, tokens, hidden, seed=12)
+        out = np.zeros_like(xs[0])
+        with pytest.raises(allreduce.InvalidArgument, match="residual_out needs residual_in"):
+            comms[0].all_reduce_fused(wss[0], xs[0], rms_gamma=gamma, norm_out=out,
+                                      residual_out=np.zeros_like(out))
+        with pytest.raises(allreduce.InvalidArgument, match="no norm for a weight_bias"):
+            comms[0].all_reduce_fused(wss[0], xs[0], allreduce_out=out, weight_bias=1.0)
+        for bad in (float("nan"), float("inf")):
+            with pytest.raises(allreduce.InvalidArgument, match="weight_bias must be finite"):
+                comms[0].all_reduce_fused(wss[0], xs[0], rms_gamma=gamma, norm_out=out,
+                                          weight_bias=bad)
+        with pytest.raises(allreduce.UnsupportedType, match="weight_bias"):
+            comms[0].all_reduce_fused(wss[0], xs[0], rms_gamma=gamma, norm_out=out,
+                                      weight_bias="1")
+        # Refused before anything reached the peers: the group still gives right answers.
+        want = reference(xs, residual, gamma)
+        outs, _ = run_fused(comms, wss, xs, residual, gamma, ALL_OUTPUTS)
+        check_outputs(outs, want, dtype, "after the refusals")
+    finally:
+        close(comms, wss)

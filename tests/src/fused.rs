@@ -77,6 +77,16 @@ struct Case {
     strategy: Strategy,
     seed: usize,
     out: Out,
+    /// With a residual (else the norm is of the all-reduce output).
+    residual: bool,
+    /// `FusedArgs::weight_bias`.
+    weight_bias: f32,
+}
+
+/// Case `c` of a list: without a residual every third case, with Gemma's `(1 + gamma)` every
+/// fourth, so every grid and pattern meets both.
+fn variant(c: usize) -> (bool, f32) {
+    (c % 3 != 2, if c % 4 == 3 { 1.0 } else { 0.0 })
 }
 
 /// What every rank checks its outputs against.
@@ -291,6 +301,7 @@ fn mixed_cases(
     for (i, &t) in tokens.iter().enumerate() {
         let strategies = [Strategy::Auto, Strategy::OneShot, Strategy::TwoShot];
         for (k, strategy) in strategies.into_iter().enumerate() {
+            let (residual, weight_bias) = variant(cases.len());
             cases.push(Case {
                 tokens: t,
                 pattern: FusedPattern::ALL[pattern(i, k) % FusedPattern::ALL.len()],
@@ -301,6 +312,8 @@ fn mixed_cases(
                 } else {
                     Out::Separate
                 },
+                residual,
+                weight_bias,
             });
         }
     }
@@ -366,12 +379,13 @@ fn rank_cases<R: GpuTestRuntime>(
                 dtype,
                 case.tokens,
                 hidden,
-                Some(residual.as_slice()),
+                Some(residual.as_slice()).filter(|_| case.residual),
                 Some(gamma.as_slice()),
                 EPS,
                 case.pattern,
                 Some(STATIC_SCALE)
                     .filter(|_| case.pattern == FusedPattern::ResidualRmsNormFp8Static),
+                case.weight_bias,
             );
             *expect.write().unwrap() = Some(Expect { reference });
         }
@@ -402,11 +416,16 @@ fn rank_cases<R: GpuTestRuntime>(
                 Out::Omitted => {}
             }
             if case.pattern.has_norm() {
-                args = args.residual(r(&b.residual), Some(m(&b.res_out))).rms_norm(
-                    BufRef::from_raw(b.gamma.addr(), hidden, dtype, dev),
-                    EPS,
-                    Some(m(&b.norm)),
-                );
+                if case.residual {
+                    args = args.residual(r(&b.residual), Some(m(&b.res_out)));
+                }
+                args = args
+                    .rms_norm(
+                        BufRef::from_raw(b.gamma.addr(), hidden, dtype, dev),
+                        EPS,
+                        Some(m(&b.norm)),
+                    )
+                    .weight_bias(case.weight_bias);
             }
             if case.pattern == FusedPattern::ResidualRmsNormFp8 {
                 args = args.fp8(
@@ -437,8 +456,16 @@ fn rank_cases<R: GpuTestRuntime>(
                         case.pattern,
                         &NormBuffers {
                             input: b.u_ar.addr() as u64,
-                            residual_in: b.residual.addr() as u64,
-                            residual_out: b.u_res.addr() as u64,
+                            residual_in: if case.residual {
+                                b.residual.addr() as u64
+                            } else {
+                                0
+                            },
+                            residual_out: if case.residual {
+                                b.u_res.addr() as u64
+                            } else {
+                                0
+                            },
                             norm_out: b.u_norm.addr() as u64,
                             quant_out: if fp8 { b.u_quant.addr() as u64 } else { 0 },
                             scale_out: if per_token {
@@ -452,6 +479,7 @@ fn rank_cases<R: GpuTestRuntime>(
                                 0
                             },
                             gamma: b.gamma.addr() as u64,
+                            weight_bias: case.weight_bias,
                         },
                         case.tokens,
                         hidden,
@@ -467,9 +495,9 @@ fn rank_cases<R: GpuTestRuntime>(
                 .and_then(|_| comm.synchronize(stream.handle()))
         };
         let label = format!(
-            "{world} ranks {dtype} hidden {hidden} {} tokens {} {} allreduce_out {:?} rank \
-             {rank}",
-            case.tokens, case.pattern, case.strategy, case.out
+            "{world} ranks {dtype} hidden {hidden} {} tokens {} {} allreduce_out {:?} residual \
+             {} weight_bias {} rank {rank}",
+            case.tokens, case.pattern, case.strategy, case.out, case.residual, case.weight_bias
         );
         if let Err(e) = run {
             failures.push(format!("{label}: {e}"));
@@ -507,9 +535,8 @@ fn rank_cases<R: GpuTestRuntime>(
                 false,
             ));
         }
-        if case.pattern.has_norm() {
+        if case.pattern.has_norm() && case.residual {
             let res = down(&b.res_out, tb, &stream);
-            let norm = down(&b.norm, tb, &stream);
             fail(compare(
                 "residual_out",
                 dtype,
@@ -526,6 +553,9 @@ fn rank_cases<R: GpuTestRuntime>(
                 false,
                 false,
             ));
+        }
+        if case.pattern.has_norm() {
+            let norm = down(&b.norm, tb, &stream);
             fail(compare("norm_out", dtype, &norm, &want.norm, false, true));
             // Same block reduction as the unfused kernel: equal by value.
             fail(compare(
@@ -626,6 +656,12 @@ fn graph_calls(k: usize) -> Vec<(usize, Strategy, FusedPattern)> {
     all[..k].to_vec()
 }
 
+/// Graph call `c`'s (residual, weight_bias): the second call has no residual, the fourth
+/// Gemma's `(1 + gamma)`.
+fn graph_variant(c: usize) -> (bool, f32) {
+    (c != 1, if c == 3 { 1.0 } else { 0.0 })
+}
+
 /// The static FP8 scale of data set `d`: uploaded with the inputs before each replay, so
 /// a replay that kept the scale of its capture would fail.
 fn graph_scale(d: usize) -> f32 {
@@ -675,8 +711,9 @@ fn graph_rank<R: GpuTestRuntime>(
     stream.synchronize().map_err(e)?;
     barrier.wait();
     let enqueue = || -> allreduce::Result<()> {
-        for (&(tokens, strategy, pattern), b) in calls.iter().zip(&bufs) {
+        for (c, (&(tokens, strategy, pattern), b)) in calls.iter().zip(&bufs).enumerate() {
             let n = tokens * hidden;
+            let (residual, weight_bias) = graph_variant(c);
             // SAFETY: live buffers of this rank that outlive the graph.
             unsafe {
                 let mut args = FusedArgs::new(
@@ -687,17 +724,20 @@ fn graph_rank<R: GpuTestRuntime>(
                 .allreduce_out(BufMut::from_raw(b.ar.addr(), n, dtype, dev))
                 .strategy(strategy)
                 .stream(stream.handle());
+                if pattern.has_norm() && residual {
+                    args = args.residual(
+                        BufRef::from_raw(b.residual.addr(), n, dtype, dev),
+                        Some(BufMut::from_raw(b.res_out.addr(), n, dtype, dev)),
+                    );
+                }
                 if pattern.has_norm() {
                     args = args
-                        .residual(
-                            BufRef::from_raw(b.residual.addr(), n, dtype, dev),
-                            Some(BufMut::from_raw(b.res_out.addr(), n, dtype, dev)),
-                        )
                         .rms_norm(
                             BufRef::from_raw(b.gamma.addr(), hidden, dtype, dev),
                             EPS,
                             Some(BufMut::from_raw(b.norm.addr(), n, dtype, dev)),
-                        );
+                        )
+                        .weight_bias(weight_bias);
                 }
                 if pattern == FusedPattern::ResidualRmsNormFp8 {
                     args = args.fp8(
@@ -740,7 +780,7 @@ fn graph_rank<R: GpuTestRuntime>(
                 true,
                 false,
             );
-            if m.is_none() && pattern.has_norm() {
+            if m.is_none() && pattern.has_norm() && graph_variant(c).0 {
                 m = compare(
                     "residual_out",
                     dtype,
@@ -748,17 +788,17 @@ fn graph_rank<R: GpuTestRuntime>(
                     &want.residual,
                     true,
                     false,
-                )
-                .or_else(|| {
-                    compare(
-                        "norm_out",
-                        dtype,
-                        &down(&b.norm, tb, &stream),
-                        &want.norm,
-                        false,
-                        true,
-                    )
-                });
+                );
+            }
+            if m.is_none() && pattern.has_norm() {
+                m = compare(
+                    "norm_out",
+                    dtype,
+                    &down(&b.norm, tb, &stream),
+                    &want.norm,
+                    false,
+                    true,
+                );
             }
             if m.is_none() && pattern == FusedPattern::ResidualRmsNormFp8 {
                 let sc = f32s(&down(&b.scale, tokens * 4, &stream));
@@ -818,8 +858,10 @@ fn run_graphs<R: GpuTestRuntime>(world: usize, k: usize) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     let refs: Vec<Vec<FusedOutputs>> = graph_calls(k)
         .iter()
-        .map(|&(tokens, _, pattern)| {
+        .enumerate()
+        .map(|(c, &(tokens, _, pattern))| {
             let n = tokens * hidden;
+            let (with_residual, weight_bias) = graph_variant(c);
             (0..DATA_SETS)
                 .map(|d| {
                     let inputs: Vec<HostBytes> =
@@ -832,12 +874,13 @@ fn run_graphs<R: GpuTestRuntime>(world: usize, k: usize) -> Result<(), String> {
                         dtype,
                         tokens,
                         hidden,
-                        Some(residual.as_slice()),
+                        Some(residual.as_slice()).filter(|_| with_residual),
                         Some(gamma.as_slice()),
                         EPS,
                         pattern,
                         Some(graph_scale(d))
                             .filter(|_| pattern == FusedPattern::ResidualRmsNormFp8Static),
+                        weight_bias,
                     )
                 })
                 .collect()
@@ -1068,12 +1111,15 @@ pub fn run<R: GpuTestRuntime>() {
                             2 if pattern.has_norm() => Out::Omitted,
                             _ => Out::Separate,
                         };
+                        let (residual, weight_bias) = variant(cases.len() + i);
                         cases.push(Case {
                             tokens: t,
                             pattern,
                             strategy,
                             seed: i * 3 + world,
                             out,
+                            residual,
+                            weight_bias,
                         });
                     }
                 }

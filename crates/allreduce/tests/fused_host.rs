@@ -37,7 +37,24 @@ fn run(
         dtype,
         pattern,
         strategy,
+        Norm::default(),
     )
+}
+
+/// The norm's options: with a residual or not, and the weight bias.
+#[derive(Clone, Copy, Debug)]
+struct Norm {
+    residual: bool,
+    weight_bias: f32,
+}
+
+impl Default for Norm {
+    fn default() -> Self {
+        Norm {
+            residual: true,
+            weight_bias: 0.0,
+        }
+    }
 }
 
 fn run_in(
@@ -47,6 +64,7 @@ fn run_in(
     dtype: DType,
     pattern: FusedPattern,
     strategy: Strategy,
+    norm_options: Norm,
 ) {
     let world = config.world_size;
     let comms = Communicator::new_group(BackendKind::Host, config).unwrap();
@@ -62,11 +80,12 @@ fn run_in(
         dtype,
         tokens,
         hidden,
-        Some(residual.as_slice()),
+        Some(residual.as_slice()).filter(|_| norm_options.residual),
         Some(gamma.as_slice()),
         1e-5,
         pattern,
         Some(STATIC_SCALE).filter(|_| pattern == FusedPattern::ResidualRmsNormFp8Static),
+        norm_options.weight_bias,
     );
     let got: Vec<FusedOutputs> = std::thread::scope(|s| {
         let hs: Vec<_> = comms
@@ -84,10 +103,13 @@ fn run_in(
                     let mut args = FusedArgs::new(pattern, tokens, x.view(dtype))
                         .allreduce_out(ar.view_mut(dtype))
                         .strategy(strategy);
+                    if pattern.has_norm() && norm_options.residual {
+                        args = args.residual(residual.view(dtype), Some(res.view_mut(dtype)));
+                    }
                     if pattern.has_norm() {
                         args = args
-                            .residual(residual.view(dtype), Some(res.view_mut(dtype)))
-                            .rms_norm(gamma.view(dtype), 1e-5, Some(norm.view_mut(dtype)));
+                            .rms_norm(gamma.view(dtype), 1e-5, Some(norm.view_mut(dtype)))
+                            .weight_bias(norm_options.weight_bias);
                     }
                     let static_scale = [STATIC_SCALE];
                     match pattern {
@@ -107,11 +129,16 @@ fn run_in(
                     }
                     c.all_reduce_fused(w, args).unwrap();
                     let has = pattern.has_norm();
+                    let has_residual = has && norm_options.residual;
                     let fp8 = pattern.has_fp8();
                     let scales = pattern == FusedPattern::ResidualRmsNormFp8;
                     FusedOutputs {
                         allreduce: ar.as_slice().to_vec(),
-                        residual: if has { res.as_slice().to_vec() } else { vec![] },
+                        residual: if has_residual {
+                            res.as_slice().to_vec()
+                        } else {
+                            vec![]
+                        },
                         norm: if has {
                             norm.as_slice().to_vec()
                         } else {
@@ -147,6 +174,29 @@ fn host_fused_matches_the_reference() {
 }
 
 #[test]
+fn host_fused_norms_without_a_residual_and_with_a_weight_bias_match_the_reference() {
+    for pattern in FusedPattern::ALL.into_iter().filter(|p| p.has_norm()) {
+        for (residual, weight_bias) in [(false, 0.0), (true, 1.0), (false, -0.5)] {
+            for strategy in [Strategy::OneShot, Strategy::TwoShot] {
+                let norm = Norm {
+                    residual,
+                    weight_bias,
+                };
+                run_in(
+                    GroupConfig::new(3),
+                    5,
+                    64,
+                    DType::BF16,
+                    pattern,
+                    strategy,
+                    norm,
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn host_fused_is_bounded_by_the_workspace_not_max_bytes() {
     // 16 x 64 bf16 is 2 KiB per rank: four times what a plain all-reduce of this group takes.
     let config = GroupConfig::new(2).max_bytes(512);
@@ -154,7 +204,15 @@ fn host_fused_is_bounded_by_the_workspace_not_max_bytes() {
     assert!(!comms[0].splits_large_calls() && comms[0].max_bytes() < 16 * 64 * 2);
     for pattern in FusedPattern::ALL {
         for strategy in [Strategy::OneShot, Strategy::TwoShot] {
-            run_in(config.clone(), 16, 64, DType::BF16, pattern, strategy);
+            run_in(
+                config.clone(),
+                16,
+                64,
+                DType::BF16,
+                pattern,
+                strategy,
+                Norm::default(),
+            );
         }
     }
 }

@@ -115,6 +115,7 @@ impl FusedComm for HostFused {
                 call.pattern,
                 call.scale_in
                     .map(|b| (b.addr as *const f32).read_unaligned()),
+                call.weight_bias,
             )
         };
         let scale: Vec<u8> = out.scale.iter().flat_map(|s| s.to_ne_bytes()).collect();

@@ -179,9 +179,15 @@ pub struct Args {
     pub fused_hidden: Vec<usize>,
 
     /// --fused: the pattern, residual_rmsnorm, residual_rmsnorm_fp8 (per-token scales) or
-    /// residual_rmsnorm_fp8_static (one static scale); the unfused norm kernel runs the same
+    /// residual_rmsnorm_fp8_static (one static scale), or the same without the residual add
+    /// (rmsnorm, rmsnorm_fp8, rmsnorm_fp8_static); the unfused norm kernel runs the same
     #[arg(long, default_value = "residual_rmsnorm", value_parser = parse_pattern, value_name = "PATTERN")]
-    pub fused_pattern: allreduce::FusedPattern,
+    pub fused_pattern: BenchPattern,
+
+    /// --fused: added to gamma by the norm (FlashInfer's weight_bias; 1 for Gemma), in the
+    /// fused call and the unfused norm kernel alike
+    #[arg(long, default_value_t = 0.0, value_name = "F")]
+    pub weight_bias: f32,
 
     /// Deadline, in seconds, of every wait for a peer inside the library
     #[arg(long, default_value_t = 60.0, value_name = "SECONDS")]
@@ -217,18 +223,61 @@ pub struct Args {
 
 /// Parse a byte count: digits with an optional 1024-based suffix K, M, G or T (also KB, KiB,
 /// ...; case-insensitive) or a plain B.
-/// A fused pattern with a norm (the bench compares against the unfused norm kernel).
-pub fn parse_pattern(s: &str) -> Result<allreduce::FusedPattern, String> {
-    allreduce::FusedPattern::ALL
-        .into_iter()
-        .filter(|p| p.has_norm())
-        .find(|p| p.name() == s)
+/// A fused pattern with a norm (the bench compares against the unfused norm kernel), with
+/// or without the residual add.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BenchPattern {
+    pub pattern: allreduce::FusedPattern,
+    pub residual: bool,
+}
+
+impl BenchPattern {
+    /// The names `--fused-pattern` takes: the library's pattern names, and without the
+    /// `residual_` prefix for the same norm without a residual.
+    pub fn names() -> impl Iterator<Item = (String, BenchPattern)> {
+        allreduce::FusedPattern::ALL
+            .into_iter()
+            .filter(|p| p.has_norm())
+            .flat_map(|pattern| {
+                let name = pattern.name();
+                let bare = name.trim_start_matches("residual_").to_string();
+                [
+                    (
+                        name.to_string(),
+                        BenchPattern {
+                            pattern,
+                            residual: true,
+                        },
+                    ),
+                    (
+                        bare,
+                        BenchPattern {
+                            pattern,
+                            residual: false,
+                        },
+                    ),
+                ]
+            })
+    }
+}
+
+impl std::fmt::Display for BenchPattern {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = self.pattern.name();
+        if self.residual {
+            f.write_str(name)
+        } else {
+            f.write_str(name.trim_start_matches("residual_"))
+        }
+    }
+}
+
+pub fn parse_pattern(s: &str) -> Result<BenchPattern, String> {
+    BenchPattern::names()
+        .find(|(name, _)| name == s)
+        .map(|(_, p)| p)
         .ok_or_else(|| {
-            let names: Vec<&str> = allreduce::FusedPattern::ALL
-                .iter()
-                .filter(|p| p.has_norm())
-                .map(|p| p.name())
-                .collect();
+            let names: Vec<String> = BenchPattern::names().map(|(n, _)| n).collect();
             format!("{s:?}: want one of {}", names.join(", "))
         })
 }

@@ -20,7 +20,7 @@ use allreduce_gpu::device::{DeviceBuffer, GpuGraph};
 use allreduce_gpu::fused::{NormBuffers, RmsNormKernel};
 use allreduce_gpu::GpuRuntime;
 
-use crate::cli::Args;
+use crate::cli::{Args, BenchPattern};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -64,9 +64,11 @@ fn rank_loop<R: GpuRuntime>(
     dtype: DType,
     hidden: usize,
     tokens: &[usize],
-    pattern: FusedPattern,
+    bench: BenchPattern,
+    weight_bias: f32,
     barrier: &Barrier,
 ) -> Result<Times, String> {
+    let pattern = bench.pattern;
     let e = |e: allreduce::Error| e.to_string();
     let dev = comm.device();
     let (d, stream) = crate::gpu::open_rank::<R>(comm).map_err(e)?;
@@ -102,17 +104,20 @@ fn rank_loop<R: GpuRuntime>(
             unsafe {
                 let mut args =
                     FusedArgs::new(pattern, t, BufRef::from_raw(b.input.addr(), n, dtype, dev))
-                        .residual(
-                            BufRef::from_raw(b.residual.addr(), n, dtype, dev),
-                            Some(BufMut::from_raw(b.res_out.addr(), n, dtype, dev)),
-                        )
                         .rms_norm(
                             BufRef::from_raw(b.gamma.addr(), hidden, dtype, dev),
                             EPS,
                             (!fp8).then(|| BufMut::from_raw(b.norm.addr(), n, dtype, dev)),
                         )
+                        .weight_bias(weight_bias)
                         .strategy(strategy)
                         .stream(stream.handle());
+                if bench.residual {
+                    args = args.residual(
+                        BufRef::from_raw(b.residual.addr(), n, dtype, dev),
+                        Some(BufMut::from_raw(b.res_out.addr(), n, dtype, dev)),
+                    );
+                }
                 let quant = || Fp8BufMut::from_raw(b.quant.addr(), n, dev);
                 if per_token {
                     args = args.fp8(
@@ -143,13 +148,14 @@ fn rank_loop<R: GpuRuntime>(
                     pattern,
                     &NormBuffers {
                         input: b.ar.addr() as u64,
-                        residual_in: b.residual.addr() as u64,
-                        residual_out: b.res_out.addr() as u64,
+                        residual_in: addr(&b.residual, bench.residual),
+                        residual_out: addr(&b.res_out, bench.residual),
                         norm_out: addr(&b.norm, !fp8),
                         quant_out: addr(&b.quant, fp8),
                         scale_out: addr(&b.scales, per_token),
                         scale_in: addr(&b.static_scale, fixed),
                         gamma: b.gamma.addr() as u64,
+                        weight_bias,
                     },
                     t,
                     hidden,
@@ -231,12 +237,13 @@ fn rank_loop<R: GpuRuntime>(
 pub fn run<R: GpuRuntime>(args: &Args) -> Result<(), BoxError> {
     let dtype = args.dtype;
     let pattern = args.fused_pattern;
+    let weight_bias = args.weight_bias;
     let world = args.ranks;
     let max_tokens = args.tokens.iter().copied().max().unwrap_or(1);
     println!(
         "# allreduce-bench --fused: {world} ranks (virtual, one GPU unless the group says \
-         otherwise), {dtype}, {pattern}; us per call, slowest rank; unfused = \
-         all_reduce(Auto) + residual/RMSNorm kernel (same pattern)"
+         otherwise), {dtype}, {pattern}, weight_bias {weight_bias}; us per call, slowest rank; \
+         unfused = all_reduce(Auto) + residual/RMSNorm kernel (same pattern)"
     );
     // The group below uses the default devices: every rank on GPU 0.
     crate::report::print_origin(&[R::device_tag(0)]);
@@ -285,7 +292,9 @@ pub fn run<R: GpuRuntime>(args: &Args) -> Result<(), BoxError> {
                 .map(|(c, w)| {
                     let barrier = &barrier;
                     let tokens = &args.tokens;
-                    s.spawn(move || rank_loop::<R>(c, w, dtype, hidden, tokens, pattern, barrier))
+                    s.spawn(move || {
+                        rank_loop::<R>(c, w, dtype, hidden, tokens, pattern, weight_bias, barrier)
+                    })
                 })
                 .collect();
             hs.into_iter()

@@ -104,6 +104,7 @@ impl Reference {
             EPS,
             pattern,
             Some(STATIC_SCALE),
+            0.0,
         );
         Reference { out }
     }
@@ -395,7 +396,15 @@ fn rank_loop(
 
 pub fn run(args: &Args) -> Result<(), BoxError> {
     let dtype = args.dtype;
-    let pattern = args.fused_pattern;
+    if !args.fused_pattern.residual || args.weight_bias != 0.0 {
+        return Err(
+            "--peers --fused compares TensorRT-LLM's residual patterns (its fusion \
+                    kernels take a residual and no weight bias): pick a residual_ pattern and \
+                    no --weight-bias"
+                .into(),
+        );
+    }
+    let pattern = args.fused_pattern.pattern;
     if pattern == FusedPattern::AllReduce {
         return Err(
             "--peers --fused compares the patterns with a norm: pick one with --fused-pattern"

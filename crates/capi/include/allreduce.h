@@ -134,8 +134,9 @@ typedef enum {
 typedef enum {
   // Only the all-reduce (`allreduce_out` required).
   AR_FUSED_ALLREDUCE = 0,
-  // All-reduce, residual add, RMSNorm (`residual_in`, `gamma`, `norm_out` required;
-  // `residual_out` optional).
+  // All-reduce, residual add, RMSNorm (`gamma`, `norm_out` required; `residual_in`
+  // optional: without it the norm is of the all-reduce output, and `residual_out` must be
+  // null).
   AR_FUSED_RESIDUAL_RMSNORM = 1,
   // As above, plus FP8 E4M3 codes of the normalized rows with one f32 scale per token
   // (`quant_out`, `scale_out` required; `norm_out` optional).
@@ -204,6 +205,9 @@ typedef struct {
   const void *scale_in;
   // The RMSNorm's epsilon.
   float eps;
+  // Added to every gamma before it scales the normalized rows (FlashInfer's
+  // `weight_bias`; 1 for Gemma's `(1 + gamma)`); 0 for none. Finite.
+  float weight_bias;
 } ar_fused_args_t;
 
 #ifdef __cplusplus

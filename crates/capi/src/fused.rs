@@ -22,8 +22,9 @@ use crate::handle::{self, ar_comm_t, ar_fused_workspace_t, WorkspaceRef};
 pub enum ar_fused_pattern_t {
     /// Only the all-reduce (`allreduce_out` required).
     AR_FUSED_ALLREDUCE = 0,
-    /// All-reduce, residual add, RMSNorm (`residual_in`, `gamma`, `norm_out` required;
-    /// `residual_out` optional).
+    /// All-reduce, residual add, RMSNorm (`gamma`, `norm_out` required; `residual_in`
+    /// optional: without it the norm is of the all-reduce output, and `residual_out` must be
+    /// null).
     AR_FUSED_RESIDUAL_RMSNORM = 1,
     /// As above, plus FP8 E4M3 codes of the normalized rows with one f32 scale per token
     /// (`quant_out`, `scale_out` required; `norm_out` optional).
@@ -60,6 +61,9 @@ pub struct ar_fused_args_t {
     pub scale_in: *const c_void,
     /// The RMSNorm's epsilon.
     pub eps: f32,
+    /// Added to every gamma before it scales the normalized rows (FlashInfer's
+    /// `weight_bias`; 1 for Gemma's `(1 + gamma)`); 0 for none. Finite.
+    pub weight_bias: f32,
 }
 
 fn pattern(code: c_int) -> Result<FusedPattern, Error> {
@@ -215,6 +219,7 @@ pub unsafe extern "C" fn ar_all_reduce_fused(
         call.strategy = strategy;
         call.stream = Stream::from_raw(stream);
         call.eps = a.eps;
+        call.weight_bias = a.weight_bias;
         // SAFETY: as above.
         unsafe {
             call.allreduce_out = views.write(a.allreduce_out, views.rows, views.dtype);

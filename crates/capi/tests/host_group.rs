@@ -660,6 +660,7 @@ fn fused_args(tokens: usize) -> ar_fused_args_t {
         scale_out: ptr::null_mut(),
         scale_in: ptr::null(),
         eps: 1e-6,
+        weight_bias: 0.0,
     }
 }
 
@@ -700,6 +701,7 @@ fn fused_residual_rmsnorm_equals_the_reference_and_refuses_what_it_cannot_take()
         1e-6,
         allreduce::FusedPattern::ResidualRmsNorm,
         None,
+        0.0,
     );
     let run = |r: usize, tokens: usize, comm: Comm, w: Workspace| {
         let mut res_out = HostBytes::zeroed(n * dtype.size());

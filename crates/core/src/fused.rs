@@ -7,9 +7,10 @@
 //!
 //! ```text
 //! a[t, i]   = round_T(sum over ranks 0..world-1 of x_r[t, i], f32, rank order)   (-0.0 -> +0.0)
-//! r[t, i]   = round_T(a[t, i] + residual[t, i])                                   residual_out
+//! r[t, i]   = round_T(a[t, i] + residual[t, i])  (a[t, i] with no residual)       residual_out
 //! inv[t]    = 1 / sqrt(sum_i r[t, i]^2 / hidden + eps)
-//! n[t, i]   = round_T((r[t, i] * inv[t]) * gamma[i])                              norm_out
+//! w[i]      = gamma[i] + weight_bias  (f32; gamma[i] itself when weight_bias is 0)
+//! n[t, i]   = round_T((r[t, i] * inv[t]) * w[i])                                  norm_out
 //! amax[t]   = max_i |n[t, i]|;  scale[t] = amax[t] / 448 (1 when amax is 0)       scale_out
 //! q[t, i]   = e4m3(n[t, i] * (448 / amax[t]))  (saturating, nearest even)         quant_out
 //! ```
@@ -45,7 +46,9 @@ pub use prepare::prepare_fused;
 pub enum FusedPattern {
     /// Only the all-reduce (`allreduce_out` required).
     AllReduce,
-    /// All-reduce, residual add, RMSNorm (`residual_in`, `gamma`, `norm_out` required).
+    /// All-reduce, residual add, RMSNorm (`gamma`, `norm_out` required). Without
+    /// `residual_in` the norm is of the all-reduce output itself (FlashInfer's and
+    /// TensorRT-LLM's all-reduce + RMSNorm without residual), and `residual_out` is refused.
     #[default]
     ResidualRmsNorm,
     /// As `ResidualRmsNorm`, plus the normalized rows quantized to FP8 E4M3 with one f32 scale
@@ -406,6 +409,9 @@ pub struct FusedArgs<'a> {
     /// `hidden` elements of the workspace's dtype.
     pub gamma: Option<BufRef<'a>>,
     pub eps: f32,
+    /// Added to every gamma in f32 before it scales the normalized row (FlashInfer's
+    /// `weight_bias`; Gemma's RMSNorm is `(1 + gamma)`, weight_bias 1). Finite; 0 by default.
+    pub weight_bias: f32,
     /// `Auto` (the workspace's table), `OneShot` or `TwoShot`.
     pub strategy: Strategy,
     pub stream: Stream,
@@ -426,9 +432,23 @@ impl<'a> FusedArgs<'a> {
             scale_in: None,
             gamma: None,
             eps: 1e-6,
+            weight_bias: 0.0,
             strategy: Strategy::Auto,
             stream: Stream::NULL,
         }
+    }
+
+    /// Whichever pattern the outputs given so far ask for: FP8 codes with a static scale or
+    /// with per-token scales, else a norm when `gamma` is given, else the all-reduce alone
+    /// (FlashInfer infers its pattern from its arguments the same way). Call it last.
+    pub fn infer_pattern(mut self) -> Self {
+        self.pattern = match (&self.quant_out, &self.scale_in, &self.gamma) {
+            (Some(_), Some(_), _) => FusedPattern::ResidualRmsNormFp8Static,
+            (Some(_), None, _) => FusedPattern::ResidualRmsNormFp8,
+            (None, _, Some(_)) => FusedPattern::ResidualRmsNorm,
+            (None, _, None) => FusedPattern::AllReduce,
+        };
+        self
     }
     pub fn allreduce_out(mut self, b: BufMut<'a>) -> Self {
         self.allreduce_out = Some(b);
@@ -448,6 +468,11 @@ impl<'a> FusedArgs<'a> {
     pub fn fp8(mut self, quant_out: Fp8BufMut<'a>, scale_out: BufMut<'a>) -> Self {
         self.quant_out = Some(quant_out);
         self.scale_out = Some(scale_out);
+        self
+    }
+    /// `gamma + bias` scales the normalized rows (see [`FusedArgs::weight_bias`]).
+    pub fn weight_bias(mut self, bias: f32) -> Self {
+        self.weight_bias = bias;
         self
     }
     /// FP8 codes at a static scale (`ResidualRmsNormFp8Static`): `scale` holds one f32.
@@ -484,6 +509,7 @@ pub struct FusedCall {
     pub scale_in: Option<RawBuffer>,
     pub gamma: Option<RawBuffer>,
     pub eps: f32,
+    pub weight_bias: f32,
     pub strategy: Strategy,
     pub stream: Stream,
 }
@@ -547,6 +573,7 @@ pub fn reference(
     eps: f32,
     pattern: FusedPattern,
     scale_in: Option<f32>,
+    weight_bias: f32,
 ) -> FusedOutputs {
     let n = tokens * hidden;
     let mut sum = vec![0u8; n * dtype.size()];
@@ -558,14 +585,23 @@ pub fn reference(
         dtype.store_f32(&mut sum, i, acc);
     }
     epilogue(
-        &sum, dtype, tokens, hidden, residual, gamma, eps, pattern, scale_in,
+        &sum,
+        dtype,
+        tokens,
+        hidden,
+        residual,
+        gamma,
+        eps,
+        pattern,
+        scale_in,
+        weight_bias,
     )
 }
 
 /// Everything after the all-reduce, from its rounded output `summed`: what the host backend
 /// runs after its exact all-reduce, and what the GPU kernels compute per row. `scale_in`:
 /// the static FP8 scale of `ResidualRmsNormFp8Static` (the codes are taken at `1 / scale_in`,
-/// one IEEE division, as in the kernels).
+/// one IEEE division, as in the kernels). No `residual`: the norm is of the all-reduce output.
 #[allow(clippy::too_many_arguments)]
 pub fn epilogue(
     summed: &[u8],
@@ -577,6 +613,7 @@ pub fn epilogue(
     eps: f32,
     pattern: FusedPattern,
     scale_in: Option<f32>,
+    weight_bias: f32,
 ) -> FusedOutputs {
     let n = tokens * hidden;
     let size = dtype.size();
@@ -594,27 +631,32 @@ pub fn epilogue(
     if !pattern.has_norm() {
         return out;
     }
-    let (residual, gamma) = (
-        residual.expect("validated: residual"),
-        gamma.expect("validated: gamma"),
-    );
-    out.residual = vec![0u8; n * size];
+    let gamma = gamma.expect("validated: gamma");
+    if residual.is_some() {
+        out.residual = vec![0u8; n * size];
+    }
     out.norm = vec![0u8; n * size];
     let mut row = vec![0f32; hidden];
     for t in 0..tokens {
         let mut sum_sq = 0f32;
         for (i, r) in row.iter_mut().enumerate() {
             let k = t * hidden + i;
-            let v = dtype.load_f32(&out.allreduce, k) + dtype.load_f32(residual, k);
-            dtype.store_f32(&mut out.residual, k, v);
-            *r = dtype.load_f32(&out.residual, k);
+            *r = dtype.load_f32(&out.allreduce, k);
+            if let Some(residual) = residual {
+                dtype.store_f32(&mut out.residual, k, *r + dtype.load_f32(residual, k));
+                *r = dtype.load_f32(&out.residual, k);
+            }
             sum_sq += *r * *r;
         }
         let inv = 1.0 / (sum_sq / hidden as f32 + eps).sqrt();
         let mut amax = 0f32;
         for (i, &r) in row.iter().enumerate() {
             let k = t * hidden + i;
-            dtype.store_f32(&mut out.norm, k, (r * inv) * dtype.load_f32(gamma, i));
+            dtype.store_f32(
+                &mut out.norm,
+                k,
+                (r * inv) * weight(dtype.load_f32(gamma, i), weight_bias),
+            );
             amax = amax.max(dtype.load_f32(&out.norm, k).abs());
         }
         if pattern.has_fp8() {
@@ -633,6 +675,16 @@ pub fn epilogue(
         }
     }
     out
+}
+
+/// A gamma with the weight bias added in f32; untouched when the bias is 0, so a gamma of -0.0
+/// keeps its sign (and every call without a bias its bits), as in the kernels.
+pub fn weight(gamma: f32, weight_bias: f32) -> f32 {
+    if weight_bias == 0.0 {
+        gamma
+    } else {
+        gamma + weight_bias
+    }
 }
 
 /// (dequantization scale, quantization multiplier) for a row whose largest magnitude is

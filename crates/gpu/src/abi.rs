@@ -219,9 +219,13 @@ pub struct FusedKernelArgs {
     pub world: u32,
     pub pattern: u32,
     pub eps: f32,
+    /// Added to gamma before it scales the normalized rows (`fused::weight`); 0 for none.
+    pub weight_bias: f32,
+    pub _pad: u32,
 }
 
-const _: () = assert!(size_of::<FusedKernelArgs>() == 256);
+const _: () = assert!(size_of::<FusedKernelArgs>() == 264);
+const _: () = assert!(std::mem::offset_of!(FusedKernelArgs, weight_bias) == 256);
 const _: () = assert!(std::mem::offset_of!(FusedKernelArgs, lamport) == 64);
 const _: () = assert!(std::mem::offset_of!(FusedKernelArgs, ws) == 128);
 const _: () = assert!(std::mem::offset_of!(FusedKernelArgs, state) == 192);

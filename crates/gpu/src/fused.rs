@@ -427,6 +427,8 @@ impl<R: GpuRuntime> Shared<R> {
             world: m.world as u32,
             pattern: pattern.code(),
             eps,
+            weight_bias: 0.0,
+            _pad: 0,
         }
     }
 }
@@ -501,6 +503,7 @@ impl<R: GpuRuntime> FusedComm for GpuFused<R> {
         // One field for both: per-token scales out, or the static scale in.
         args.scale = addr(call.scale_out.or(call.scale_in));
         args.gamma = addr(call.gamma);
+        args.weight_bias = call.weight_bias;
         R::bind(s.group.device(self.rank))?;
         // SAFETY: FusedKernelArgs mirrors the kernel's parameter; the workspaces live as long as
         // `shared`, and `prepare_fused` validated the caller's buffers (device, sizes,
@@ -536,6 +539,8 @@ pub struct NormBuffers {
     /// The static FP8 scale (one f32), for `ResidualRmsNormFp8Static`.
     pub scale_in: u64,
     pub gamma: u64,
+    /// Not a buffer: what is added to gamma (`FusedArgs::weight_bias`).
+    pub weight_bias: f32,
 }
 
 impl<R: GpuRuntime> RmsNormKernel<R> {
@@ -628,6 +633,8 @@ pub fn norm_args(
         world: 1,
         pattern: pattern.code(),
         eps,
+        weight_bias: bufs.weight_bias,
+        _pad: 0,
     })
 }
 

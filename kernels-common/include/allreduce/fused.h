@@ -93,8 +93,11 @@ struct FusedKernelArgs {
   uint32_t tokens, hidden, rank, world;
   uint32_t pattern;
   float eps;
+  float weight_bias;       // added to gamma (f32) when non-zero: FlashInfer's weight_bias
+  uint32_t pad;
 };
-static_assert(sizeof(FusedKernelArgs) == 256, "FusedKernelArgs");
+static_assert(sizeof(FusedKernelArgs) == 264, "FusedKernelArgs");
+static_assert(offsetof(FusedKernelArgs, weight_bias) == 256, "FusedKernelArgs");
 static_assert(offsetof(FusedKernelArgs, lamport) == 64 && offsetof(FusedKernelArgs, ws) == 128, "FusedKernelArgs");
 static_assert(offsetof(FusedKernelArgs, state) == 192 && offsetof(FusedKernelArgs, comm_bytes) == 208, "FusedKernelArgs");
 static_assert(offsetof(FusedKernelArgs, tokens) == 232 && offsetof(FusedKernelArgs, pattern) == 248, "FusedKernelArgs");
@@ -482,6 +485,17 @@ struct Batch {
   AR_DEVICE uint32_t stride() const { return rows * grid_dim_x(); }
 };
 
+// Gamma's vector j in f32, with the weight bias added when there is one (fused::weight on the
+// host: untouched at 0, so a -0.0 gamma keeps its sign).
+template <typename T>
+AR_DEVICE void gamma_f32(const FusedKernelArgs& a, u64 j, float (&g)[Packed<T>::kElems]) {
+  Packed<T>::to_f32(static_cast<const uint4*>(a.gamma)[j], g);
+  if (a.weight_bias != 0.0f) {
+#pragma unroll
+    for (int k = 0; k < Packed<T>::kElems; ++k) g[k] = g[k] + a.weight_bias;
+  }
+}
+
 // Before waiting for a batch: prefetch the residual and gamma vectors its epilogue will read.
 template <typename T>
 AR_DEVICE void prefetch_epilogue(const FusedKernelArgs& a, const Batch& bt) {
@@ -489,7 +503,7 @@ AR_DEVICE void prefetch_epilogue(const FusedKernelArgs& a, const Batch& bt) {
 #pragma unroll
   for (int i = 0; i < kMaxVecs; ++i) {
     if (!bt.valid(i, a.tokens)) continue;
-    prefetch_l1(static_cast<const uint4*>(a.residual_in) + (u64)bt.token(i) * bt.row_vecs + bt.vec(i));
+    if (a.residual_in) prefetch_l1(static_cast<const uint4*>(a.residual_in) + (u64)bt.token(i) * bt.row_vecs + bt.vec(i));
     if (uint32_t(i) < bt.vpr) prefetch_l1(static_cast<const uint4*>(a.gamma) + bt.vec(i));
   }
 }
@@ -513,7 +527,8 @@ AR_DEVICE void epilogue(const FusedKernelArgs& a, const Batch& bt, uint4 (&row)[
   if (a.pattern == kPatternAllReduce) return;
 
   // Residual add, rounded once to T; the sum of squares is taken of the rounded values (what
-  // an RMSNorm kernel reading residual_out would see).
+  // an RMSNorm kernel reading residual_out would see). Without a residual, of the all-reduce
+  // output itself.
   float part[kMaxVecs];
 #pragma unroll
   for (int i = 0; i < kMaxVecs; ++i) {
@@ -521,12 +536,14 @@ AR_DEVICE void epilogue(const FusedKernelArgs& a, const Batch& bt, uint4 (&row)[
     if (!valid[i]) continue;
     const u64 v = (u64)bt.token(i) * bt.row_vecs + bt.vec(i);
     float x[E], r[E];
-    Packed<T>::to_f32(row[i], x);
-    Packed<T>::to_f32(static_cast<const uint4*>(a.residual_in)[v], r);
+    if (a.residual_in) {
+      Packed<T>::to_f32(row[i], x);
+      Packed<T>::to_f32(static_cast<const uint4*>(a.residual_in)[v], r);
 #pragma unroll
-    for (int k = 0; k < E; ++k) x[k] += r[k];
-    row[i] = Packed<T>::from_f32(x);
-    if (a.residual_out) static_cast<uint4*>(a.residual_out)[v] = row[i];
+      for (int k = 0; k < E; ++k) x[k] += r[k];
+      row[i] = Packed<T>::from_f32(x);
+      if (a.residual_out) static_cast<uint4*>(a.residual_out)[v] = row[i];
+    }
     Packed<T>::to_f32(row[i], x);
 #pragma unroll
     for (int k = 0; k < E; ++k) part[i] += x[k] * x[k];
@@ -550,7 +567,7 @@ AR_DEVICE void epilogue(const FusedKernelArgs& a, const Batch& bt, uint4 (&row)[
     const u64 j = bt.vec(i);
     float x[E], g[E];
     Packed<T>::to_f32(row[i], x);
-    Packed<T>::to_f32(static_cast<const uint4*>(a.gamma)[j], g);
+    gamma_f32<T>(a, j, g);
 #pragma unroll
     for (int k = 0; k < E; ++k) x[k] = (x[k] * inv[i]) * g[k];
     row[i] = Packed<T>::from_f32(x);
@@ -1031,7 +1048,7 @@ __device__ void oneshot_split(const FusedKernelArgs& a) {
     const uint32_t par = it & 1u;
     const u64 v = (u64)t * row_vecs + j;
     if (valid && norm) {
-      prefetch_l1(static_cast<const uint4*>(a.residual_in) + v);
+      if (a.residual_in) prefetch_l1(static_cast<const uint4*>(a.residual_in) + v);
       prefetch_l1(static_cast<const uint4*>(a.gamma) + j);
     }
     uint4 x4 = make_uint4(0u, 0u, 0u, 0u);
@@ -1045,12 +1062,14 @@ __device__ void oneshot_split(const FusedKernelArgs& a) {
         if (norm) {
           // As epilogue(): rounded once to T, squares of the rounded values.
           float x[E], r[E];
-          Packed<T>::to_f32(x4, x);
-          Packed<T>::to_f32(static_cast<const uint4*>(a.residual_in)[v], r);
+          if (a.residual_in) {
+            Packed<T>::to_f32(x4, x);
+            Packed<T>::to_f32(static_cast<const uint4*>(a.residual_in)[v], r);
 #pragma unroll
-          for (int k = 0; k < E; ++k) x[k] += r[k];
-          x4 = Packed<T>::from_f32(x);
-          if (a.residual_out) static_cast<uint4*>(a.residual_out)[v] = x4;
+            for (int k = 0; k < E; ++k) x[k] += r[k];
+            x4 = Packed<T>::from_f32(x);
+            if (a.residual_out) static_cast<uint4*>(a.residual_out)[v] = x4;
+          }
           Packed<T>::to_f32(x4, x);
 #pragma unroll
           for (int k = 0; k < E; ++k) part += x[k] * x[k];
@@ -1085,7 +1104,7 @@ __device__ void oneshot_split(const FusedKernelArgs& a) {
     if (valid) {
       float x[E], g[E];
       Packed<T>::to_f32(x4, x);
-      Packed<T>::to_f32(static_cast<const uint4*>(a.gamma)[j], g);
+      gamma_f32<T>(a, j, g);
 #pragma unroll
       for (int k = 0; k < E; ++k) x[k] = (x[k] * inv) * g[k];
       x4 = Packed<T>::from_f32(x);

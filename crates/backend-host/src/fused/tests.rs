@@ -157,6 +157,7 @@ fn calls_larger_than_max_bytes_run_and_match_the_reference() {
                 1e-5,
                 pattern,
                 Some(STATIC_SCALE).filter(|_| pattern == FusedPattern::ResidualRmsNormFp8Static),
+                0.0,
             );
             for strategy in [Strategy::OneShot, Strategy::TwoShot] {
                 let got = run_group(&case, pattern, strategy);
@@ -226,6 +227,7 @@ fn a_fused_mismatch_is_refused_and_the_group_stays_usable() {
         0.0,
         FusedPattern::AllReduce,
         None,
+        0.0,
     );
     for (r, (refused, after, plain)) in outcomes.iter().enumerate() {
         match refused {

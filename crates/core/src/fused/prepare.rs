@@ -29,7 +29,7 @@ pub fn prepare_fused(
     let call = shape.call(args)?;
     check_pattern_needs(&call)?;
     check_pattern_uses(&call)?;
-    check_eps(call.eps)?;
+    check_eps(call.eps, call.weight_bias)?;
     check_overlaps(&call, device)?;
     let strategy = choose_strategy(&call, meta.world, table)?;
     Ok(FusedCall { strategy, ..call })
@@ -109,6 +109,7 @@ impl Shape {
             scale_in,
             gamma,
             eps: args.eps,
+            weight_bias: args.weight_bias,
             strategy: args.strategy,
             stream: args.stream,
         })
@@ -203,18 +204,15 @@ fn check_pattern_needs(call: &FusedCall) -> Result<()> {
     match call.pattern {
         FusedPattern::AllReduce => need("allreduce_out", call.allreduce_out.is_some())?,
         FusedPattern::ResidualRmsNorm => {
-            need("residual_in", call.residual_in.is_some())?;
             need("gamma", call.gamma.is_some())?;
             need("norm_out", call.norm_out.is_some())?;
         }
         FusedPattern::ResidualRmsNormFp8 => {
-            need("residual_in", call.residual_in.is_some())?;
             need("gamma", call.gamma.is_some())?;
             need("quant_out", call.quant_out.is_some())?;
             need("scale_out", call.scale_out.is_some())?;
         }
         FusedPattern::ResidualRmsNormFp8Static => {
-            need("residual_in", call.residual_in.is_some())?;
             need("gamma", call.gamma.is_some())?;
             need("quant_out", call.quant_out.is_some())?;
             need("scale_in", call.scale_in.is_some())?;
@@ -244,6 +242,18 @@ fn check_pattern_uses(call: &FusedCall) -> Result<()> {
             "pattern allreduce writes only allreduce_out".into(),
         ));
     }
+    if call.residual_out.is_some() && call.residual_in.is_none() {
+        return Err(Error::InvalidArgument(
+            "residual_out needs residual_in (without a residual the norm is of the all-reduce \
+             output, which allreduce_out holds)"
+                .into(),
+        ));
+    }
+    if !pattern.has_norm() && call.weight_bias != 0.0 {
+        return Err(Error::InvalidArgument(
+            "pattern allreduce has no norm for a weight_bias".into(),
+        ));
+    }
     if !pattern.has_fp8() && call.quant_out.is_some() {
         return Err(Error::InvalidArgument(format!(
             "pattern {pattern} writes no quant_out"
@@ -252,10 +262,15 @@ fn check_pattern_uses(call: &FusedCall) -> Result<()> {
     Ok(())
 }
 
-fn check_eps(eps: f32) -> Result<()> {
+fn check_eps(eps: f32, weight_bias: f32) -> Result<()> {
     if !(eps.is_finite() && eps >= 0.0) {
         return Err(Error::InvalidArgument(format!(
             "eps must be finite and non-negative, not {eps}"
+        )));
+    }
+    if !weight_bias.is_finite() {
+        return Err(Error::InvalidArgument(format!(
+            "weight_bias must be finite, not {weight_bias}"
         )));
     }
     Ok(())

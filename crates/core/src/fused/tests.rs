@@ -87,7 +87,7 @@ fn calls_beyond_the_workspace_are_refused() {
     ));
     let args = FusedArgs::new(FusedPattern::ResidualRmsNorm, 4, input.view(DType::F16));
     let e = prepare_fused(&args, &m, &t, Device::Host, 16).unwrap_err();
-    assert!(e.to_string().contains("residual_in"), "{e}");
+    assert!(e.to_string().contains("needs gamma"), "{e}");
     let args = FusedArgs::new(FusedPattern::AllReduce, 3, input.view(DType::F16))
         .allreduce_out(out.view_mut(DType::F16));
     assert!(matches!(
@@ -191,6 +191,7 @@ fn reference_matches_an_unfused_pipeline_by_value() {
         1e-6,
         FusedPattern::ResidualRmsNormFp8,
         None,
+        0.0,
     );
     assert_eq!(
         dtype.load_f32(&out.allreduce, 5).to_bits(),
@@ -262,6 +263,7 @@ fn static_fp8_takes_the_callers_scale() {
             1e-6,
             pattern,
             scale,
+            0.0,
         )
     };
     let plain = run(FusedPattern::ResidualRmsNorm, None);
@@ -338,4 +340,174 @@ fn static_fp8_arguments_are_checked() {
     args.scale_out = Some(BufMut::from_slice(&mut scales));
     let e = prepare_fused(&args, &m, &t, Device::Host, 16).unwrap_err();
     assert!(e.to_string().contains("writes no scale_out"), "{e}");
+}
+
+#[test]
+fn the_norm_without_a_residual_is_of_the_all_reduce_output() {
+    let (dtype, tokens, hidden) = (DType::BF16, 3, 24);
+    let x: Vec<f32> = (0..tokens * hidden)
+        .map(|i| (i as f32 * 0.7).sin() * 3.0)
+        .collect();
+    let y: Vec<f32> = (0..tokens * hidden)
+        .map(|i| (i as f32 * 0.3).cos())
+        .collect();
+    let gamma: Vec<f32> = (0..hidden).map(|i| 0.5 + i as f32 / 32.0).collect();
+    let zeros = bytes(dtype, &vec![0f32; tokens * hidden]);
+    let (bx, by, bg) = (bytes(dtype, &x), bytes(dtype, &y), bytes(dtype, &gamma));
+    let run = |residual: Option<&[u8]>| {
+        reference(
+            &[&bx, &by],
+            dtype,
+            tokens,
+            hidden,
+            residual,
+            Some(&bg),
+            1e-5,
+            FusedPattern::ResidualRmsNormFp8,
+            None,
+            0.0,
+        )
+    };
+    let none = run(None);
+    // A zero residual adds nothing (a + 0 rounds to a), so the norms agree bit for bit.
+    let zero = run(Some(&zeros));
+    assert!(
+        none.residual.is_empty(),
+        "no residual_out without a residual"
+    );
+    assert_eq!(none.allreduce, zero.allreduce);
+    assert_eq!(none.norm, zero.norm);
+    assert_eq!((none.quant, none.scale), (zero.quant, zero.scale));
+    // And it is not the norm of something else: a non-zero residual moves it.
+    let ones = bytes(dtype, &vec![1f32; tokens * hidden]);
+    assert_ne!(run(Some(&ones)).norm, none.norm);
+}
+
+#[test]
+fn weight_bias_is_added_to_gamma_in_f32() {
+    let (dtype, tokens, hidden) = (DType::F16, 2, 16);
+    let x: Vec<f32> = (0..tokens * hidden)
+        .map(|i| i as f32 * 0.25 - 3.0)
+        .collect();
+    let gamma: Vec<f32> = (0..hidden).map(|i| i as f32 / 64.0 - 0.125).collect();
+    let (bx, bg) = (bytes(dtype, &x), bytes(dtype, &gamma));
+    // Gemma's (1 + gamma): every shifted gamma is exact in f16, so a gamma buffer holding
+    // 1 + gamma must give the same bits.
+    let shifted: Vec<f32> = gamma.iter().map(|g| g + 1.0).collect();
+    let bs = bytes(dtype, &shifted);
+    let run = |g: &[u8], bias| {
+        reference(
+            &[&bx],
+            dtype,
+            tokens,
+            hidden,
+            None,
+            Some(g),
+            1e-6,
+            FusedPattern::ResidualRmsNorm,
+            None,
+            bias,
+        )
+        .norm
+    };
+    assert_eq!(run(&bg, 1.0), run(&bs, 0.0));
+    assert_ne!(run(&bg, 1.0), run(&bg, 0.0));
+    // A zero bias leaves a -0.0 gamma as it is (so the sign of a zero output stays).
+    assert_eq!(weight(-0.0, 0.0).to_bits(), (-0.0f32).to_bits());
+    assert_eq!(weight(0.5, 1.0), 1.5);
+}
+
+#[test]
+fn optional_residual_and_weight_bias_are_checked() {
+    let m = meta(4, 64, DType::F16, 2);
+    let t = default_table();
+    let (input, gamma) = (HostBytes::zeroed(4 * 64 * 2), HostBytes::zeroed(64 * 2));
+    let (mut norm, mut res_out, mut out) = (
+        HostBytes::zeroed(4 * 64 * 2),
+        HostBytes::zeroed(4 * 64 * 2),
+        HostBytes::zeroed(4 * 64 * 2),
+    );
+    let f16 = DType::F16;
+    let norm_only = || {
+        FusedArgs::new(FusedPattern::ResidualRmsNorm, 4, input.view(f16)).rms_norm(
+            gamma.view(f16),
+            1e-6,
+            None,
+        )
+    };
+    // No residual: fine.
+    let mut n = norm.view_mut(f16);
+    let ok = FusedArgs {
+        norm_out: Some(n),
+        ..norm_only()
+    };
+    let call = prepare_fused(&ok, &m, &t, Device::Host, 16).unwrap();
+    assert!(call.residual_in.is_none());
+    // A residual_out with no residual_in has nothing to hold.
+    n = norm.view_mut(f16);
+    let bad = FusedArgs {
+        norm_out: Some(n),
+        residual_out: Some(res_out.view_mut(f16)),
+        ..norm_only()
+    };
+    let e = prepare_fused(&bad, &m, &t, Device::Host, 16).unwrap_err();
+    assert!(
+        e.to_string().contains("residual_out needs residual_in"),
+        "{e}"
+    );
+    for bias in [f32::NAN, f32::INFINITY] {
+        let bad = FusedArgs {
+            norm_out: Some(norm.view_mut(f16)),
+            ..norm_only()
+        }
+        .weight_bias(bias);
+        let e = prepare_fused(&bad, &m, &t, Device::Host, 16).unwrap_err();
+        assert!(e.to_string().contains("weight_bias must be finite"), "{e}");
+    }
+    let bad = FusedArgs::new(FusedPattern::AllReduce, 4, input.view(f16))
+        .allreduce_out(out.view_mut(f16))
+        .weight_bias(1.0);
+    let e = prepare_fused(&bad, &m, &t, Device::Host, 16).unwrap_err();
+    assert!(e.to_string().contains("no norm for a weight_bias"), "{e}");
+}
+
+#[test]
+fn the_pattern_can_be_inferred_from_the_outputs() {
+    let (input, gamma, scale) = (
+        HostBytes::zeroed(64 * 2),
+        HostBytes::zeroed(64 * 2),
+        HostBytes::zeroed(4),
+    );
+    let (mut out, mut quant, mut scales) = (
+        HostBytes::zeroed(64 * 2),
+        vec![0u8; 64],
+        HostBytes::zeroed(4),
+    );
+    let f16 = DType::F16;
+    let base = || FusedArgs::new(FusedPattern::ResidualRmsNormFp8, 1, input.view(f16));
+    let p = base()
+        .allreduce_out(out.view_mut(f16))
+        .infer_pattern()
+        .pattern;
+    assert_eq!(p, FusedPattern::AllReduce);
+    let p = base()
+        .rms_norm(gamma.view(f16), 1e-6, None)
+        .infer_pattern()
+        .pattern;
+    assert_eq!(p, FusedPattern::ResidualRmsNorm);
+    let p = base()
+        .rms_norm(gamma.view(f16), 1e-6, None)
+        .fp8(
+            Fp8BufMut::from_slice(&mut quant),
+            scales.view_mut(DType::F32),
+        )
+        .infer_pattern()
+        .pattern;
+    assert_eq!(p, FusedPattern::ResidualRmsNormFp8);
+    let p = base()
+        .rms_norm(gamma.view(f16), 1e-6, None)
+        .fp8_static(Fp8BufMut::from_slice(&mut quant), scale.view(DType::F32))
+        .infer_pattern()
+        .pattern;
+    assert_eq!(p, FusedPattern::ResidualRmsNormFp8Static);
 }
