@@ -346,6 +346,38 @@ class Communicator(Handle):
         return cls.init_rank(unique_id, world, rank, backend=backend, device=device,
                              max_bytes=max_bytes, timeout=timeout)
 
+    def set_graph_registration(self, on: bool) -> None:
+        """Graph buffers registered after capture, as vLLM's ``capture()``: while on, every
+        out-of-place exact one-shot or two-shot call this rank makes on a stream being
+        captured into a CUDA/HIP graph is captured to read every rank's input in place,
+        from addresses :meth:`register_graph_buffers` supplies after the capture (no staging
+        copy). Eager calls are unchanged. Turn it on for the capture on every rank, capture,
+        register, then replay; a replay before the registration skips the call on every
+        rank and :meth:`synchronize` raises ``InvalidArgument`` (the group stays usable).
+        The captured tensors must stay allocated while the graph may replay."""
+        if not isinstance(on, bool):
+            raise UnsupportedType(f"on is a {type(on).__qualname__}; pass True or False")
+        _lib.check(_lib.lib().ar_comm_set_graph_registration(self._live_handle(), int(on)))
+
+    @staticmethod
+    def register_graph_buffers(comms: Any) -> int:
+        """Register the inputs of the calls captured with graph registration on since the
+        last registration (see :meth:`set_graph_registration`); returns how many calls each
+        rank captured. ``comms``: every rank of an in-process group (:meth:`group`), in rank
+        order, from one thread; or this process's rank of a group of processes
+        (:meth:`init_rank`, :meth:`from_env`, :meth:`from_process_group`), on every rank:
+        the inputs then travel as IPC handles over the group's rendezvous. Ranks that
+        captured different calls raise ``RankMismatch``. No graph of the group may be
+        running."""
+        group = [comms] if isinstance(comms, Communicator) else list(comms)
+        if not group or not all(isinstance(c, Communicator) for c in group):
+            raise UnsupportedType("comms is a Communicator or a list of a group's Communicators")
+        handles = (_lib.Handle * len(group))(*[c._live_handle() for c in group])
+        count = ctypes.c_size_t(0)
+        _lib.check(_lib.lib().ar_comm_register_graph_buffers(handles, len(group),
+                                                              ctypes.byref(count)))
+        return count.value
+
     def _live_handle(self) -> int:
         handle = self._handle
         if handle is None:

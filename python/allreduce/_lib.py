@@ -113,6 +113,10 @@ PROTOTYPES = {
     ]),
     "ar_comm_destroy": (ctypes.c_int, [Handle]),
     "ar_comm_synchronize": (ctypes.c_int, [Handle, ctypes.c_void_p]),
+    "ar_comm_set_graph_registration": (ctypes.c_int, [Handle, ctypes.c_int]),
+    "ar_comm_register_graph_buffers": (ctypes.c_int, [
+        ctypes.POINTER(Handle), ctypes.c_int, _size_p,
+    ]),
     "ar_comm_count": (ctypes.c_int, [Handle, _int_p]),
     "ar_comm_user_rank": (ctypes.c_int, [Handle, _int_p]),
     "ar_comm_device": (ctypes.c_int, [Handle, _int_p]),

@@ -152,14 +152,16 @@ def _host_result(xs, precision, strategy):
             c.close()
 
 
-def _run_ranks(world, body):
+def _run_ranks(world, body, group=None):
     """``body(rank, comm, stream, ready)`` on one thread per rank of a virtual-rank group on
     this GPU, each on its own stream (on one shared stream a rank's kernel would wait behind
     the others' while they wait for it); ``ready`` is a barrier of the ranks. The bodies'
-    results, in rank order."""
+    results, in rank order. ``group``: a list that receives every rank's communicator."""
     dev = torch.cuda.current_device()
     comms = allreduce.Communicator.group(world, backend="cuda", devices=[dev] * world,
                                          max_bytes=MAX_BYTES, timeout=TIMEOUT)
+    if group is not None:
+        group.extend(comms)
     ready = threading.Barrier(world, timeout=5 * TIMEOUT)
 
     def rank(r):
@@ -290,6 +292,69 @@ def test_virtual_ranks_graph_of_three_op_calls_replayed_100_times():
             for r in range(world):
                 what = f"{'eager' if k == 0 else f'replay {k}'}, call {j}, rank {r}"
                 _assert_bitwise(results[r][k][j], want, what)
+
+
+def test_virtual_ranks_graph_buffers_registered_after_capture():
+    """vLLM's graph mode: calls captured on plain tensors with graph registration on read
+    every rank's input in place once the graph's buffers are registered; a replay before
+    that fails on every rank and writes nothing."""
+    _skip_if_no_cuda()
+    world, n = 2, 1 << 16
+    inputs = [[_gauss(r, n, torch.bfloat16, seed=7 + k) for r in range(world)]
+              for k in range(REPLAYS + 1)]
+    group = []
+
+    def body(r, comm, s, ready):
+        x = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+        out = torch.zeros_like(x)
+
+        def enqueue():
+            comm.all_reduce(x, out=out, strategy="oneshot")
+
+        s.synchronize()
+        ready.wait()
+        x.copy_(inputs[0][r])
+        enqueue()
+        s.synchronize()
+        got = [out.cpu()]
+        comm.set_graph_registration(True)
+        ready.wait()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"):
+            enqueue()
+        comm.set_graph_registration(False)
+        ready.wait()
+        out.zero_()
+        g.replay()
+        try:
+            comm.synchronize(s)
+            early = None
+        except allreduce.InvalidArgument as e:
+            early = str(e)
+        untouched = bool((out == 0).all().item())
+        ready.wait()
+        if r == 0:
+            assert allreduce.Communicator.register_graph_buffers(group) == 1
+        ready.wait()
+        for k in range(1, REPLAYS + 1):
+            x.copy_(inputs[k][r])
+            s.synchronize()
+            ready.wait()  # every rank's new input is in place before any replay reads it
+            g.replay()
+            got.append(out.cpu())  # waits for this replay on s
+            ready.wait()  # no rank overwrites its input while a peer's replay reads it
+        s.synchronize()
+        ready.wait()
+        del g
+        return got, early, untouched
+
+    results = _run_ranks(world, body, group)
+    for r, (got, early, untouched) in enumerate(results):
+        assert early is not None and "register_graph_buffers" in early, f"rank {r}: {early}"
+        assert untouched, f"rank {r}: the refused replay wrote its output"
+        for k in range(REPLAYS + 1):
+            want = _reference([inputs[k][q] for q in range(world)])
+            _assert_bitwise(got[k], want, f"rank {r}, {'eager' if k == 0 else f'replay {k}'}")
 
 
 def _free_port():

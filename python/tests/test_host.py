@@ -338,3 +338,25 @@ def test_lossy_precision_is_close_to_the_exact_sum_and_the_same_on_every_rank(gr
     # And it is far from nothing: the largest error is a small part of the largest sum.
     assert err.max() < 0.1 * np.abs(exact).max()
     exact_round(group4, np.float16)
+
+
+def test_graph_registration_on_the_host_has_nothing_to_register():
+    comms = Communicator.group(2, timeout=TIMEOUT)
+    try:
+        for c in comms:
+            c.set_graph_registration(True)
+        assert Communicator.register_graph_buffers(comms) == 0
+        with pytest.raises(allreduce.InvalidArgument, match="every rank of one in-process"):
+            Communicator.register_graph_buffers(list(reversed(comms)))
+        with pytest.raises(allreduce.UnsupportedType):
+            comms[0].set_graph_registration(1)
+        with pytest.raises(allreduce.UnsupportedType):
+            Communicator.register_graph_buffers([])
+        for c in comms:
+            c.set_graph_registration(False)
+        xs = [np.arange(64, dtype=np.float32) * (r + 1) for r in range(2)]
+        values(on_ranks(comms, lambda r: comms[r].all_reduce(xs[r])))
+        assert_bitwise(xs[0], np.arange(64, dtype=np.float32) * 3, "after registration")
+    finally:
+        for c in comms:
+            c.close()

@@ -439,6 +439,29 @@ ar_result_t ar_all_reduce_fused(const ar_fused_args_t *args,
                                 ar_comm_t comm,
                                 void *stream);
 
+// While `on` is non-zero, every out-of-place exact one-shot or two-shot call this rank
+// enqueues on a stream being captured into a graph, on an input the group has not
+// registered, is captured to read every rank's input in place from addresses that
+// `ar_comm_register_graph_buffers` supplies after the capture. Eager calls are unchanged.
+// Turn it on for the capture on every rank, capture, register, then replay: a replay before
+// the registration skips the call on every rank and `ar_comm_synchronize` returns
+// `AR_INVALID_ARGUMENT` (the group stays usable). The captured inputs must stay allocated
+// while the graph may replay. Call it from the thread that drives this rank.
+ar_result_t ar_comm_set_graph_registration(ar_comm_t comm, int on);
+
+// Register the inputs of the calls captured with graph registration on since the last
+// registration; `*count` receives how many calls each rank captured. `comms` is either every
+// rank of an in-process group (`ar_comm_init_all`), in rank order, with `ncomms` its size,
+// or this rank of a group of processes (`ar_comm_init_rank`, `ar_comm_init_env`) with
+// `ncomms` 1: then it is collective, every rank calls it, and the inputs travel as IPC
+// handles over the group's rendezvous. Ranks that captured different calls get
+// `AR_RANK_MISMATCH` and those calls keep failing on replay. No graph of the group may be
+// running.
+//
+// # Safety
+// `comms` points to `ncomms` readable `ar_comm_t`; `count` is writable.
+ar_result_t ar_comm_register_graph_buffers(const ar_comm_t *comms, int ncomms, size_t *count);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -23,8 +23,15 @@ fn to_c_int(what: &str, value: usize) -> Result<c_int, Failure> {
 ///
 /// # Safety
 /// `comm` is non-null and writable.
-unsafe fn publish_rank(comm: *mut ar_comm_t, built: Communicator) -> Result<(), Failure> {
-    let handles = handle::insert_group(Group { comms: vec![built] });
+unsafe fn publish_rank(
+    comm: *mut ar_comm_t,
+    built: Communicator,
+    boot: TcpBootstrap,
+) -> Result<(), Failure> {
+    let handles = handle::insert_group(Group {
+        comms: vec![built],
+        bootstrap: Some(std::sync::Mutex::new(boot)),
+    });
     // SAFETY: the caller's promise.
     unsafe { write_out(comm, "comm", handles[0]) }
 }
@@ -73,7 +80,10 @@ pub unsafe extern "C" fn ar_comm_init_all(
         };
         group = group.devices(devices);
         let built = Communicator::new_group(kind, group)?;
-        let handles = handle::insert_group(Group { comms: built });
+        let handles = handle::insert_group(Group {
+            comms: built,
+            bootstrap: None,
+        });
         for (r, h) in handles.into_iter().enumerate() {
             // SAFETY: `comms` holds `nranks` writable handles.
             unsafe { comms.add(r).write(h) };
@@ -118,7 +128,7 @@ pub unsafe extern "C" fn ar_comm_init_rank(
         let mut boot = Rendezvous::decode(&id)?.join(rank, world)?;
         let built = Communicator::new_rank(kind, group, &mut boot)?;
         // SAFETY: checked non-null; the caller promises it is writable.
-        unsafe { publish_rank(comm, built) }
+        unsafe { publish_rank(comm, built, boot) }
     })
 }
 
@@ -167,7 +177,7 @@ pub unsafe extern "C" fn ar_comm_init_env(
         .devices(vec![device]);
         let built = Communicator::new_rank(kind, group, &mut boot)?;
         // SAFETY: checked non-null; the caller promises it is writable.
-        unsafe { publish_rank(comm, built) }
+        unsafe { publish_rank(comm, built, boot) }
     })
 }
 

@@ -37,6 +37,9 @@ pub type ar_fused_workspace_t = *mut ar_fused_workspace;
 /// its last rank's handle is destroyed and no call still holds it.
 pub struct Group {
     pub comms: Vec<Communicator>,
+    /// A rank of a group of processes keeps the rendezvous it was built with: its later
+    /// collective registrations exchange over it (`ar_comm_register_graph_buffers`).
+    pub bootstrap: Option<std::sync::Mutex<allreduce_bootstrap::TcpBootstrap>>,
 }
 
 /// What a communicator handle names.

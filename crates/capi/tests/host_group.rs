@@ -797,3 +797,44 @@ fn error_strings_are_static_and_name_the_kind() {
     // Nothing failed on this thread yet.
     assert_eq!(last_error(), "");
 }
+
+#[test]
+fn graph_registration_on_the_host_has_nothing_to_register_and_checks_its_handles() {
+    let comms = host_group(WORLD, 1 << 16);
+    let raw: Vec<ar_comm_t> = comms.iter().map(|c| c.0).collect();
+    for c in &comms {
+        // SAFETY: live handles; the host backend has no graphs, so nothing is ever captured.
+        assert_eq!(
+            checked(ar_comm_set_graph_registration(c.0, 1)),
+            ar_result_t::AR_SUCCESS
+        );
+    }
+    let mut count = usize::MAX;
+    // SAFETY: WORLD live handles and a writable count.
+    let code = unsafe { ar_comm_register_graph_buffers(raw.as_ptr(), WORLD as c_int, &mut count) };
+    assert_eq!(checked(code), ar_result_t::AR_SUCCESS);
+    assert_eq!(count, 0);
+    // Not the whole group, or out of order: refused, and the group still sums exactly.
+    let swapped = [raw[1], raw[0], raw[2], raw[3]];
+    for (handles, n) in [(&raw[..], 2), (&swapped[..], WORLD as c_int)] {
+        // SAFETY: as above.
+        let code = unsafe { ar_comm_register_graph_buffers(handles.as_ptr(), n, &mut count) };
+        assert_eq!(checked(code), ar_result_t::AR_INVALID_ARGUMENT);
+        assert!(
+            last_error().contains("every rank of one in-process group"),
+            "{}",
+            last_error()
+        );
+    }
+    // SAFETY: null pointers are refused, not read.
+    let code = unsafe { ar_comm_register_graph_buffers(ptr::null(), 1, &mut count) };
+    assert_eq!(checked(code), ar_result_t::AR_INVALID_USAGE);
+    for c in &comms {
+        assert_eq!(
+            checked(ar_comm_set_graph_registration(c.0, 0)),
+            ar_result_t::AR_SUCCESS
+        );
+    }
+    exact_round_is_right(&comms, DType::F32, 1000);
+    destroy(&comms);
+}
