@@ -234,7 +234,8 @@ class Communicator(Handle):
         NCCL's ``ncclCommInitRank``). Every process of the group calls it at about the same
         time with the same ``unique_id`` (from :func:`allreduce.get_unique_id` on one of them)
         and ``world``, and its own ``rank`` (0 <= rank < world); it returns once all have
-        joined, or fails when the rendezvous deadline (60 s) passes.
+        joined, or fails when the rendezvous deadline passes
+        (``ALLREDUCE_BOOTSTRAP_TIMEOUT_S`` seconds, 60 by default).
 
         Backends: ``"cuda"`` and ``"rocm"`` only. The host backend's ranks are threads of one
         process (:meth:`group`): it refuses with ``InvalidConfig`` ("in-process groups only")

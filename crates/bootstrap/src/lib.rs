@@ -118,7 +118,7 @@ mod tcp;
 mod wire;
 
 pub use config::{
-    TcpBootstrapConfig, ALLOW_REMOTE_ENV, MAX_BOOTSTRAP_WORLD, PORT_ENV, TIMEOUT_ENV,
+    timeout_from, TcpBootstrapConfig, ALLOW_REMOTE_ENV, MAX_BOOTSTRAP_WORLD, PORT_ENV, TIMEOUT_ENV,
 };
 pub use secret::{Secret, SECRET_ENV, SECRET_LEN};
 pub use tcp::TcpBootstrap;

@@ -95,8 +95,9 @@ pub unsafe extern "C" fn ar_comm_init_all(
 /// Build this process's rank of a group with one process per rank (NCCL's
 /// `ncclCommInitRank`): every process of the group calls it at about the same time with the
 /// same `nranks` and `id` (from `ar_get_unique_id` on one of them) and its own `rank`, and
-/// it returns once all have joined (or fails at the rendezvous deadline, 60 s). `device` is
-/// this process's GPU ordinal. GPU backends only: the host backend's ranks are threads of
+/// it returns once all have joined (or fails at the rendezvous deadline,
+/// `ALLREDUCE_BOOTSTRAP_TIMEOUT_S` seconds, 60 by default). `device` is this process's GPU
+/// ordinal. GPU backends only: the host backend's ranks are threads of
 /// one process (`ar_comm_init_all`), so it returns `AR_INVALID_CONFIG` once the group met.
 ///
 /// Thread-safe; blocks for the rendezvous.

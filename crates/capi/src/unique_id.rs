@@ -6,7 +6,7 @@ use std::ffi::c_char;
 use std::net::{Ipv4Addr, TcpListener};
 
 use allreduce::Error;
-use allreduce_bootstrap::{Secret, TcpBootstrap, TcpBootstrapConfig, SECRET_LEN};
+use allreduce_bootstrap::{Secret, TcpBootstrap, TcpBootstrapConfig, SECRET_LEN, TIMEOUT_ENV};
 
 use crate::call::{self, Failure};
 use crate::codes::ar_result_t;
@@ -67,8 +67,13 @@ impl Rendezvous {
 
     /// Join the group as `rank` of `world` (every rank waits for all the others, up to the
     /// bootstrap's deadline).
+    /// This rank's end of the rendezvous, waiting at most `ALLREDUCE_BOOTSTRAP_TIMEOUT_S`
+    /// (60 s by default) for the others, as `ar_comm_init_env` does.
     pub fn join(&self, rank: usize, world: usize) -> Result<TcpBootstrap, Failure> {
-        let config = TcpBootstrapConfig::new(rank, world, self.port).secret(self.secret.clone());
+        let timeout = allreduce_bootstrap::timeout_from(std::env::var(TIMEOUT_ENV).ok())?;
+        let config = TcpBootstrapConfig::new(rank, world, self.port)
+            .secret(self.secret.clone())
+            .timeout(timeout);
         Ok(TcpBootstrap::new(config)?)
     }
 }
