@@ -18,7 +18,7 @@ use allreduce::{
     AllReduceOptions, BufMut, BufRef, Codec, Communicator, DType, GroupConfig, HostBytes,
     Precision, Strategy, Topology,
 };
-use allreduce_gpu::device::{DeviceBuffer, GpuGraph};
+use allreduce_gpu::device::{DeviceBuffer, GpuGraph, GpuStream};
 
 use crate::{gpu_available, open_rank, GpuTestRuntime};
 
@@ -100,6 +100,33 @@ fn expected_bytes(
     }
 }
 
+/// Replay `graph` `REPLAYS` times, each with new input (`upload(iteration)`) and checked
+/// (`check(iteration, what)`); an eager round (`enqueue`) in the middle must agree with the
+/// replays around it.
+fn replay_and_check<R: GpuTestRuntime>(
+    comm: &Communicator,
+    stream: &GpuStream<R>,
+    graph: &GpuGraph<R>,
+    upload: &dyn Fn(usize) -> Result<(), String>,
+    enqueue: &dyn Fn() -> allreduce::Result<()>,
+    check: &dyn Fn(usize, &str) -> Result<(), String>,
+) -> Result<(), String> {
+    let e = |e: allreduce::Error| e.to_string();
+    for it in 1..=REPLAYS {
+        upload(it)?;
+        graph.launch(stream).map_err(e)?;
+        comm.synchronize(stream.handle()).map_err(e)?;
+        check(it, "replay")?;
+        if it == REPLAYS / 2 {
+            upload(it + 7)?;
+            enqueue().map_err(e)?;
+            comm.synchronize(stream.handle()).map_err(e)?;
+            check(it + 7, "eager between replays")?;
+        }
+    }
+    Ok(())
+}
+
 fn run_rank<R: GpuTestRuntime>(
     comm: &Communicator,
     hierarchical: bool,
@@ -170,18 +197,7 @@ fn run_rank<R: GpuTestRuntime>(
     comm.synchronize(stream.handle()).map_err(e)?;
     check(0, "eager")?;
     let graph = GpuGraph::capture(&stream, enqueue).map_err(e)?;
-    for it in 1..=REPLAYS {
-        upload(it)?;
-        graph.launch(&stream).map_err(e)?;
-        comm.synchronize(stream.handle()).map_err(e)?;
-        check(it, "replay")?;
-        if it == REPLAYS / 2 {
-            upload(it + 7)?;
-            enqueue().map_err(e)?;
-            comm.synchronize(stream.handle()).map_err(e)?;
-            check(it + 7, "eager between replays")?;
-        }
-    }
+    replay_and_check(comm, &stream, &graph, &upload, &enqueue, &check)?;
     Ok(())
 }
 
@@ -263,18 +279,7 @@ fn run_rank_registered<R: GpuTestRuntime>(
     comm.synchronize(stream.handle()).map_err(e)?;
     check(0, "eager")?;
     let graph = GpuGraph::capture(&stream, enqueue).map_err(e)?;
-    for it in 1..=REPLAYS {
-        upload(it)?;
-        graph.launch(&stream).map_err(e)?;
-        comm.synchronize(stream.handle()).map_err(e)?;
-        check(it, "replay")?;
-        if it == REPLAYS / 2 {
-            upload(it + 7)?;
-            enqueue().map_err(e)?;
-            comm.synchronize(stream.handle()).map_err(e)?;
-            check(it + 7, "eager between replays")?;
-        }
-    }
+    replay_and_check(comm, &stream, &graph, &upload, &enqueue, &check)?;
     Ok(())
 }
 
@@ -409,18 +414,7 @@ fn run_rank_graph_buffers<R: GpuTestRuntime>(
             GRAPH_BUFFER_CALLS.len()
         ));
     }
-    for it in 1..=REPLAYS {
-        upload(it)?;
-        graph.launch(&stream).map_err(e)?;
-        comm.synchronize(stream.handle()).map_err(e)?;
-        check(it, "replay")?;
-        if it == REPLAYS / 2 {
-            upload(it + 7)?;
-            enqueue().map_err(e)?;
-            comm.synchronize(stream.handle()).map_err(e)?;
-            check(it + 7, "eager between replays")?;
-        }
-    }
+    replay_and_check(comm, &stream, &graph, &upload, &enqueue, &check)?;
     comm.set_graph_registration(false).map_err(e)?;
     Ok(())
 }
