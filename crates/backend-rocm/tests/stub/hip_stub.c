@@ -145,7 +145,7 @@ int hipGraphDestroy(void* g) { (void)g; return 0; }
 
 static int launches;
 static char last_kernel[64];
-static unsigned char last_args[256];
+static unsigned char last_args[512];
 static size_t last_args_size;
 static unsigned last_grid, last_block;
 static void* last_stream;
