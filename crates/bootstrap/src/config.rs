@@ -217,6 +217,28 @@ impl TcpBootstrapConfig {
     }
 }
 
+/// The rendezvous deadline `ALLREDUCE_BOOTSTRAP_TIMEOUT_S` asks for (`text`, the variable's
+/// value if set), or [`TcpBootstrapConfig::DEFAULT_TIMEOUT`]: for callers that build a
+/// bootstrap from other inputs than the torchrun variables (the C ABI's unique id).
+pub fn timeout_from(text: Option<String>) -> Result<Duration> {
+    let Some(text) = text else {
+        return Ok(TcpBootstrapConfig::DEFAULT_TIMEOUT);
+    };
+    let secs: f64 = text.trim().parse().map_err(|_| {
+        Error::InvalidConfig(format!(
+            "environment variable {TIMEOUT_ENV}={text:?} is not a number of seconds"
+        ))
+    })?;
+    Duration::try_from_secs_f64(secs)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| {
+            Error::InvalidConfig(format!(
+                "environment variable {TIMEOUT_ENV}={text:?} must be a positive number of seconds"
+            ))
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::HashMap;
@@ -314,26 +336,4 @@ mod tests {
             TcpBootstrapConfig::from_lookup(lookup(&[("RANK", "0"), ("WORLD_SIZE", "1")])).unwrap();
         assert_eq!(c.world_size, 1);
     }
-}
-
-/// The rendezvous deadline `ALLREDUCE_BOOTSTRAP_TIMEOUT_S` asks for (`text`, the variable's
-/// value if set), or [`TcpBootstrapConfig::DEFAULT_TIMEOUT`]: for callers that build a
-/// bootstrap from other inputs than the torchrun variables (the C ABI's unique id).
-pub fn timeout_from(text: Option<String>) -> Result<Duration> {
-    let Some(text) = text else {
-        return Ok(TcpBootstrapConfig::DEFAULT_TIMEOUT);
-    };
-    let secs: f64 = text.trim().parse().map_err(|_| {
-        Error::InvalidConfig(format!(
-            "environment variable {TIMEOUT_ENV}={text:?} is not a number of seconds"
-        ))
-    })?;
-    Duration::try_from_secs_f64(secs)
-        .ok()
-        .filter(|d| !d.is_zero())
-        .ok_or_else(|| {
-            Error::InvalidConfig(format!(
-                "environment variable {TIMEOUT_ENV}={text:?} must be a positive number of seconds"
-            ))
-        })
 }
