@@ -21,6 +21,11 @@ pub enum DataSet {
     /// 4096; c*hidden/4096 otherwise) are x50 on every 8th row (rows 0, 8, 16, ...), on every
     /// rank: LLMs' massive activations
     Channels,
+    /// gauss in rows of --hidden elements where one fixed channel (1415 for 4096) is 100-300x
+    /// on about 5% of the rows (the same rows on every rank: the tokens that carry a massive
+    /// activation), and three fixed channels are heavy-tailed (N(0,1) / sqrt(u), u uniform in
+    /// [0.01, 1]): what real FFN-output partial sums look like
+    Spikes,
 }
 
 impl DataSet {
@@ -30,6 +35,7 @@ impl DataSet {
             DataSet::Ints => "ints",
             DataSet::Outliers => "outliers",
             DataSet::Channels => "channels",
+            DataSet::Spikes => "spikes",
         }
     }
 }
@@ -46,6 +52,26 @@ pub const MASSIVE_CHANNELS_4096: [usize; 4] = [611, 1415, 2533, 3701];
 /// `channels`: rows `0, k, 2k, ...` carry the massive values.
 pub const MASSIVE_ROW_EVERY: usize = 8;
 pub const MASSIVE_FACTOR: f64 = 50.0;
+
+/// `spikes`: the spike channel for a hidden size of 4096, scaled as the massive channels are.
+pub const SPIKE_CHANNEL_4096: usize = 1415;
+/// `spikes`: one row in this many (picked by a hash of the row) carries the spike.
+pub const SPIKE_ROW_EVERY: u64 = 20;
+/// `spikes`: the spike's factor is `SPIKE_MIN + (hash % (SPIKE_SPAN + 1))`, per rank and row.
+pub const SPIKE_MIN: u64 = 100;
+pub const SPIKE_SPAN: u64 = 200;
+/// `spikes`: the heavy-tailed channels for 4096, scaled as the massive channels are.
+pub const HEAVY_CHANNELS_4096: [usize; 3] = [611, 2533, 3701];
+
+/// Whether row `row` of `spikes` carries the spike: the same rows for every rank and size.
+pub fn spike_row(row: usize) -> bool {
+    splitmix64_at(0x5_9_1_4E, row as u64) % SPIKE_ROW_EVERY == 0
+}
+
+/// The spike channel of `spikes` for a hidden size.
+pub fn spike_channel(hidden: usize) -> usize {
+    SPIKE_CHANNEL_4096 * hidden / 4096
+}
 
 /// The massive channels of `channels` for a hidden size.
 pub fn massive_channels(hidden: usize) -> [usize; 4] {
@@ -144,7 +170,33 @@ impl Inputs {
             {
                 MASSIVE_FACTOR
             }
+            DataSet::Spikes => {
+                let (row, channel) = (i / self.hidden, i % self.hidden);
+                if channel == spike_channel(self.hidden) && spike_row(row) {
+                    (SPIKE_MIN + splitmix64_at(seed ^ 0x5_9_1_4E, row as u64) % (SPIKE_SPAN + 1))
+                        as f64
+                } else if HEAVY_CHANNELS_4096
+                    .iter()
+                    .any(|&c| c * self.hidden / 4096 == channel)
+                {
+                    // u in [0.01, 1]: the factor reaches 10, a Student-t-like tail.
+                    let u = (splitmix64_at(!seed, i as u64) >> 11) as f64 / (1u64 << 53) as f64;
+                    1.0 / (0.01 + 0.99 * u).sqrt()
+                } else {
+                    1.0
+                }
+            }
             _ => 1.0,
+        }
+    }
+
+    /// Whether row `row` carries none of the data set's massive values (`channels`' every
+    /// 8th row, `spikes`' spike rows); every row of the other sets.
+    pub fn plain_row(&self, row: usize) -> bool {
+        match self.set {
+            DataSet::Channels => row % MASSIVE_ROW_EVERY != 0,
+            DataSet::Spikes => !spike_row(row),
+            _ => true,
         }
     }
 
@@ -160,7 +212,7 @@ impl Inputs {
                     *o = int_pattern(rank, start + j);
                 }
             }
-            DataSet::Gauss | DataSet::Outliers | DataSet::Channels => {
+            DataSet::Gauss | DataSet::Outliers | DataSet::Channels | DataSet::Spikes => {
                 let seed = seed(rank, self.bytes);
                 let massive = massive_channels(self.hidden);
                 let value = |i: usize, g: f64| {
@@ -316,6 +368,49 @@ mod tests {
         let bytes = inp.fill(2);
         for i in 0..50 {
             assert_eq!(DType::F16.load_f32(&bytes, i), int_pattern(2, i));
+        }
+    }
+}
+
+#[cfg(test)]
+mod spike_tests {
+    use super::*;
+
+    /// `spikes` is what it says: the spike rows are about 5% and the same on every rank, the
+    /// spike 100-300x, the heavy channels heavier-tailed than the rest.
+    #[test]
+    fn spikes_have_their_shape() {
+        let hidden = 1024;
+        let rows = 2000;
+        let inputs = Inputs::new(DataSet::Spikes, DType::F32, rows * hidden * 4).hidden(hidden);
+        let spike_rows = (0..rows).filter(|&r| spike_row(r)).count();
+        assert!((60..=140).contains(&spike_rows), "{spike_rows} of {rows}");
+        let c = spike_channel(hidden);
+        let gauss = Inputs::new(DataSet::Gauss, DType::F32, rows * hidden * 4).hidden(hidden);
+        for rank in 0..2 {
+            let (mut v, mut g) = (vec![0f32; rows * hidden], vec![0f32; rows * hidden]);
+            inputs.values(rank, 0, &mut v);
+            gauss.values(rank, 0, &mut g);
+            for r in 0..rows {
+                let k = r * hidden + c;
+                let f = f64::from(v[k]) / f64::from(g[k]);
+                if spike_row(r) {
+                    assert!((99.9..=300.1).contains(&f), "row {r}: x{f}");
+                } else {
+                    assert_eq!(v[k], g[k]);
+                }
+            }
+            let heavy = HEAVY_CHANNELS_4096[0] * hidden / 4096;
+            let peak = |ch: usize| {
+                (0..rows)
+                    .map(|r| v[r * hidden + ch].abs())
+                    .fold(0f32, f32::max)
+            };
+            assert!(
+                peak(heavy) > 2.0 * peak(heavy + 1),
+                "heavy tail {}",
+                peak(heavy)
+            );
         }
     }
 }

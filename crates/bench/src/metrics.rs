@@ -37,6 +37,11 @@ pub struct ErrorStats {
     /// the elements added with [`ErrorStats::add_in_channel`]. Empty when none were.
     pub channel_ref2: Vec<f64>,
     pub channel_err2: Vec<f64>,
+    /// The same sums over the elements of plain rows only (rows without the data set's
+    /// massive values: `Inputs::plain_row`), added with [`ErrorStats::add_plain`].
+    pub plain_elements: u64,
+    pub plain_ref2: f64,
+    pub plain_err2: f64,
 }
 
 impl ErrorStats {
@@ -73,8 +78,24 @@ impl ErrorStats {
         };
     }
 
+    /// Count an element (already added) into the plain rows' sums too.
+    #[inline]
+    pub fn add_plain(&mut self, reference: f64, got: f64) {
+        self.plain_elements += 1;
+        self.plain_ref2 += reference * reference;
+        let err = got - reference;
+        self.plain_err2 += if err.is_finite() {
+            err * err
+        } else {
+            f64::INFINITY
+        };
+    }
+
     pub fn merge(&mut self, other: &ErrorStats) {
         self.elements += other.elements;
+        self.plain_elements += other.plain_elements;
+        self.plain_ref2 += other.plain_ref2;
+        self.plain_err2 += other.plain_err2;
         self.sum_ref2 += other.sum_ref2;
         self.sum_err2 += other.sum_err2;
         self.max_abs_err = self.max_abs_err.max(other.max_abs_err);
@@ -113,6 +134,34 @@ impl ErrorStats {
             }
         }
         snr_db(channels as f64, sum, channels)
+    }
+}
+
+impl ErrorStats {
+    /// The worst channel's SNR in dB (each channel's energies summed over its rows): the
+    /// channel a codec serves worst, which an average hides. -inf if a channel with no signal
+    /// has error; NaN with no channels.
+    pub fn worst_channel_snr_db(&self) -> f64 {
+        let mut worst = f64::NAN;
+        for (&r, &e) in self.channel_ref2.iter().zip(&self.channel_err2) {
+            let snr = if r > 0.0 {
+                snr_db(r, e, 1)
+            } else if e > 0.0 {
+                f64::NEG_INFINITY
+            } else {
+                continue;
+            };
+            if worst.is_nan() || snr < worst {
+                worst = snr;
+            }
+        }
+        worst
+    }
+
+    /// SNR in dB over the plain rows only (see [`ErrorStats::add_plain`]): what the rows that
+    /// carry no massive value get, NaN when no row was plain.
+    pub fn plain_snr_db(&self) -> f64 {
+        snr_db(self.plain_ref2, self.plain_err2, self.plain_elements)
     }
 }
 
@@ -214,6 +263,9 @@ pub fn check_range(inputs: &Inputs, exact: bool, outputs: &[&[u8]], range: Range
             let i = start + j;
             let got = f64::from(dtype.load_f32(out0, i));
             check.stats.add_in_channel(i % inputs.hidden, want, got);
+            if inputs.plain_row(i / inputs.hidden) {
+                check.stats.add_plain(want, got);
+            }
         }
         if exact {
             for (j, &want) in reference.iter().enumerate() {
@@ -327,5 +379,31 @@ mod tests {
         let mut m = check_range(&inputs, true, &outs, 0..5);
         m.merge(&check_range(&inputs, true, &outs, 5..n));
         assert_eq!(m, c);
+    }
+
+    #[test]
+    fn worst_channel_and_plain_rows() {
+        let mut s = ErrorStats::default();
+        // Channel 0: signal 4, noise 0.04 (20 dB); channel 1: signal 4, noise 0.4 (10 dB).
+        s.add_in_channel(0, 2.0, 2.2);
+        s.add_in_channel(1, 2.0, 2.0 + 0.4f64.sqrt());
+        let worst = s.worst_channel_snr_db();
+        let ch1 = 10.0 * (4.0 / s.channel_err2[1]).log10();
+        assert!((worst - ch1).abs() < 1e-9 && worst < 20.0 - 1e-6, "{worst}");
+        assert!(ErrorStats::default().worst_channel_snr_db().is_nan());
+        // Only what was added as plain counts there.
+        assert!(s.plain_snr_db().is_nan());
+        s.add_plain(2.0, 2.2);
+        assert!((s.plain_snr_db() - 20.0).abs() < 1e-9);
+        let mut m = ErrorStats::default();
+        m.merge(&s);
+        assert_eq!((m.plain_elements, m.plain_ref2), (1, 4.0));
+        // A spike row is not plain; a channels row 8k is not; gauss rows all are.
+        let spikes = Inputs::new(crate::data::DataSet::Spikes, DType::F32, 4096 * 64);
+        let row = (0..1000).find(|&r| crate::data::spike_row(r)).unwrap();
+        assert!(!spikes.plain_row(row) && spikes.plain_row(row + 1) != crate::data::spike_row(row + 1));
+        let channels = Inputs::new(crate::data::DataSet::Channels, DType::F32, 4096 * 64);
+        assert!(!channels.plain_row(8) && channels.plain_row(9));
+        assert!(Inputs::new(DataSet::Gauss, DType::F32, 64).plain_row(0));
     }
 }

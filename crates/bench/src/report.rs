@@ -253,7 +253,7 @@ pub fn header(info: &RunInfo) -> String {
     }
     s += "#\n";
     s += &format!(
-        "#{:>11} {:>12} {:>5} {:>15} {:>6} {:>5} {:>6} {:>10} {:>9} {:>9} {:>7} {:>8} {:>8} {:>9}\n",
+        "#{:>11} {:>12} {:>5} {:>15} {:>6} {:>5} {:>6} {:>10} {:>9} {:>9} {:>7} {:>8} {:>8} {:>8} {:>8} {:>9}\n",
         "size",
         "count",
         "type",
@@ -267,11 +267,13 @@ pub fn header(info: &RunInfo) -> String {
         "#wrong",
         "snr",
         "eqsnr",
+        "minch",
+        "plain",
         "maxerr"
     );
     s += &format!(
-        "#{:>11} {:>12} {:>5} {:>15} {:>6} {:>5} {:>6} {:>10} {:>9} {:>9} {:>7} {:>8} {:>8} {:>9}",
-        "(B)", "(elements)", "", "", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(dB)", "(dB)", ""
+        "#{:>11} {:>12} {:>5} {:>15} {:>6} {:>5} {:>6} {:>10} {:>9} {:>9} {:>7} {:>8} {:>8} {:>8} {:>8} {:>9}",
+        "(B)", "(elements)", "", "", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(dB)", "(dB)", "(dB)", "(dB)", ""
     );
     s
 }
@@ -330,9 +332,11 @@ pub fn row_line(row: &RowResult, world: usize, cfg: &Config) -> String {
         Outcome::Done(m) => {
             let algbw = algbw_gbps(spec.bytes, m.seconds);
             let busbw = algbw * bus_factor(world);
-            let (wrong, snr, eqsnr, maxerr) = if spec.exact() {
+            let (wrong, snr, eqsnr, minch, plain, maxerr) = if spec.exact() {
                 (
                     m.check.wrong_elements.to_string(),
+                    "-".into(),
+                    "-".into(),
                     "-".into(),
                     "-".into(),
                     "-".into(),
@@ -342,6 +346,8 @@ pub fn row_line(row: &RowResult, world: usize, cfg: &Config) -> String {
                     m.check.ranks_differing().to_string(),
                     snr_text(m.check.stats.snr_db()),
                     snr_text(m.check.stats.channel_snr_db()),
+                    snr_text(m.check.stats.worst_channel_snr_db()),
+                    snr_text(m.check.stats.plain_snr_db()),
                     if m.check.stats.elements == 0 {
                         "-".into()
                     } else {
@@ -350,7 +356,7 @@ pub fn row_line(row: &RowResult, world: usize, cfg: &Config) -> String {
                 )
             };
             format!(
-                "{lead} {:>6} {:>10.2} {:>9.3} {:>9.3} {:>7} {:>8} {:>8} {:>9}",
+                "{lead} {:>6} {:>10.2} {:>9.3} {:>9.3} {:>7} {:>8} {:>8} {:>8} {:>8} {:>9}",
                 m.iters,
                 m.seconds * 1e6,
                 algbw,
@@ -358,6 +364,8 @@ pub fn row_line(row: &RowResult, world: usize, cfg: &Config) -> String {
                 wrong,
                 snr,
                 eqsnr,
+                minch,
+                plain,
                 maxerr
             )
         }
@@ -450,6 +458,9 @@ fn row_json(row: &RowResult, world: usize, cfg: &Config) -> Value {
                 // Mean over hidden channels (index % hidden) of each channel's error-to-signal
                 // ratio, in dB: massive channels cannot hide the rest.
                 "snr_eq_db": num(m.check.stats.channel_snr_db()),
+                // The channel served worst, and the rows without the data set's massive values.
+                "snr_worst_channel_db": num(m.check.stats.worst_channel_snr_db()),
+                "snr_plain_rows_db": num(m.check.stats.plain_snr_db()),
                 "exact_result": snr == f64::INFINITY,
                 "max_abs_err": num(m.check.stats.max_abs_err),
                 "non_finite": m.check.stats.non_finite,
