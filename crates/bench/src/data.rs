@@ -65,7 +65,7 @@ pub const HEAVY_CHANNELS_4096: [usize; 3] = [611, 2533, 3701];
 
 /// Whether row `row` of `spikes` carries the spike: the same rows for every rank and size.
 pub fn spike_row(row: usize) -> bool {
-    splitmix64_at(0x5_9_1_4E, row as u64) % SPIKE_ROW_EVERY == 0
+    splitmix64_at(0x0005_914E, row as u64) % SPIKE_ROW_EVERY == 0
 }
 
 /// The spike channel of `spikes` for a hidden size.
@@ -173,7 +173,7 @@ impl Inputs {
             DataSet::Spikes => {
                 let (row, channel) = (i / self.hidden, i % self.hidden);
                 if channel == spike_channel(self.hidden) && spike_row(row) {
-                    (SPIKE_MIN + splitmix64_at(seed ^ 0x5_9_1_4E, row as u64) % (SPIKE_SPAN + 1))
+                    (SPIKE_MIN + splitmix64_at(seed ^ 0x0005_914E, row as u64) % (SPIKE_SPAN + 1))
                         as f64
                 } else if HEAVY_CHANNELS_4096
                     .iter()
