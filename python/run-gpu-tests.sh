@@ -30,25 +30,15 @@ export ALLREDUCE_LIB="$(cd "$(dirname "$lib")" && pwd)/$(basename "$lib")"
 python="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 
-# MPS: without it the processes' kernels only time-slice, and ranks spinning on each other's
-# flags crawl. CUDA_DEVICE_MAX_CONNECTIONS=1 in the daemon's environment and in every client.
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
-export CUDA_DEVICE_MAX_CONNECTIONS=1
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-mps_started=0
-if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
-  mps_started=1
-  say "MPS daemon started"
-else
-  say "MPS daemon not started (missing, or already running): the process tests may time out"
-fi
 tmp="$(mktemp -d)"
+mps_started=0
 finish() {
   if [ "$mps_started" = 1 ]; then
     echo quit | nvidia-cuda-mps-control || true
   fi
   for f in control.log server.log; do
-    [ -f "$CUDA_MPS_LOG_DIRECTORY/$f" ] && cp "$CUDA_MPS_LOG_DIRECTORY/$f" "$out/mps-$f"
+    [ -f "${CUDA_MPS_LOG_DIRECTORY:-/tmp/mpslog}/$f" ] &&
+      cp "${CUDA_MPS_LOG_DIRECTORY:-/tmp/mpslog}/$f" "$out/mps-$f"
   done
   rm -rf "$tmp"
 }
@@ -82,13 +72,42 @@ except allreduce.Error as e:
     sys.exit(f"the library cannot run the CUDA backend: {e}")
 EOF
 
+run_tests() {
+  local rc
+  if "$python" -c "import pytest" 2>/dev/null; then
+    "$python" -m pytest python/tests/test_cuda.py -v -rs "$@" 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}
+  else
+    "$python" python/tests/test_cuda.py 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}
+  fi
+  return "$rc"
+}
+
+# Virtual ranks first, without MPS and with the default CUDA_DEVICE_MAX_CONNECTIONS: one
+# hardware queue (the MPS setting below) serializes a process's streams, so a rank's kernel
+# that spins for a peer's can sit in front of it until the deadline.
 set +e
-if "$python" -c "import pytest" 2>/dev/null; then
-  "$python" -m pytest python/tests/test_cuda.py -v -rs "$@" 2>&1 | tee -a "$log"
-else
-  "$python" python/tests/test_cuda.py 2>&1 | tee -a "$log"
-fi
-status=${PIPESTATUS[0]}
+(unset CUDA_DEVICE_MAX_CONNECTIONS; run_tests -k "not processes and not tp_linear" "$@")
+status_virtual=$?
 set -e
-say "test_cuda.py exit status $status; logs in $out"
+
+# MPS: without it the processes' kernels only time-slice, and ranks spinning on each other's
+# flags crawl. CUDA_DEVICE_MAX_CONNECTIONS=1 in the daemon's environment and in every client.
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
+  mps_started=1
+  say "MPS daemon started"
+else
+  say "MPS daemon not started (missing, or already running): the process tests may time out"
+fi
+
+set +e
+run_tests -k "processes or tp_linear" "$@"
+status_processes=$?
+set -e
+status=$((status_virtual != 0 || status_processes != 0))
+say "test_cuda.py: virtual ranks exit status $status_virtual, processes $status_processes; logs in $out"
 exit "$status"

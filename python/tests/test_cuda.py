@@ -199,9 +199,9 @@ def test_virtual_ranks_exact_in_and_out_of_place():
                     x = xs[r].cuda()
                     out = torch.empty_like(x)
                     ready.wait()  # every rank's buffers exist before any rank's first call
-                    comm.all_reduce(x, out=out)  # through torch.ops.allreduce.all_reduce_out
-                    comm.all_reduce(x)  # in place: all_reduce_inplace
-                    s.synchronize()
+                    comm.all_reduce(x, out=out)
+                    comm.all_reduce(x)  # in place
+                    comm.synchronize(s)  # raises what the device recorded (a timeout)
                     return out.cpu(), x.cpu()
 
                 for r, (out, x) in enumerate(_run_ranks(world, body)):
