@@ -133,9 +133,11 @@ def _on_threads(count, fn):
     for t in threads:
         t.join(10 * TIMEOUT)
         assert not t.is_alive(), "a rank never returned"
-    for i, e in enumerate(errors):
-        if e is not None:
-            raise AssertionError(f"rank {i}: {e!r}") from e
+    failed = [(i, e) for i, e in enumerate(errors) if e is not None]
+    if failed:
+        # Every rank's error: which rank failed first (and how) tells a peer's timeout from
+        # its cause.
+        raise AssertionError("; ".join(f"rank {i}: {e!r}" for i, e in failed)) from failed[0][1]
     return results
 
 
