@@ -1,7 +1,8 @@
 //! Collectively allocated registered memory ([`Communicator::alloc_registered_group`]).
 
 use allreduce_core::{
-    BufMut, BufRef, DType, Device, Error, MemoryOp, RegisteredMemory, RegistrationId, Result,
+    BufMut, BufRef, DType, Device, Error, Fp8BufMut, MemoryOp, RegisteredMemory, RegistrationId,
+    Result,
 };
 
 #[cfg(doc)]
@@ -110,5 +111,20 @@ impl RegisteredBuffer {
         let addr = self.range(offset, len, dtype)?;
         // SAFETY: inside this live allocation, borrowed mutably for the view's lifetime.
         Ok(unsafe { BufMut::from_raw(addr, len, dtype, self.mem.device) })
+    }
+
+    /// `len` FP8 codes (one byte each) from byte `offset`, for a fused call's `quant_out`
+    /// (`FusedArgs::fp8`, `fp8_static`), so library memory serves the FP8 patterns too.
+    pub fn fp8_view_mut(&mut self, offset: usize, len: usize) -> Result<Fp8BufMut<'_>> {
+        let end = offset.checked_add(len).filter(|&end| end <= self.mem.bytes);
+        if end.is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "{len} FP8 codes at byte offset {offset} do not fit a registered buffer of {} \
+                 bytes",
+                self.mem.bytes
+            )));
+        }
+        // SAFETY: inside this live allocation, borrowed mutably for the view's lifetime.
+        Ok(unsafe { Fp8BufMut::from_raw(self.mem.addr + offset, len, self.mem.device) })
     }
 }

@@ -259,3 +259,75 @@ fn host_fused_refuses_what_the_workspace_cannot_take() {
         FusedWorkspace::create_group(&comms[1..], FusedConfig::new(4, 64, DType::BF16)).is_err()
     );
 }
+
+/// The FP8 pattern on library memory alone: inputs, scales and codes all in registered
+/// buffers (`fp8_view_mut` for the codes), equal to the reference.
+#[test]
+fn fp8_codes_go_to_library_memory() {
+    let (world, tokens, hidden, dtype) = (2, 3, 64, DType::BF16);
+    let comms = Communicator::new_group(BackendKind::Host, GroupConfig::new(world)).unwrap();
+    let ws = FusedWorkspace::create_group(&comms, FusedConfig::new(4, hidden, dtype)).unwrap();
+    let n = tokens * hidden;
+    let inputs: Vec<HostBytes> = (0..world).map(|r| data(dtype, n, r)).collect();
+    let gamma = data(dtype, hidden, 7);
+    let refs: Vec<&[u8]> = inputs.iter().map(|b| b.as_slice()).collect();
+    let want = fused::reference(
+        &refs,
+        dtype,
+        tokens,
+        hidden,
+        None,
+        Some(gamma.as_slice()),
+        1e-5,
+        FusedPattern::ResidualRmsNormFp8,
+        None,
+        0.0,
+    );
+    // Per rank: input, gamma, scales (f32) and codes, one after another.
+    let (at_gamma, at_scale, at_quant) = (n * 2, n * 2 + hidden * 2, n * 2 + hidden * 2 + 16);
+    let bytes = at_quant + n;
+    let mut bufs = Communicator::alloc_registered_group(&comms, bytes).unwrap();
+    for (b, x) in bufs.iter_mut().zip(&inputs) {
+        b.upload(0, x.as_slice()).unwrap();
+        b.upload(at_gamma, gamma.as_slice()).unwrap();
+        let e = b.fp8_view_mut(at_quant, n + 1).unwrap_err();
+        assert!(e.to_string().contains("do not fit"), "{e}");
+    }
+    let got: Vec<(Vec<u8>, Vec<u8>)> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .zip(&ws)
+            .zip(bufs.iter_mut())
+            .map(|((c, w), b)| {
+                s.spawn(move || {
+                    let base = b.addr();
+                    // SAFETY: views of disjoint parts of this rank's buffer, live for the call.
+                    let (x, g, scale) = unsafe {
+                        (
+                            BufRef::from_raw(base, n, dtype, b.device()),
+                            BufRef::from_raw(base + at_gamma, hidden, dtype, b.device()),
+                            BufMut::from_raw(base + at_scale, tokens, DType::F32, b.device()),
+                        )
+                    };
+                    let quant = b.fp8_view_mut(at_quant, n).unwrap();
+                    let args = FusedArgs::new(FusedPattern::ResidualRmsNorm, tokens, x)
+                        .rms_norm(g, 1e-5, None)
+                        .fp8(quant, scale)
+                        .infer_pattern();
+                    assert_eq!(args.pattern, FusedPattern::ResidualRmsNormFp8);
+                    c.all_reduce_fused(w, args).unwrap();
+                    let (mut q, mut sc) = (vec![0u8; n], vec![0u8; tokens * 4]);
+                    b.download(at_quant, &mut q).unwrap();
+                    b.download(at_scale, &mut sc).unwrap();
+                    (q, sc)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let want_scale: Vec<u8> = want.scale.iter().flat_map(|s| s.to_le_bytes()).collect();
+    for (r, (q, sc)) in got.iter().enumerate() {
+        assert_eq!(q, &want.quant, "rank {r} codes");
+        assert_eq!(sc, &want_scale, "rank {r} scales");
+    }
+}

@@ -401,7 +401,9 @@ mod tests {
         // A spike row is not plain; a channels row 8k is not; gauss rows all are.
         let spikes = Inputs::new(crate::data::DataSet::Spikes, DType::F32, 4096 * 64);
         let row = (0..1000).find(|&r| crate::data::spike_row(r)).unwrap();
-        assert!(!spikes.plain_row(row) && spikes.plain_row(row + 1) != crate::data::spike_row(row + 1));
+        assert!(
+            !spikes.plain_row(row) && spikes.plain_row(row + 1) != crate::data::spike_row(row + 1)
+        );
         let channels = Inputs::new(crate::data::DataSet::Channels, DType::F32, 4096 * 64);
         assert!(!channels.plain_row(8) && channels.plain_row(9));
         assert!(Inputs::new(DataSet::Gauss, DType::F32, 64).plain_row(0));
