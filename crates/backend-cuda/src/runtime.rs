@@ -66,6 +66,9 @@ pub struct Function(CUfunction);
 unsafe impl Send for Function {}
 unsafe impl Sync for Function {}
 
+/// CUDA's hardware queues per device and process when `CUDA_DEVICE_MAX_CONNECTIONS` is unset.
+const DEFAULT_CONNECTIONS: usize = 8;
+
 impl GpuRuntime for CudaRuntime {
     const NAME: &'static str = "cuda";
 
@@ -77,6 +80,25 @@ impl GpuRuntime for CudaRuntime {
     type Vendor = nccl::Comm;
     type Stream = OwnedStream;
     type Graph = Graph;
+
+    /// CUDA gives a process `CUDA_DEVICE_MAX_CONNECTIONS` hardware queues per device (8 by
+    /// default; 1 is what MPS for several processes asks for): virtual ranks beyond that share
+    /// a queue and can wait on each other until the deadline.
+    fn prepare_group(ordinals: &[u32]) -> Result<()> {
+        let queues = std::env::var("CUDA_DEVICE_MAX_CONNECTIONS")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(DEFAULT_CONNECTIONS);
+        if let Some((o, n, q)) = allreduce_gpu::queue_shortfall(ordinals, queues) {
+            tracing::warn!(
+                "{n} ranks share CUDA device {o}, which this process reaches through {q} hardware \
+                 queues (CUDA_DEVICE_MAX_CONNECTIONS): ranks on one queue can wait for each \
+                 other until the group's deadline. Set CUDA_DEVICE_MAX_CONNECTIONS={n} or more \
+                 before CUDA initialises"
+            );
+        }
+        Ok(())
+    }
 
     fn device_tag(ordinal: u32) -> Device {
         Device::Cuda(ordinal)

@@ -223,17 +223,7 @@ impl Drop for RcclComm {
 /// HIP's default number of hardware queues per device (`GPU_MAX_HW_QUEUES` unset).
 pub const DEFAULT_HW_QUEUES: usize = 4;
 
-/// More ranks on one device than it has hardware queues, if so: `(ordinal, ranks, queues)`.
-pub fn queue_shortfall(ordinals: &[u32], queues: usize) -> Option<(u32, usize, usize)> {
-    let mut worst: Option<(u32, usize)> = None;
-    for &o in ordinals {
-        let n = ordinals.iter().filter(|&&x| x == o).count();
-        if worst.is_none_or(|(_, w)| n > w) {
-            worst = Some((o, n));
-        }
-    }
-    worst.and_then(|(o, n)| (n > queues).then_some((o, n, queues)))
-}
+pub use allreduce_gpu::queue_shortfall;
 
 /// Device memory peers' kernels read and write: uncached where the runtime knows the flag
 /// (ROCm 6+), else fine-grained, which is also coherent between GPUs. Uninitialised.

@@ -49,6 +49,21 @@ impl Fill {
 
 /// What a runtime without an optional capability returns: [`Error::Unsupported`] naming the
 /// backend and the capability.
+/// More ranks on one device than it has hardware queues, if so: `(ordinal, ranks, queues)`.
+/// Ranks sharing a queue run their kernels in order, so one spinning for a peer's can hold the
+/// peer's behind it until the deadline (HIP's `GPU_MAX_HW_QUEUES`, CUDA's
+/// `CUDA_DEVICE_MAX_CONNECTIONS`).
+pub fn queue_shortfall(ordinals: &[u32], queues: usize) -> Option<(u32, usize, usize)> {
+    let mut worst: Option<(u32, usize)> = None;
+    for &o in ordinals {
+        let n = ordinals.iter().filter(|&&x| x == o).count();
+        if worst.is_none_or(|(_, w)| n > w) {
+            worst = Some((o, n));
+        }
+    }
+    worst.and_then(|(o, n)| (n > queues).then_some((o, n, queues)))
+}
+
 pub fn unsupported<R: GpuRuntime>(what: &str) -> Error {
     Error::Unsupported {
         what: format!("the {} backend has no {what}", R::NAME),
