@@ -361,6 +361,53 @@ class Communicator(Handle):
         _lib.check(_lib.lib().ar_comm_set_graph_registration(self._live_handle(), int(on)))
 
     @staticmethod
+    def register(comms: Any, buffers: Any) -> int:
+        """Register memory the caller has, as vLLM's ``register_buffer``: out-of-place exact
+        one-shot and two-shot calls whose input lies in it then read every rank's input in
+        place (no staging copy). ``comms`` and ``buffers``: every rank of an in-process group
+        (:meth:`group`) in rank order with one array or tensor each, or this process's rank of
+        a group of processes with its own (collective: every rank calls it, in the same order
+        as its other registrations; CUDA memory from ``cudaMalloc``, such as PyTorch's caching
+        allocator's, travels as an IPC handle). One length in bytes for all, 16-byte aligned.
+        Every rank must then call with its input at the same offset of its buffer. Returns the
+        registration's id, for :meth:`deregister`. Keep the buffers alive until then."""
+        group = Communicator._ranks(comms)
+        bufs = [buffers] if isinstance(comms, Communicator) else list(buffers)
+        if len(bufs) != len(group):
+            raise InvalidArgument(
+                f"{len(bufs)} buffers for {len(group)} communicators: one per rank")
+        described = [_buffers.describe(b, f"buffers[{i}]") for i, b in enumerate(bufs)]
+        for c, b, i in zip(group, described, range(len(group))):
+            c._check_device(b, f"buffers[{i}]")
+        sizes = {b.count * _buffers.ITEMSIZE[b.dtype] for b in described}
+        if len(sizes) != 1:
+            raise InvalidArgument(f"the buffers must have one length in bytes, not {sorted(sizes)}")
+        handles = (_lib.Handle * len(group))(*[c._live_handle() for c in group])
+        ptrs = (ctypes.c_void_p * len(group))(*[b.ptr for b in described])
+        out = ctypes.c_uint64(0)
+        _lib.check(_lib.lib().ar_comm_register(handles, len(group), ptrs, sizes.pop(),
+                                                ctypes.byref(out)))
+        return out.value
+
+    @staticmethod
+    def deregister(comms: Any, registration: int) -> None:
+        """Forget a registration made by :meth:`register` (``comms`` as there). Calls that read
+        it must have completed; later calls on the memory are staged."""
+        group = Communicator._ranks(comms)
+        if isinstance(registration, bool) or not isinstance(registration, int):
+            raise UnsupportedType(
+                f"registration is a {type(registration).__qualname__}; pass register's id")
+        handles = (_lib.Handle * len(group))(*[c._live_handle() for c in group])
+        _lib.check(_lib.lib().ar_comm_deregister(handles, len(group), registration))
+
+    @staticmethod
+    def _ranks(comms: Any) -> List["Communicator"]:
+        group = [comms] if isinstance(comms, Communicator) else list(comms)
+        if not group or not all(isinstance(c, Communicator) for c in group):
+            raise UnsupportedType("comms is a Communicator or a list of a group's Communicators")
+        return group
+
+    @staticmethod
     def register_graph_buffers(comms: Any) -> int:
         """Register the inputs of the calls captured with graph registration on since the
         last registration (see :meth:`set_graph_registration`); returns how many calls each
@@ -370,9 +417,7 @@ class Communicator(Handle):
         the inputs then travel as IPC handles over the group's rendezvous. Ranks that
         captured different calls raise ``RankMismatch``. No graph of the group may be
         running."""
-        group = [comms] if isinstance(comms, Communicator) else list(comms)
-        if not group or not all(isinstance(c, Communicator) for c in group):
-            raise UnsupportedType("comms is a Communicator or a list of a group's Communicators")
+        group = Communicator._ranks(comms)
         handles = (_lib.Handle * len(group))(*[c._live_handle() for c in group])
         count = ctypes.c_size_t(0)
         _lib.check(_lib.lib().ar_comm_register_graph_buffers(handles, len(group),

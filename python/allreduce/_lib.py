@@ -114,6 +114,11 @@ PROTOTYPES = {
     "ar_comm_destroy": (ctypes.c_int, [Handle]),
     "ar_comm_synchronize": (ctypes.c_int, [Handle, ctypes.c_void_p]),
     "ar_comm_set_graph_registration": (ctypes.c_int, [Handle, ctypes.c_int]),
+    "ar_comm_register": (ctypes.c_int, [
+        ctypes.POINTER(Handle), ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
+        ctypes.POINTER(ctypes.c_uint64),
+    ]),
+    "ar_comm_deregister": (ctypes.c_int, [ctypes.POINTER(Handle), ctypes.c_int, ctypes.c_uint64]),
     "ar_comm_register_graph_buffers": (ctypes.c_int, [
         ctypes.POINTER(Handle), ctypes.c_int, _size_p,
     ]),

@@ -360,3 +360,31 @@ def test_graph_registration_on_the_host_has_nothing_to_register():
     finally:
         for c in comms:
             c.close()
+
+
+def test_registered_buffers_sum_exactly_and_are_checked():
+    comms = Communicator.group(2, timeout=TIMEOUT)
+    try:
+        bufs = [np.zeros(1024, np.float32) for _ in comms]
+        for r, b in enumerate(bufs):
+            b[:512] = np.arange(512, dtype=np.float32) * (r + 1)
+        reg = Communicator.register(comms, bufs)
+        assert isinstance(reg, int) and reg > 0
+        outs = [np.zeros(512, np.float32) for _ in comms]
+        values(on_ranks(comms, lambda r: comms[r].all_reduce(bufs[r][:512], out=outs[r])))
+        for o in outs:
+            assert_bitwise(o, np.arange(512, dtype=np.float32) * 3, "registered input")
+        Communicator.deregister(comms, reg)
+        with pytest.raises(allreduce.InvalidArgument, match="not registered"):
+            Communicator.deregister(comms, reg)
+        with pytest.raises(allreduce.InvalidArgument, match="one length"):
+            Communicator.register(comms, [bufs[0], bufs[1][:512]])
+        with pytest.raises(allreduce.InvalidArgument, match="one per rank"):
+            Communicator.register(comms, bufs[:1])
+        with pytest.raises(allreduce.Misaligned):
+            Communicator.register(comms, [b[2:514] for b in bufs])
+        with pytest.raises(allreduce.UnsupportedType):
+            Communicator.deregister(comms, "1")
+    finally:
+        for c in comms:
+            c.close()

@@ -440,6 +440,34 @@ ar_result_t ar_all_reduce_fused(const ar_fused_args_t *args,
                                 ar_comm_t comm,
                                 void *stream);
 
+// Register memory the caller has, so that out-of-place exact one-shot and two-shot calls
+// whose input lies in it read every rank's input in place (no staging copy): `ptrs[i]` is
+// the `i`-th rank's memory of `bytes` bytes (16-byte aligned; one length for all), `*id`
+// receives the registration. `comms` as in `ar_comm_register_graph_buffers`: every rank of an
+// in-process group with `ptrs` holding one pointer per rank, or this rank of a group of
+// processes with one pointer (memory from cudaMalloc/hipMalloc, such as a PyTorch
+// caching-allocator tensor; collective: every rank calls it, in the same order as its other
+// registrations, and the memory travels as an IPC handle). Every rank must then call with its
+// input at the same offset of the registration. The memory must stay allocated until
+// `ar_comm_deregister` and the calls that read it have completed.
+//
+// # Safety
+// `comms` points to `ncomms` readable handles, `ptrs` to `ncomms` readable pointers; `id` is
+// writable.
+ar_result_t ar_comm_register(const ar_comm_t *comms,
+                             int ncomms,
+                             void *const *ptrs,
+                             size_t bytes,
+                             uint64_t *id);
+
+// Forget a registration made by `ar_comm_register` (`comms` as there; a rank of a group of
+// processes forgets its own part, which every rank must do before its next call on that
+// memory). Calls that read it must have completed; later calls on the memory are staged.
+//
+// # Safety
+// `comms` points to `ncomms` readable handles.
+ar_result_t ar_comm_deregister(const ar_comm_t *comms, int ncomms, uint64_t id);
+
 // While `on` is non-zero, every out-of-place exact one-shot or two-shot call this rank
 // enqueues on a stream being captured into a graph, on an input the group has not
 // registered, is captured to read every rank's input in place from addresses that

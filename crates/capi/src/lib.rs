@@ -33,7 +33,7 @@ mod call;
 mod collective;
 mod comm;
 mod fused;
-mod graphs;
+mod registration;
 
 use std::ffi::c_int;
 
@@ -50,8 +50,11 @@ pub use fused::{
     ar_all_reduce_fused, ar_fused_args_t, ar_fused_pattern_t, ar_fused_workspace_create,
     ar_fused_workspace_destroy,
 };
-pub use graphs::{ar_comm_register_graph_buffers, ar_comm_set_graph_registration};
 pub use handle::{ar_comm, ar_comm_t, ar_fused_workspace, ar_fused_workspace_t};
+pub use registration::{
+    ar_comm_deregister, ar_comm_register, ar_comm_register_graph_buffers,
+    ar_comm_set_graph_registration,
+};
 pub use unique_id::{ar_get_unique_id, ar_unique_id_t, AR_UNIQUE_ID_BYTES};
 
 /// The version the header describes, `major * 10000 + minor * 100 + patch` (NCCL's

@@ -838,3 +838,82 @@ fn graph_registration_on_the_host_has_nothing_to_register_and_checks_its_handles
     exact_round_is_right(&comms, DType::F32, 1000);
     destroy(&comms);
 }
+
+/// Registration of the caller's memory through the C ABI: calls on inputs inside it are
+/// exact, a registration is forgotten once, and bad ranges are refused with the group going
+/// on. (The host backend reads each rank's own input either way; the GPU path that reads in
+/// place, and its offset checks, run in the conformance list on the GPU.)
+#[test]
+fn registered_caller_memory_is_read_in_place_and_checked() {
+    let comms = host_group(WORLD, 1 << 16);
+    let raw: Vec<ar_comm_t> = comms.iter().map(|c| c.0).collect();
+    let (dtype, n) = (DType::F32, 1000);
+    let bytes = 64 + n * 4;
+    // One registered buffer per rank, holding the rank's input at byte 64.
+    let mut mems: Vec<Vec<u128>> = (0..WORLD).map(|_| vec![0u128; bytes / 16 + 1]).collect();
+    for (r, m) in mems.iter_mut().enumerate() {
+        let src = input(dtype, n, r);
+        // SAFETY: the buffer holds 64 + n * 4 bytes.
+        unsafe {
+            ptr::copy_nonoverlapping(
+                src.as_slice().as_ptr(),
+                (m.as_mut_ptr() as *mut u8).add(64),
+                n * 4,
+            )
+        };
+    }
+    let ptrs: Vec<*mut c_void> = mems
+        .iter_mut()
+        .map(|m| m.as_mut_ptr() as *mut c_void)
+        .collect();
+    let mut id = 0u64;
+    // SAFETY: WORLD handles and pointers, each to `bytes` bytes; `id` writable.
+    let code =
+        unsafe { ar_comm_register(raw.as_ptr(), WORLD as c_int, ptrs.as_ptr(), bytes, &mut id) };
+    assert_eq!(checked(code), ar_result_t::AR_SUCCESS);
+    let addrs: Vec<usize> = ptrs.iter().map(|&p| p as usize).collect();
+    let call = |at: usize| {
+        on_ranks(WORLD, |r| {
+            let mut out = HostBytes::zeroed(n * 4);
+            // SAFETY: `n` f32 inside rank r's registered buffer; `out` holds n f32.
+            let code = checked(unsafe {
+                ar_all_reduce(
+                    (addrs[r] + at) as *const c_void as *mut c_void,
+                    out.as_mut_slice().as_mut_ptr() as *mut c_void,
+                    n,
+                    dtype_code(dtype),
+                    ar_red_op_t::AR_SUM as c_int,
+                    ar_precision_t::AR_EXACT as c_int,
+                    ar_strategy_t::AR_STRATEGY_ONESHOT as c_int,
+                    comms[r].0,
+                    ptr::null_mut(),
+                )
+            });
+            (code, out.as_slice().to_vec(), last_error())
+        })
+    };
+    let want = expected(dtype, n, WORLD);
+    for (r, (code, out, _)) in call(64).into_iter().enumerate() {
+        assert_eq!(code, ar_result_t::AR_SUCCESS, "rank {r}");
+        assert_eq!(out, want, "rank {r}");
+    }
+    // SAFETY: live handles.
+    let code = unsafe { ar_comm_deregister(raw.as_ptr(), WORLD as c_int, id) };
+    assert_eq!(checked(code), ar_result_t::AR_SUCCESS);
+    // SAFETY: as above.
+    let again = unsafe { ar_comm_deregister(raw.as_ptr(), WORLD as c_int, id) };
+    assert_eq!(checked(again), ar_result_t::AR_INVALID_ARGUMENT);
+    // Misaligned, or a pointer per rank missing: refused.
+    let odd: Vec<*mut c_void> = ptrs
+        .iter()
+        .map(|&p| (p as usize + 8) as *mut c_void)
+        .collect();
+    // SAFETY: as above (the library refuses before reading the memory).
+    let code = unsafe { ar_comm_register(raw.as_ptr(), WORLD as c_int, odd.as_ptr(), 64, &mut id) };
+    assert_eq!(checked(code), ar_result_t::AR_MISALIGNED);
+    // SAFETY: null ptrs are refused, not read.
+    let code = unsafe { ar_comm_register(raw.as_ptr(), WORLD as c_int, ptr::null(), 64, &mut id) };
+    assert_eq!(checked(code), ar_result_t::AR_INVALID_USAGE);
+    exact_round_is_right(&comms, DType::F32, 1000);
+    destroy(&comms);
+}
