@@ -1200,34 +1200,18 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
         R::bind(dev)?;
         // Plain device memory, which IPC can share (a stream-ordered pool's cannot).
         let mem = R::alloc_workspace(dev, bytes);
-        let range = mem.as_ref().map(|m| RegisteredRange {
-            addr: R::memory_addr(m) as usize,
+        // Every rank enters the exchange, so a rank whose allocation failed fails it for all
+        // (address 0 cannot be exported); it reports its allocation's error.
+        let addr = mem.as_ref().map_or(0, |m| R::memory_addr(m) as usize);
+        let id = g.register_rank(self.rank, RegisteredRange { addr, bytes }, bootstrap);
+        let mem = mem?;
+        Ok(GpuRegistered::memory(
+            &self.group,
+            self.rank,
+            mem,
             bytes,
-        });
-        // Every rank enters the exchange, so a rank whose allocation failed fails it for all.
-        let id = match &range {
-            Ok(range) => g.register_rank(self.rank, *range, bootstrap)?,
-            Err(_) => {
-                let _ = g.register_rank(self.rank, RegisteredRange { addr: 0, bytes }, bootstrap);
-                return Err(mem.err().expect("failed"));
-            }
-        };
-        let range = range.expect("allocated");
-        Ok(RegisteredMemory {
-            addr: range.addr,
-            bytes,
-            device: R::device_tag(R::ordinal(dev)),
-            id,
-            owner: Box::new(GpuRegistered::<R> {
-                deregister: Some(Deregister {
-                    registry: g.registry.clone(),
-                    id,
-                }),
-                mem: mem.ok(),
-                rank: self.rank,
-                group: self.group.clone(),
-            }),
-        })
+            id?,
+        ))
     }
 
     fn register_graph_buffers_rank(&self, bootstrap: &mut dyn Bootstrap) -> Result<usize> {
@@ -1272,23 +1256,8 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
         let id = self.register_group(&ranges)?;
         Ok(mems
             .into_iter()
-            .zip(ranges)
             .enumerate()
-            .map(|(rank, (mem, range))| RegisteredMemory {
-                addr: range.addr,
-                bytes,
-                device: R::device_tag(R::ordinal(&g.devices[g.rank_device[rank]])),
-                id,
-                owner: Box::new(GpuRegistered::<R> {
-                    deregister: Some(Deregister {
-                        registry: g.registry.clone(),
-                        id,
-                    }),
-                    mem: Some(mem),
-                    rank,
-                    group: self.group.clone(),
-                }),
-            })
+            .map(|(rank, mem)| GpuRegistered::memory(&self.group, rank, mem, bytes, id))
             .collect())
     }
 
@@ -1563,6 +1532,34 @@ struct GpuRegistered<R: GpuRuntime> {
     mem: Option<R::Memory>,
     rank: usize,
     group: Arc<Group<R>>,
+}
+
+impl<R: GpuRuntime> GpuRegistered<R> {
+    /// `mem`, rank `rank`'s part of registration `id`, owned so that dropping it deregisters
+    /// the registration and then frees the memory.
+    fn memory(
+        group: &Arc<Group<R>>,
+        rank: usize,
+        mem: R::Memory,
+        bytes: usize,
+        id: RegistrationId,
+    ) -> RegisteredMemory {
+        RegisteredMemory {
+            addr: R::memory_addr(&mem) as usize,
+            bytes,
+            device: R::device_tag(R::ordinal(&group.devices[group.rank_device[rank]])),
+            id,
+            owner: Box::new(GpuRegistered::<R> {
+                deregister: Some(Deregister {
+                    registry: group.registry.clone(),
+                    id,
+                }),
+                mem: Some(mem),
+                rank,
+                group: group.clone(),
+            }),
+        }
+    }
 }
 
 impl<R: GpuRuntime> allreduce_core::MemoryOwner for GpuRegistered<R> {
