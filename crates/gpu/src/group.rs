@@ -683,17 +683,23 @@ impl<R: GpuRuntime> Group<R> {
             return Ok(0);
         };
         // Slots are taken one after another, so the pending rows are one range of the table.
-        let mut rows = vec![0u8; first.len() * abi::GRAPH_SLOT_BYTES];
-        for (i, row) in rows.chunks_exact_mut(abi::GRAPH_SLOT_BYTES).enumerate() {
-            debug_assert_eq!(first[i].slot, lo + i);
-            for (k, word) in row.chunks_exact_mut(8).take(self.world).enumerate() {
-                word.copy_from_slice(&(pending[k][i].addr as u64).to_le_bytes());
-            }
-        }
+        debug_assert!(first.iter().enumerate().all(|(i, p)| p.slot == lo + i));
+        let rows = self.slot_rows(first.len(), |k, i| pending[k][i].addr as u64);
         for &rank in &self.local {
             self.write_rows(rank, lo, &rows)?;
         }
         Ok(first.len())
+    }
+
+    /// `count` slot rows: word `k` of row `i` is `addr(k, i)`, rank k's input of the i-th call.
+    fn slot_rows(&self, count: usize, addr: impl Fn(usize, usize) -> u64) -> Vec<u8> {
+        let mut rows = vec![0u8; count * abi::GRAPH_SLOT_BYTES];
+        for (i, row) in rows.chunks_exact_mut(abi::GRAPH_SLOT_BYTES).enumerate() {
+            for (k, word) in row.chunks_exact_mut(8).take(self.world).enumerate() {
+                word.copy_from_slice(&addr(k, i).to_le_bytes());
+            }
+        }
+        rows
     }
 
     /// Write `rows` into `rank`'s slot table from slot `lo` on, complete on return.

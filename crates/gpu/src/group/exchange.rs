@@ -252,12 +252,7 @@ impl<R: GpuRuntime> Group<R> {
             return Ok(0);
         };
         let addrs = self.map_shared(rank, &all, &mine)?;
-        let mut rows = vec![0u8; pending.len() * abi::GRAPH_SLOT_BYTES];
-        for (i, row) in rows.chunks_exact_mut(abi::GRAPH_SLOT_BYTES).enumerate() {
-            for (k, w) in row.chunks_exact_mut(8).take(self.world).enumerate() {
-                w.copy_from_slice(&addrs[k][i].to_le_bytes());
-            }
-        }
+        let rows = self.slot_rows(pending.len(), |k, i| addrs[k][i]);
         self.write_rows(rank, lo, &rows)?;
         Ok(pending.len())
     }
