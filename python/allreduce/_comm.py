@@ -7,7 +7,7 @@ import math
 import sys
 import threading
 import weakref
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 from . import _buffers, _errors, _lib
 from ._buffers import HOST
@@ -20,7 +20,7 @@ _BACKEND_NAMES = {v: k for k, v in BACKENDS.items()}
 # `ar_precision_t` and `ar_strategy_t`, by the names the header's comments use.
 PRECISIONS = {"exact": 0, "fp8": 1, "q8": 2, "q6": 3, "q4": 4, "q8a": 5, "q6a": 6, "q4a": 7}
 STRATEGIES = {"auto": 0, "oneshot": 1, "twoshot": 2, "quantized": 3, "hierarchical": 4,
-              "vendor": 5}
+              "vendor": 5, "vendor_symmetric": 6}
 
 _AR_SUM = 0
 # A dtype code that names nothing: how a refusal of the binding's own reaches the peers (see
@@ -32,8 +32,9 @@ _INT_MAX = 2**31 - 1
 
 
 def _name_to_code(table: dict, value: Any, what: str) -> int:
-    if isinstance(value, str) and value.lower() in table:
-        return table[value.lower()]
+    # "vendor-symmetric" and "vendor_symmetric" alike, as the Rust names parse.
+    if isinstance(value, str) and value.lower().replace("-", "_") in table:
+        return table[value.lower().replace("-", "_")]
     raise InvalidArgument(f"{what} {value!r} is not one of {', '.join(table)}")
 
 
@@ -434,6 +435,17 @@ class Communicator(Handle):
         out = ctypes.c_int(0)
         _lib.check(getattr(_lib.lib(), fn)(self._live_handle(), ctypes.byref(out)))
         return out.value
+
+    def vendor_window(self) -> Optional[Tuple[int, int]]:
+        """This rank's symmetric window of the vendor library (``strategy="vendor_symmetric"``,
+        NCCL 2.27 or later) as ``(device address, bytes)``, or ``None`` where the group has
+        none. Tensors in it, at the same offset on every rank, are reduced by NCCL's symmetric
+        kernels with no copy; others are copied in and out. It lives as long as the
+        communicator."""
+        addr, size = ctypes.c_void_p(0), ctypes.c_size_t(0)
+        _lib.check(_lib.lib().ar_comm_vendor_window(
+            self._live_handle(), ctypes.byref(addr), ctypes.byref(size)))
+        return (addr.value, size.value) if addr.value else None
 
     def _query_size(self, fn: str) -> int:
         out = ctypes.c_size_t(0)

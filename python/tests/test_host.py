@@ -155,6 +155,7 @@ def test_type_refusals_are_also_type_errors(group4):
     ({"strategy": "ring"}, allreduce.InvalidArgument, "strategy 'ring'"),
     ({"precision": "q8"}, allreduce.UnsupportedCodec, "q8"),  # codecs take 16-bit data only
     ({"strategy": "vendor"}, allreduce.StrategyUnavailable, "vendor"),
+    ({"strategy": "vendor-symmetric"}, allreduce.StrategyUnavailable, "vendor-symmetric"),
     ({"stream": "default"}, allreduce.UnsupportedType, "stream"),
 ])
 def test_option_refusals_raise_and_leave_the_group_exact(group4, kwargs, exc, text):
@@ -164,6 +165,10 @@ def test_option_refusals_raise_and_leave_the_group_exact(group4, kwargs, exc, te
 
     values(on_ranks(group4, rank))
     exact_round(group4)
+
+
+def test_the_host_backend_has_no_vendor_window(group4):
+    assert all(c.vendor_window() is None for c in group4)
 
 
 def test_one_ranks_refusal_reaches_its_peers_at_once(group4):

@@ -8,7 +8,10 @@
 //! beside a staged call, with new input written into the registered memory between replays.
 //! Then graphs captured on plain memory with graph registration on, whose buffers are
 //! registered after capture (vLLM's graph buffers): a replay before the registration must fail
-//! on every rank and write nothing; the replays after it must be exact.
+//! on every rank and write nothing; the replays after it must be exact. Then, where the vendor
+//! library serves the group (one rank per GPU: a group of one here), graphs of 1, 2 and 3 calls
+//! mixing the vendor strategies (symmetric windows, staged through the window and in pieces,
+//! and plain) with ours.
 //! Generic
 //! over the runtime; the test binaries (tests/cuda_graphs.rs, tests/rocm_graphs.rs) call
 //! [`run`] with theirs.
@@ -44,9 +47,34 @@ fn expected(n: usize, world: usize, iteration: usize) -> Vec<f32> {
         .collect()
 }
 
+/// Which calls a graph holds.
+#[derive(Clone, Copy, PartialEq)]
+enum Mix {
+    /// Ours, exact and quantized.
+    Flat,
+    /// Hierarchical quantized, on two NUMA groups.
+    Hierarchical,
+    /// The vendor strategies beside ours.
+    Vendor,
+}
+
 /// The calls a graph holds: (length, dtype, strategy, precision).
-fn calls(hierarchical: bool, k: usize) -> Vec<(usize, DType, Strategy, Precision)> {
-    if hierarchical {
+fn calls(mix: Mix, k: usize) -> Vec<(usize, DType, Strategy, Precision)> {
+    if mix == Mix::Vendor {
+        let all = [
+            // Past the 1 MiB window: two pieces, each copied in and out.
+            (
+                300_001,
+                DType::F32,
+                Strategy::VendorSymmetric,
+                Precision::Exact,
+            ),
+            (4097, DType::BF16, Strategy::OneShot, Precision::Exact),
+            (70_001, DType::F16, Strategy::Vendor, Precision::Exact),
+        ];
+        return all[..k].to_vec();
+    }
+    if mix == Mix::Hierarchical {
         let h = Strategy::HierarchicalQuantized;
         let all = [
             (70_001, DType::BF16, h, Precision::Lossy(Codec::Fp8E4M3)),
@@ -127,16 +155,12 @@ fn replay_and_check<R: GpuTestRuntime>(
     Ok(())
 }
 
-fn run_rank<R: GpuTestRuntime>(
-    comm: &Communicator,
-    hierarchical: bool,
-    k: usize,
-) -> Result<(), String> {
+fn run_rank<R: GpuTestRuntime>(comm: &Communicator, mix: Mix, k: usize) -> Result<(), String> {
     let e = |e: allreduce::Error| e.to_string();
     let (_dev, stream) = open_rank::<R>(comm).map_err(e)?;
     let rank = comm.rank();
     let world = comm.world_size();
-    let shapes = calls(hierarchical, k);
+    let shapes = calls(mix, k);
     let mut bufs = Vec::new();
     for &(n, dtype, _, _) in &shapes {
         let bytes = n * dtype.size();
@@ -457,12 +481,12 @@ pub fn run<R: GpuTestRuntime>() {
     }
     let exact_and_flat = [2usize, 4, 8]
         .into_iter()
-        .flat_map(|w| (1..=4).map(move |k| (w, k, false)));
-    let hierarchical = (1..=3).map(|k| (8usize, k, true));
-    for (world, k, hierarchical) in exact_and_flat.chain(hierarchical) {
+        .flat_map(|w| (1..=4).map(move |k| (w, k, Mix::Flat)));
+    let hierarchical = (1..=3).map(|k| (8usize, k, Mix::Hierarchical));
+    for (world, k, mix) in exact_and_flat.chain(hierarchical) {
         {
             let mut config = GroupConfig::new(world).max_bytes(1 << 20);
-            if hierarchical {
+            if mix == Mix::Hierarchical {
                 config = config.topology(Topology::parse("pcie:2x4", world).expect("spec"));
             }
             let comms = Communicator::new_group(R::KIND, config).expect("group");
@@ -470,7 +494,7 @@ pub fn run<R: GpuTestRuntime>() {
             let results: Vec<Result<(), String>> = std::thread::scope(|s| {
                 let hs: Vec<_> = comms
                     .iter()
-                    .map(|c| s.spawn(move || run_rank::<R>(c, hierarchical, k)))
+                    .map(|c| s.spawn(move || run_rank::<R>(c, mix, k)))
                     .collect();
                 hs.into_iter()
                     .map(|h| h.join().expect("rank thread"))
@@ -479,7 +503,11 @@ pub fn run<R: GpuTestRuntime>() {
             for r in results {
                 r.unwrap();
             }
-            let kind = if hierarchical { "hierarchical " } else { "" };
+            let kind = if mix == Mix::Hierarchical {
+                "hierarchical "
+            } else {
+                ""
+            };
             crate::say!(
                 R,
                 "{world} ranks, graph of {k} {kind}all-reduces x {REPLAYS} replays: ok ({:.2} s)",
@@ -489,4 +517,27 @@ pub fn run<R: GpuTestRuntime>() {
     }
     run_registered::<R>();
     run_graph_buffers::<R>();
+    run_vendor::<R>();
+}
+
+/// Graphs of 1, 2 and 3 calls mixing the vendor strategies with ours, on a group the vendor
+/// library serves: one rank (it needs one GPU per rank); the same code runs at any world.
+fn run_vendor<R: GpuTestRuntime>() {
+    let comms =
+        Communicator::new_group(R::KIND, GroupConfig::new(1).max_bytes(1 << 20)).expect("group");
+    for s in [Strategy::Vendor, Strategy::VendorSymmetric] {
+        if let Err(why) = comms[0].strategy_available(s, DType::F32, Precision::Exact) {
+            crate::say!(R, "vendor graphs skipped: {s} is unavailable: {why}");
+            return;
+        }
+    }
+    for k in 1..=3 {
+        let start = std::time::Instant::now();
+        run_rank::<R>(&comms[0], Mix::Vendor, k).unwrap();
+        crate::say!(
+            R,
+            "1 rank, graph of {k} vendor and own all-reduces x {REPLAYS} replays: ok ({:.2} s)",
+            start.elapsed().as_secs_f64()
+        );
+    }
 }

@@ -225,6 +225,15 @@ impl Communicator {
         self.comm.topology()
     }
 
+    /// This rank's symmetric window of the vendor library (`Strategy::VendorSymmetric`,
+    /// NCCL 2.27+): its device address and size in bytes, or `None` where the group has
+    /// none. Tensors that live in the window (at the same offset on every rank) are reduced
+    /// by NCCL's symmetric kernels with no copy; calls on other buffers are copied in and
+    /// out of it. The window is the group's: it lives as long as the communicator.
+    pub fn vendor_window(&self) -> Option<(u64, usize)> {
+        self.comm.vendor_window()
+    }
+
     pub fn world_size(&self) -> usize {
         self.comm.world_size()
     }

@@ -6,11 +6,17 @@
 //!
 //! NCCL's kernels have no deadline of ours: a peer that never arrives hangs them the way it
 //! hangs NCCL anywhere. Only our own kernels report `Timeout`.
+//!
+//! Symmetric windows (`Strategy::VendorSymmetric`) need NCCL 2.27 or later. cudarc resolves
+//! a symbol on first call and panics where it is missing, so the version and every window
+//! symbol are checked here before the first window call.
 
-use std::ffi::CStr;
+use std::ffi::{c_void, CStr};
 
 use allreduce_core::{DType, Error, Result, Stream};
 use cudarc::nccl::sys;
+
+use cudarc::driver::sys as cu;
 
 use crate::driver;
 
@@ -171,4 +177,189 @@ pub unsafe fn all_reduce(
         ),
         "ncclAllReduce",
     )
+}
+
+/// `ncclCommWindowRegister`'s flag for windows NCCL's symmetric kernels run on (nccl.h).
+const NCCL_WIN_COLL_SYMMETRIC: i32 = 0x01;
+
+/// The first NCCL with symmetric windows (2.27.0, in NCCL's version code).
+pub const SYMMETRIC_MIN_VERSION: i32 = 22_700;
+
+/// The symbols the windows call.
+const WINDOW_SYMBOLS: [&str; 4] = [
+    "ncclMemAlloc",
+    "ncclMemFree",
+    "ncclCommWindowRegister",
+    "ncclCommWindowDeregister",
+];
+
+/// "2.27.3" from NCCL's version code (major * 10000 + minor * 100 + patch since 2.9).
+pub fn version_name(code: i32) -> String {
+    format!("{}.{}.{}", code / 10_000, (code / 100) % 100, code % 100)
+}
+
+/// Why an NCCL of version `code`, lacking `missing` (the first window symbol not found), has
+/// no symmetric windows; `None` if it has them.
+pub fn symmetric_gate(code: i32, missing: Option<&str>) -> Option<String> {
+    if code < SYMMETRIC_MIN_VERSION {
+        return Some(format!(
+            "NCCL {} has no symmetric windows (NCCL {} or later has them)",
+            version_name(code),
+            version_name(SYMMETRIC_MIN_VERSION)
+        ));
+    }
+    missing.map(|m| {
+        format!(
+            "NCCL {} lacks {m}, which symmetric windows need",
+            version_name(code)
+        )
+    })
+}
+
+/// Why the loaded NCCL cannot make symmetric windows, or `None`. The library must be
+/// present ([`unavailable`] said so).
+pub fn symmetric_unavailable() -> Option<String> {
+    let mut code = 0;
+    // SAFETY: the library is present; ncclGetVersion exists in every NCCL 2.
+    if let Err(e) = check(unsafe { sys::ncclGetVersion(&mut code) }, "ncclGetVersion") {
+        return Some(e.to_string());
+    }
+    // SAFETY: only looks symbols up in the loaded library.
+    let lib = unsafe { sys::culib() };
+    let missing = WINDOW_SYMBOLS.into_iter().find(|name| {
+        // SAFETY: a lookup; the pointer is not called here.
+        unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err()
+    });
+    symmetric_gate(code, missing)
+}
+
+/// This process's ranks' windows: `ncclMemAlloc` memory (VMM memory NCCL can map into its
+/// peers), registered with `NCCL_WIN_COLL_SYMMETRIC` once [`Windows::register`] ran.
+pub struct Windows {
+    bytes: usize,
+    /// Per window: its context, address, communicator and registration (null until
+    /// registered).
+    ranks: Vec<(
+        cu::CUcontext,
+        *mut c_void,
+        sys::ncclComm_t,
+        sys::ncclWindow_t,
+    )>,
+}
+
+// SAFETY: device addresses and NCCL handles, usable from any thread one call at a time.
+unsafe impl Send for Windows {}
+unsafe impl Sync for Windows {}
+
+impl Windows {
+    /// `bytes` from `ncclMemAlloc` on each device (the symbols were checked by
+    /// [`symmetric_unavailable`]).
+    pub fn alloc(devices: &[&driver::Device], bytes: usize) -> Result<Windows> {
+        let mut w = Windows {
+            bytes,
+            ranks: Vec::new(),
+        };
+        for d in devices {
+            d.bind()?;
+            let mut ptr = std::ptr::null_mut();
+            // SAFETY: the device is current; NCCL writes the address. On failure the
+            // windows made so far are freed by drop.
+            check(
+                unsafe { sys::ncclMemAlloc(&mut ptr, bytes) },
+                "ncclMemAlloc",
+            )?;
+            w.ranks
+                .push((d.ctx, ptr, std::ptr::null_mut(), std::ptr::null_mut()));
+        }
+        Ok(w)
+    }
+
+    /// Register window i with `comms[i]`, every rank of this process in one NCCL group
+    /// (the registration is collective).
+    pub fn register(&mut self, comms: &[Comm]) -> Result<()> {
+        let bytes = self.bytes;
+        // SAFETY: each window is live memory of its context's device; the group is always
+        // closed; handles are filled by ncclGroupEnd.
+        unsafe {
+            check(sys::ncclGroupStart(), "ncclGroupStart")?;
+            let mut first_err = Ok(());
+            for ((ctx, ptr, comm, win), c) in self.ranks.iter_mut().zip(comms) {
+                let r = set_current(*ctx).and_then(|()| {
+                    check(
+                        sys::ncclCommWindowRegister(c.0, *ptr, bytes, win, NCCL_WIN_COLL_SYMMETRIC),
+                        "ncclCommWindowRegister",
+                    )
+                });
+                if let Err(e) = r {
+                    first_err = Err(e);
+                    break;
+                }
+                *comm = c.0;
+            }
+            let end = check(sys::ncclGroupEnd(), "ncclGroupEnd");
+            first_err?;
+            end?;
+        }
+        Ok(())
+    }
+
+    pub fn addr(&self, i: usize) -> u64 {
+        self.ranks[i].1 as u64
+    }
+}
+
+fn set_current(ctx: cu::CUcontext) -> Result<()> {
+    // SAFETY: a retained primary context of one of the group's devices.
+    match unsafe { cu::cuCtxSetCurrent(ctx) } {
+        cu::CUresult::CUDA_SUCCESS => Ok(()),
+        e => Err(Error::Device {
+            api: "cuCtxSetCurrent",
+            detail: format!("{e:?}"),
+        }),
+    }
+}
+
+impl Drop for Windows {
+    fn drop(&mut self) {
+        // SAFETY: registrations and allocations made above; deregistration is collective
+        // like the registration, so every rank's goes in one group. Nothing to report a
+        // failure to.
+        unsafe {
+            if self.ranks.iter().any(|r| !r.3.is_null()) {
+                let _ = sys::ncclGroupStart();
+                for (ctx, _, comm, win) in &self.ranks {
+                    if !win.is_null() {
+                        let _ = set_current(*ctx);
+                        let _ = sys::ncclCommWindowDeregister(*comm, *win);
+                    }
+                }
+                let _ = sys::ncclGroupEnd();
+            }
+            for (ctx, ptr, _, _) in &self.ranks {
+                let _ = set_current(*ctx);
+                let _ = sys::ncclMemFree(*ptr);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn symmetric_windows_need_nccl_2_27_and_its_symbols() {
+        let old = symmetric_gate(22_605, None).expect("2.26.5 is too old");
+        assert!(
+            old.contains("NCCL 2.26.5") && old.contains("2.27.0"),
+            "{old}"
+        );
+        assert_eq!(symmetric_gate(22_700, None), None);
+        assert_eq!(symmetric_gate(22_809, None), None);
+        let lacking = symmetric_gate(22_809, Some("ncclCommWindowRegister")).unwrap();
+        assert!(
+            lacking.contains("2.28.9") && lacking.contains("ncclCommWindowRegister"),
+            "{lacking}"
+        );
+    }
 }

@@ -5,7 +5,7 @@
 
 use std::ffi::{c_void, CStr};
 
-use allreduce_core::{Call, Device, Error, Link, Result, Stream};
+use allreduce_core::{DType, Device, Error, Link, Result, Stream};
 use allreduce_gpu::{Fill, GpuBackend, GpuComm, GpuRuntime};
 use cudarc::driver::sys;
 
@@ -78,6 +78,7 @@ impl GpuRuntime for CudaRuntime {
     type Module = driver::Module;
     type Function = Function;
     type Vendor = nccl::Comm;
+    type VendorWindows = nccl::Windows;
     type Stream = OwnedStream;
     type Graph = Graph;
 
@@ -385,16 +386,40 @@ impl GpuRuntime for CudaRuntime {
     unsafe fn vendor_all_reduce(
         comm: &nccl::Comm,
         dev: &driver::Device,
-        call: &Call,
+        input: usize,
+        output: usize,
+        n: usize,
+        dtype: DType,
+        stream: Stream,
     ) -> Result<()> {
         dev.bind()?;
-        nccl::all_reduce(
-            comm,
-            call.input.addr,
-            call.output.addr,
-            call.len(),
-            call.dtype(),
-            call.stream,
+        nccl::all_reduce(comm, input, output, n, dtype, stream)
+    }
+
+    fn vendor_symmetric_unavailable() -> Option<String> {
+        nccl::symmetric_unavailable()
+    }
+
+    fn vendor_windows_alloc(devices: &[&driver::Device], bytes: usize) -> Result<nccl::Windows> {
+        nccl::Windows::alloc(devices, bytes)
+    }
+
+    fn vendor_windows_register(
+        windows: &mut nccl::Windows,
+        comms: &[nccl::Comm],
+        _devices: &[&driver::Device],
+    ) -> Result<()> {
+        windows.register(comms)
+    }
+
+    fn vendor_window_addr(windows: &nccl::Windows, i: usize) -> u64 {
+        windows.addr(i)
+    }
+
+    unsafe fn copy_async(dst: u64, src: u64, bytes: usize, stream: Stream) -> Result<()> {
+        check(
+            sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream.as_raw() as _),
+            "cuMemcpyDtoDAsync",
         )
     }
 

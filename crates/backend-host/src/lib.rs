@@ -550,7 +550,7 @@ impl BackendComm for HostComm {
                 Precision::Lossy(c) => Err(format!("codec {c} does not accept {dtype}")),
                 Precision::Exact => Err("it needs Precision::Lossy(codec)".into()),
             },
-            Strategy::Vendor => {
+            Strategy::Vendor | Strategy::VendorSymmetric => {
                 Err("the host backend has no vendor library (NCCL/RCCL come with the cuda/rocm backends)".into())
             }
             Strategy::Auto => Err("Auto is resolved before the backend is called".into()),

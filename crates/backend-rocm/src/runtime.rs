@@ -25,7 +25,7 @@
 use std::ffi::{c_void, CStr};
 use std::sync::OnceLock;
 
-use allreduce_core::{Call, Device, Error, GroupConfig, Result, SelectionTable, Stream};
+use allreduce_core::{DType, Device, Error, GroupConfig, Result, SelectionTable, Stream};
 use allreduce_gpu::{abi::THREADS, Fill, GpuRuntime};
 
 use crate::hip::result::{self as hip, device, graph, memory, module, stream};
@@ -302,6 +302,7 @@ impl GpuRuntime for Hip {
     type Module = HipModule;
     type Function = HipFunction;
     type Vendor = RcclComm;
+    type VendorWindows = rccl::result::Windows;
     type Stream = HipStream;
     type Graph = HipGraph;
 
@@ -511,15 +512,49 @@ impl GpuRuntime for Hip {
         }
     }
 
-    unsafe fn vendor_all_reduce(comm: &RcclComm, _dev: &HipDevice, call: &Call) -> Result<()> {
-        rccl::result::all_reduce(
-            comm.0,
-            call.input.addr,
-            call.output.addr,
-            call.len(),
-            call.dtype(),
-            call.stream.as_raw(),
-        )
+    unsafe fn vendor_all_reduce(
+        comm: &RcclComm,
+        _dev: &HipDevice,
+        input: usize,
+        output: usize,
+        n: usize,
+        dtype: DType,
+        stream: Stream,
+    ) -> Result<()> {
+        rccl::result::all_reduce(comm.0, input, output, n, dtype, stream.as_raw())
+    }
+
+    /// RCCL keeps NCCL's window API where it exports it; no version gate of its own.
+    fn vendor_symmetric_unavailable() -> Option<String> {
+        rccl::sys::window::lib().err()
+    }
+
+    fn vendor_windows_alloc(devices: &[&HipDevice], bytes: usize) -> Result<rccl::result::Windows> {
+        let list: Vec<i32> = devices.iter().map(|d| d.ordinal as i32).collect();
+        rccl::result::Windows::alloc(&list, bytes)
+    }
+
+    fn vendor_windows_register(
+        windows: &mut rccl::result::Windows,
+        comms: &[RcclComm],
+        _devices: &[&HipDevice],
+    ) -> Result<()> {
+        let raw: Vec<_> = comms.iter().map(|c| c.0).collect();
+        windows.register(&raw)
+    }
+
+    fn vendor_window_addr(windows: &rccl::result::Windows, i: usize) -> u64 {
+        windows.addr(i)
+    }
+
+    unsafe fn copy_async(dst: u64, src: u64, bytes: usize, stream: Stream) -> Result<()> {
+        Ok(memory::copy_async(
+            dst as *mut c_void,
+            src as *const c_void,
+            bytes,
+            sys::hipMemcpyDeviceToDevice,
+            stream.as_raw() as sys::hipStream_t,
+        )?)
     }
 
     fn create_fused_group(

@@ -43,11 +43,14 @@ impl Probe {
         }
     }
     fn stream(&self) -> usize {
-        // SAFETY: as above.
+        self.ptr("stub_last_stream")
+    }
+    fn ptr(&self, name: &str) -> usize {
+        // SAFETY: the getter takes nothing and returns a pointer.
         unsafe {
             (self
                 .0
-                .get::<unsafe extern "C" fn() -> *mut c_void>("stub_last_stream")
+                .get::<unsafe extern "C" fn() -> *mut c_void>(name)
                 .unwrap())() as usize
         }
     }
@@ -142,6 +145,20 @@ fn hip_layers_against_a_stub_runtime() {
         .err()
         .expect("a symbol is missing");
     assert!(err.contains("lacks hipEventElapsedTime"), "{err}");
+    // An RCCL without the window API (any library lacking it) serves no symmetric windows
+    // and says which symbol is missing; its plain collectives are resolved apart.
+    // SAFETY: as above; only symbol lookups.
+    let library = unsafe { libloading::Library::new(&partial) }.unwrap();
+    // SAFETY: nothing is called.
+    let err = unsafe {
+        allreduce_backend_rocm::rccl::sys::window::Lib::from_library(
+            library,
+            partial.display().to_string(),
+        )
+    }
+    .err()
+    .expect("no window API");
+    assert!(err.contains("lacks ncclMemAlloc"), "{err}");
 
     let full = build_stub(&cc, &dir, "libamdhip64_stub", &[]);
     std::env::set_var(hip::sys::PATH_ENV, &full);
@@ -211,14 +228,11 @@ fn hip_layers_against_a_stub_runtime() {
     // the gfx942 code object chosen by trying each, every kernel warmed once per rank.
     std::env::set_var("STUB_HIP_WORKS", "1");
     std::env::set_var("STUB_HIP_DEVICES", "2");
-    let rccl_stub = build_c_stub(
-        &cc,
-        &dir,
-        "librccl_stub",
-        RCCL_STUB,
-        allreduce_backend_rocm::rccl::sys::SYMBOLS,
-        &[],
-    );
+    let rccl_symbols: Vec<&str> = (allreduce_backend_rocm::rccl::sys::SYMBOLS.iter())
+        .chain(allreduce_backend_rocm::rccl::sys::window::SYMBOLS)
+        .copied()
+        .collect();
+    let rccl_stub = build_c_stub(&cc, &dir, "librccl_stub", RCCL_STUB, &rccl_symbols, &[]);
     std::env::set_var(allreduce_backend_rocm::rccl::sys::PATH_ENV, &rccl_stub);
     let probe = Probe::open(&full);
     let rccl = Probe::open(&rccl_stub);
@@ -340,6 +354,71 @@ fn hip_layers_against_a_stub_runtime() {
         "no kernel for the RCCL call"
     );
 
+    // Symmetric windows: one per rank from ncclMemAlloc, of the group's max_bytes, registered
+    // in one RCCL group (the stub refuses a registration outside one) with the symmetric
+    // flag.
+    assert_eq!(rccl.u32("stub_rccl_window_registers"), 2);
+    assert_eq!(rccl.u32("stub_rccl_last_win_flags"), 1);
+    let (win, win_bytes) = c.vendor_window().expect("RCCL's windows");
+    assert_eq!(win_bytes as u32, rccl.u32("stub_rccl_last_win_bytes"));
+    assert!(win_bytes >= 9 << 20, "{win_bytes}");
+    assert_ne!(comms[0].vendor_window().unwrap().0, win);
+    // A call outside the window: copied in, reduced in place in the window, copied out, all
+    // on the call's stream.
+    let call = prepare(
+        Some(input),
+        &output,
+        &AllReduceOptions::default()
+            .strategy(Strategy::VendorSymmetric)
+            .stream(stream),
+        &c.limits(),
+        c.world_size(),
+        c.selection(),
+        |s, d, p| c.strategy_available(s, d, p),
+    )
+    .unwrap();
+    c.all_reduce(&call).unwrap();
+    assert_eq!(probe.u32("stub_copies"), 2);
+    assert_eq!(
+        (
+            probe.ptr("stub_last_copy_dst"),
+            probe.ptr("stub_last_copy_src")
+        ),
+        (0x100_0000, win as usize)
+    );
+    assert_eq!(probe.u32("stub_last_copy_bytes"), 8 << 20);
+    assert_eq!(rccl.u32("stub_rccl_calls"), 2);
+    assert_eq!(
+        (
+            rccl.ptr("stub_rccl_last_send"),
+            rccl.ptr("stub_rccl_last_recv")
+        ),
+        (win as usize, win as usize)
+    );
+    // In the window: RCCL runs on the caller's buffer with no copy.
+    // SAFETY: an address inside rank 1's live window.
+    let in_window = unsafe { BufMut::from_raw(win as usize + 4096, 1024, DType::BF16, dev) };
+    let call = prepare(
+        None,
+        &in_window,
+        &AllReduceOptions::default()
+            .strategy(Strategy::VendorSymmetric)
+            .stream(stream),
+        &c.limits(),
+        c.world_size(),
+        c.selection(),
+        |s, d, p| c.strategy_available(s, d, p),
+    )
+    .unwrap();
+    c.all_reduce(&call).unwrap();
+    assert_eq!(
+        probe.u32("stub_copies"),
+        2,
+        "no copy for a buffer in the window"
+    );
+    assert_eq!(rccl.ptr("stub_rccl_last_send"), win as usize + 4096);
+    assert_eq!(rccl.u32("stub_rccl_last_count"), 1024);
+
     // Graph capture (GpuGraph, what the graph-replay test uses): the call launched on a
     // capturing stream is recorded, not run, and the graph replays it.
     let gpu = GpuDevice::<Hip>::open(0).unwrap();
@@ -434,6 +513,9 @@ fn hip_layers_against_a_stub_runtime() {
     assert_eq!(a.comm_bytes, comm_bytes as u64);
     drop(fused);
     drop(comms);
+    // The windows went with the group: deregistered in one RCCL group, then freed.
+    assert_eq!(rccl.u32("stub_rccl_window_deregisters"), 2);
+    assert_eq!(rccl.u32("stub_rccl_window_frees"), 2);
 
     // IPC (groups across processes): the handle of an uncached allocation opens, with lazy
     // peer access, to a mapping that is closed on drop.

@@ -108,7 +108,8 @@ pub struct Args {
     pub backend: BackendKind,
 
     /// Strategies, comma-separated: auto, oneshot, twoshot, quantized, hierarchical (two NUMA
-    /// groups: a topology from the GPUs or ALLREDUCE_TOPOLOGY=pcie:2x4), vendor
+    /// groups: a topology from the GPUs or ALLREDUCE_TOPOLOGY=pcie:2x4), vendor (NCCL/RCCL),
+    /// vendor-symmetric (NCCL 2.27+ on symmetric windows)
     #[arg(
         long,
         value_delimiter = ',',
@@ -215,8 +216,9 @@ pub struct Args {
 
     /// Write the measured winners into this selection-table file (read by `Auto` through
     /// GroupConfig::selection or ALLREDUCE_SELECTION_TABLE): per size, the fastest strategy
-    /// among those swept, for this world size and dtype, exact and lossy separately. Rules
-    /// already in the file for other world sizes or dtypes are kept
+    /// among those swept (the vendor strategies always among them), for this world size and
+    /// dtype, exact and lossy separately. Rules already in the file for other world sizes or
+    /// dtypes are kept
     #[arg(long, value_name = "FILE.json")]
     pub tune: Option<PathBuf>,
 }

@@ -26,7 +26,7 @@ use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use allreduce::{Communicator, GroupConfig};
+use allreduce::{Communicator, GroupConfig, Strategy};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -102,7 +102,14 @@ fn run(args: &Args) -> Result<ExitCode, BoxError> {
         )
         .into());
     }
-    let strategies = dedup(&args.strategy);
+    let mut strategies = args.strategy.clone();
+    if args.tune.is_some() {
+        // A tuned table must never pick a custom path measured slower than the vendor
+        // library, so the vendor strategies are always measured (rows the group cannot run
+        // are skipped and win nothing).
+        strategies.extend([Strategy::Vendor, Strategy::VendorSymmetric]);
+    }
+    let strategies = dedup(&strategies);
     let precisions = dedup(&args.precision);
     let rows: Vec<RowSpec> = sizes
         .iter()

@@ -636,12 +636,13 @@ mod tests {
         out
     }
 
-    const ALL: [Strategy; 5] = [
+    const ALL: [Strategy; 6] = [
         Strategy::Auto,
         Strategy::OneShot,
         Strategy::TwoShot,
         Strategy::QuantizedTwoShot,
         Strategy::Vendor,
+        Strategy::VendorSymmetric,
     ];
 
     #[test]
@@ -667,14 +668,14 @@ mod tests {
                 match &row.outcome {
                     Outcome::Skipped(reason) => {
                         assert!(
-                            spec.strategy == Strategy::Vendor
+                            spec.strategy.is_vendor()
                                 || (spec.strategy == Strategy::QuantizedTwoShot && spec.exact()),
                             "{spec:?} skipped: {reason}"
                         );
                         assert!(reason.contains("unavailable"), "{reason}");
                     }
                     Outcome::Done(m) => {
-                        assert!(spec.strategy != Strategy::Vendor);
+                        assert!(!spec.strategy.is_vendor());
                         assert!(!m.failed(spec.exact()), "{spec:?}: {m:?}");
                         assert_eq!(m.iters, 3);
                         assert!(m.seconds > 0.0);

@@ -117,6 +117,9 @@ typedef enum {
   AR_STRATEGY_HIERARCHICAL = 4,
   // The vendor library: NCCL on CUDA, RCCL on ROCm.
   AR_STRATEGY_VENDOR = 5,
+  // The vendor library on symmetric windows (NCCL 2.27+): NCCL's low-latency symmetric
+  // kernels; buffers outside the window (`ar_comm_vendor_window`) are copied in and out.
+  AR_STRATEGY_VENDOR_SYMMETRIC = 6,
 } ar_strategy_t;
 
 // Which implementation runs the ranks (the `backend` argument of the init functions).
@@ -385,6 +388,16 @@ ar_result_t ar_comm_alignment(ar_comm_t comm, size_t *bytes);
 // # Safety
 // `bytes` is NULL (refused) or writable.
 ar_result_t ar_comm_max_bytes(ar_comm_t comm, size_t *bytes);
+
+// This rank's symmetric window of the vendor library (`AR_STRATEGY_VENDOR_SYMMETRIC`,
+// NCCL 2.27 or later): its device address and size. Buffers in it, at the same offset on
+// every rank, are reduced with no copy; others are copied in and out. Writes NULL and 0
+// where the group has no window (no NCCL/RCCL, an NCCL older than 2.27, virtual ranks, the
+// host backend). The window lives as long as the communicator. Thread-safe.
+//
+// # Safety
+// `addr` and `bytes` are NULL (refused) or writable.
+ar_result_t ar_comm_vendor_window(ar_comm_t comm, void **addr, size_t *bytes);
 
 // 1 if calls larger than `ar_comm_max_bytes` run in pieces (GPU backends), 0 if they are
 // refused with `AR_TOO_LARGE` (the host backend). Thread-safe.

@@ -60,6 +60,9 @@ pub enum ar_strategy_t {
     AR_STRATEGY_HIERARCHICAL = 4,
     /// The vendor library: NCCL on CUDA, RCCL on ROCm.
     AR_STRATEGY_VENDOR = 5,
+    /// The vendor library on symmetric windows (NCCL 2.27+): NCCL's low-latency symmetric
+    /// kernels; buffers outside the window (`ar_comm_vendor_window`) are copied in and out.
+    AR_STRATEGY_VENDOR_SYMMETRIC = 6,
 }
 
 /// Which implementation runs the ranks (the `backend` argument of the init functions).
@@ -167,7 +170,8 @@ pub fn strategy(code: c_int) -> Result<Strategy, Error> {
         3 => Ok(Strategy::QuantizedTwoShot),
         4 => Ok(Strategy::HierarchicalQuantized),
         5 => Ok(Strategy::Vendor),
-        _ => Err(invalid("strategy", code, "the ar_strategy_t values 0 to 5")),
+        6 => Ok(Strategy::VendorSymmetric),
+        _ => Err(invalid("strategy", code, "the ar_strategy_t values 0 to 6")),
     }
 }
 
@@ -180,6 +184,7 @@ pub fn strategy_code(strategy: Strategy) -> c_int {
         Strategy::QuantizedTwoShot => 3,
         Strategy::HierarchicalQuantized => 4,
         Strategy::Vendor => 5,
+        Strategy::VendorSymmetric => 6,
     }
 }
 
@@ -305,7 +310,7 @@ mod tests {
         for bad in [-1, 8, c_int::MAX] {
             assert_eq!(code(precision(bad).unwrap_err()), AR_INVALID_ARGUMENT);
         }
-        for bad in [-1, 6, c_int::MIN] {
+        for bad in [-1, 7, c_int::MIN] {
             assert_eq!(code(strategy(bad).unwrap_err()), AR_INVALID_ARGUMENT);
         }
         for bad in [-1, 3] {

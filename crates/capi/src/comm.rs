@@ -1,6 +1,6 @@
 //! Building, querying and destroying communicators.
 
-use std::ffi::c_int;
+use std::ffi::{c_int, c_void};
 
 use allreduce::{Bootstrap, Communicator, Device, Error, GroupConfig};
 use allreduce_bootstrap::TcpBootstrap;
@@ -303,6 +303,34 @@ pub unsafe extern "C" fn ar_comm_alignment(comm: ar_comm_t, bytes: *mut usize) -
 pub unsafe extern "C" fn ar_comm_max_bytes(comm: ar_comm_t, bytes: *mut usize) -> ar_result_t {
     // SAFETY: the caller's promise about `bytes`.
     unsafe { query(comm, bytes, "bytes", |c| Ok(c.max_bytes())) }
+}
+
+/// This rank's symmetric window of the vendor library (`AR_STRATEGY_VENDOR_SYMMETRIC`,
+/// NCCL 2.27 or later): its device address and size. Buffers in it, at the same offset on
+/// every rank, are reduced with no copy; others are copied in and out. Writes NULL and 0
+/// where the group has no window (no NCCL/RCCL, an NCCL older than 2.27, virtual ranks, the
+/// host backend). The window lives as long as the communicator. Thread-safe.
+///
+/// # Safety
+/// `addr` and `bytes` are NULL (refused) or writable.
+#[no_mangle]
+pub unsafe extern "C" fn ar_comm_vendor_window(
+    comm: ar_comm_t,
+    addr: *mut *mut c_void,
+    bytes: *mut usize,
+) -> ar_result_t {
+    call::run(|| {
+        let found = handle::comm(comm)?;
+        if addr.is_null() || bytes.is_null() {
+            return Err(Failure::usage("addr and bytes must not be NULL"));
+        }
+        let (a, b) = found.comm().vendor_window().unwrap_or((0, 0));
+        // SAFETY: the caller's promise about `addr` and `bytes`.
+        unsafe {
+            write_out(addr, "addr", a as usize as *mut c_void)?;
+            write_out(bytes, "bytes", b)
+        }
+    })
 }
 
 /// 1 if calls larger than `ar_comm_max_bytes` run in pieces (GPU backends), 0 if they are

@@ -278,6 +278,15 @@ fn queries_describe_the_communicator() {
         assert_eq!(device, -1);
         assert_eq!(backend, ar_backend_t::AR_BACKEND_HOST as c_int);
         assert_eq!((align, max, splits), (16, 1 << 16, 0));
+        // The host backend has no vendor window: NULL and 0; a NULL out-pointer is refused.
+        let (mut addr, mut bytes) = (std::ptr::dangling_mut::<std::ffi::c_void>(), 1usize);
+        // SAFETY: both are writable.
+        let code = unsafe { ar_comm_vendor_window(c.0, &mut addr, &mut bytes) };
+        assert_eq!(code, ar_result_t::AR_SUCCESS);
+        assert_eq!((addr as usize, bytes), (0, 0));
+        // SAFETY: NULL is refused before anything is written.
+        let code = unsafe { ar_comm_vendor_window(c.0, &mut addr, std::ptr::null_mut()) };
+        assert_eq!(code, ar_result_t::AR_INVALID_USAGE);
     }
     // What Auto picks is the facade's choice, as a strategy code.
     let code_of = |s: Strategy| {
@@ -288,6 +297,7 @@ fn queries_describe_the_communicator() {
             Strategy::QuantizedTwoShot => ar_strategy_t::AR_STRATEGY_QUANTIZED,
             Strategy::HierarchicalQuantized => ar_strategy_t::AR_STRATEGY_HIERARCHICAL,
             Strategy::Vendor => ar_strategy_t::AR_STRATEGY_VENDOR,
+            Strategy::VendorSymmetric => ar_strategy_t::AR_STRATEGY_VENDOR_SYMMETRIC,
         }) as c_int
     };
     for (count, precision, codec) in [

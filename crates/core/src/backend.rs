@@ -383,6 +383,15 @@ pub trait BackendComm: Send + Sync {
         None
     }
 
+    /// This rank's symmetric window of the vendor library (`Strategy::VendorSymmetric`):
+    /// its device address and bytes, or `None` where the group has none. A call whose input
+    /// and output lie in it, at the same offset on every rank, runs in place with no copy;
+    /// other calls are copied in and out of it. Calls are ordered on their streams: a
+    /// caller that fills the window on one stream and calls on another synchronises them.
+    fn vendor_window(&self) -> Option<(u64, usize)> {
+        None
+    }
+
     /// Register memory with every rank of this rank's in-process group: `ranges[r]` is rank
     /// r's (see [`crate::registration`]). Out-of-place exact calls whose input lies in a
     /// registration may then read the peers' inputs in place. Backends without it refuse.

@@ -62,7 +62,7 @@ pub fn traffic_per_rank(
     Some(match strategy {
         Strategy::Auto => return None,
         Strategy::OneShot => (w - 1) * bytes,
-        Strategy::TwoShot | Strategy::Vendor => 2 * (w - 1) * bytes / w,
+        Strategy::TwoShot | Strategy::Vendor | Strategy::VendorSymmetric => 2 * (w - 1) * bytes / w,
         Strategy::QuantizedTwoShot => match precision {
             Precision::Exact => return None,
             Precision::Lossy(codec) => {
@@ -104,7 +104,9 @@ pub fn cross_group_traffic_per_rank(
     Some(match (strategy, precision) {
         (Strategy::Auto, _) => return None,
         (Strategy::OneShot, _) => g * bytes,
-        (Strategy::TwoShot | Strategy::Vendor, _) => 2 * g * bytes / world,
+        (Strategy::TwoShot | Strategy::Vendor | Strategy::VendorSymmetric, _) => {
+            2 * g * bytes / world
+        }
         (Strategy::QuantizedTwoShot, Precision::Lossy(codec)) => {
             2 * g * codec.encoded_len(shard_len(n, world, QUANT_GRANULE))
         }

@@ -139,16 +139,29 @@ pub enum Strategy {
     HierarchicalQuantized,
     /// The vendor library: NCCL on CUDA, RCCL on ROCm.
     Vendor,
+    /// The vendor library on symmetric windows (NCCL 2.27+ `ncclCommWindowRegister` with
+    /// `NCCL_WIN_COLL_SYMMETRIC`, RCCL where it exports the API): the group registers one
+    /// window per rank, and the call runs in it, which selects NCCL's low-latency symmetric
+    /// kernels (f32 accumulation). Buffers outside the window are copied in and out; buffers
+    /// inside it ([`crate::BackendComm::vendor_window`]) run in place with no copy.
+    VendorSymmetric,
 }
 
 impl Strategy {
-    pub const CONCRETE: [Strategy; 5] = [
+    pub const CONCRETE: [Strategy; 6] = [
         Strategy::OneShot,
         Strategy::TwoShot,
         Strategy::QuantizedTwoShot,
         Strategy::Vendor,
         Strategy::HierarchicalQuantized,
+        Strategy::VendorSymmetric,
     ];
+
+    /// Whether the vendor library runs the call (the strategies a group without peer access
+    /// still offers).
+    pub const fn is_vendor(self) -> bool {
+        matches!(self, Strategy::Vendor | Strategy::VendorSymmetric)
+    }
 
     /// Whether the strategy moves data through a codec (and so needs `Precision::Lossy`).
     pub const fn quantizes(self) -> bool {
@@ -165,6 +178,7 @@ impl Strategy {
             Strategy::TwoShot => "twoshot",
             Strategy::QuantizedTwoShot => "quantized",
             Strategy::Vendor => "vendor",
+            Strategy::VendorSymmetric => "vendor-symmetric",
             Strategy::HierarchicalQuantized => "hierarchical",
         }
     }
@@ -185,12 +199,15 @@ impl FromStr for Strategy {
             "twoshot" => Ok(Strategy::TwoShot),
             "quantized" | "quantizedtwoshot" | "qtwoshot" => Ok(Strategy::QuantizedTwoShot),
             "vendor" | "nccl" | "rccl" => Ok(Strategy::Vendor),
+            "vendorsymmetric" | "ncclsymmetric" | "rcclsymmetric" | "symmetric" | "ncclsymm" => {
+                Ok(Strategy::VendorSymmetric)
+            }
             "hierarchical" | "hierarchicalquantized" | "hier" => {
                 Ok(Strategy::HierarchicalQuantized)
             }
             _ => Err(format!(
-                "unknown strategy `{s}` (expected auto, oneshot, twoshot, quantized, hierarchical \
-                 or vendor)"
+                "unknown strategy `{s}` (expected auto, oneshot, twoshot, quantized, hierarchical, \
+                 vendor or vendor-symmetric)"
             )),
         }
     }

@@ -47,6 +47,9 @@ pub enum TopologyClass {
     /// Distinct GPUs on PCIe only, in exactly two NUMA groups (the 2 x 4 boxes of
     /// TensorRT-LLM's low-precision all-reduce: the slow hop is between the groups).
     PcieTwoNuma,
+    /// Distinct GPUs, every pair over NVLink (xGMI on AMD): where NCCL's symmetric kernels
+    /// run (`Strategy::VendorSymmetric`).
+    NvLink,
 }
 
 impl TopologyClass {
@@ -54,6 +57,7 @@ impl TopologyClass {
         match self {
             TopologyClass::Pcie => "pcie",
             TopologyClass::PcieTwoNuma => "pcie-2numa",
+            TopologyClass::NvLink => "nvlink",
         }
     }
 }
@@ -64,8 +68,9 @@ impl std::str::FromStr for TopologyClass {
         match s.to_ascii_lowercase().as_str() {
             "pcie" => Ok(TopologyClass::Pcie),
             "pcie-2numa" => Ok(TopologyClass::PcieTwoNuma),
+            "nvlink" => Ok(TopologyClass::NvLink),
             _ => Err(format!(
-                "unknown topology class `{s}` (expected pcie or pcie-2numa)"
+                "unknown topology class `{s}` (expected pcie, pcie-2numa or nvlink)"
             )),
         }
     }
@@ -113,8 +118,24 @@ impl Topology {
         any
     }
 
+    /// Every pair of distinct GPUs over NVLink (and at least one such pair).
+    pub fn nvlink_only(&self) -> bool {
+        let mut any = false;
+        for l in self.links.iter().flatten() {
+            match l {
+                Link::NvLink => any = true,
+                Link::SameDevice => {}
+                Link::Pcie | Link::None => return false,
+            }
+        }
+        any
+    }
+
     /// The class selection rules match on, if the topology has one.
     pub fn class(&self) -> Option<TopologyClass> {
+        if self.nvlink_only() {
+            return Some(TopologyClass::NvLink);
+        }
         if !self.pcie_only() {
             return None;
         }
@@ -218,7 +239,11 @@ mod tests {
             Topology::parse("pcie", 4).unwrap().class(),
             Some(TopologyClass::Pcie)
         );
-        assert_eq!(Topology::parse("nvlink:2x2", 4).unwrap().class(), None);
+        // NVLink is one class whatever the NUMA nodes: the symmetric kernels do not care.
+        assert_eq!(
+            Topology::parse("nvlink:2x2", 4).unwrap().class(),
+            Some(TopologyClass::NvLink)
+        );
         assert_eq!(Topology::parse("pcie:4x2", 8).unwrap().class(), None);
         let t = Topology::parse("nvlink", 4).unwrap();
         assert!(!t.pcie_only() && t.peer_access());

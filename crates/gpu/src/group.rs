@@ -207,6 +207,9 @@ struct Group<R: GpuRuntime> {
     peers: [u64; MAX_WORLD],
     /// One vendor communicator per local rank (in `local`'s order), or why there is none.
     vendor: std::result::Result<Vec<R::Vendor>, String>,
+    /// The local ranks' symmetric windows of `max_bytes` (`Strategy::VendorSymmetric`), or
+    /// why there are none.
+    windows: std::result::Result<R::VendorWindows, String>,
     grid: u32,
     max_bytes: usize,
     /// Size of each staging buffer, the stride the kernels see as `Args::max_bytes`.
@@ -327,6 +330,7 @@ impl<R: GpuRuntime> Group<R> {
         if let Err(why) = &group.vendor {
             tracing::debug!(reason = %why, "no vendor library for this group");
         }
+        group.windows = group.make_windows(|_| Ok(true));
         group.warm_up()?;
         Ok(group)
     }
@@ -471,6 +475,12 @@ impl<R: GpuRuntime> Group<R> {
                 .map(|c| vec![c])
                 .map_err(|e| format!("vendor library initialisation failed: {e}"))
         };
+        // The windows' registration is collective: every rank allocates first and says
+        // whether it could, and only a group where all could enters it.
+        group.windows = group.make_windows(|ready| {
+            let all = boot.all_gather(&[u8::from(ready)])?;
+            Ok(all.iter().all(|m| m.first() == Some(&1)))
+        });
 
         let warm = match failed {
             Some(e) => Err(e),
@@ -526,6 +536,7 @@ impl<R: GpuRuntime> Group<R> {
             controls: (0..world).map(|_| None).collect(),
             peers: [0; MAX_WORLD],
             vendor: Err("the vendor library is not initialised yet".into()),
+            windows: Err("the vendor library is not initialised yet".into()),
             grid,
             max_bytes,
             stage_bytes: stage,
@@ -720,6 +731,43 @@ impl<R: GpuRuntime> Group<R> {
     /// (loading code, growing the scratch reservation); done while a peer's kernel spins
     /// waiting for this rank's launch, that wait never ends. Every rank advances its epochs
     /// and call parities by the same amount, so they stay in step.
+    /// The symmetric windows of this process's ranks: allocated, agreed on (`agree` is told
+    /// whether this process could allocate and answers whether every rank could), then
+    /// registered. Why not, where any step says no; the group builds either way.
+    fn make_windows(
+        &self,
+        agree: impl FnOnce(bool) -> Result<bool>,
+    ) -> std::result::Result<R::VendorWindows, String> {
+        let comms = self.vendor.as_ref().map_err(Clone::clone)?;
+        let devices: Vec<&R::Device> = (self.local.iter())
+            .map(|&r| &self.devices[self.rank_device[r]])
+            .collect();
+        let mine = if std::env::var_os("ALLREDUCE_DISABLE_VENDOR_SYMMETRIC").is_some() {
+            Err("disabled by ALLREDUCE_DISABLE_VENDOR_SYMMETRIC".to_string())
+        } else if let Some(why) = R::vendor_symmetric_unavailable() {
+            Err(why)
+        } else {
+            R::vendor_windows_alloc(&devices, self.max_bytes)
+                .map_err(|e| format!("the symmetric windows could not be allocated: {e}"))
+        };
+        match agree(mine.is_ok()) {
+            Err(e) => {
+                return Err(format!(
+                    "the ranks could not agree on symmetric windows: {e}"
+                ))
+            }
+            Ok(false) if mine.is_ok() => {
+                return Err("another rank cannot make symmetric windows (see its log)".into())
+            }
+            _ => {}
+        }
+        let mut windows = mine?;
+        R::vendor_windows_register(&mut windows, comms, &devices)
+            .map_err(|e| format!("symmetric window registration failed: {e}"))?;
+        tracing::debug!(bytes = self.max_bytes, "symmetric windows registered");
+        Ok(windows)
+    }
+
     fn warm_up(&self) -> Result<()> {
         for &rank in &self.local {
             let d = self.rank_device[rank];
@@ -834,7 +882,9 @@ fn grid_for(blocks_per_rank: u32, compute_units: &[u32], rank_device: &[usize]) 
 
 impl<R: GpuRuntime> Drop for Group<R> {
     fn drop(&mut self) {
-        // The vendor library first: its communicators may hold references into the devices.
+        // The vendor library first: its communicators may hold references into the devices;
+        // the windows before the communicators they are registered with.
+        self.windows = Err("dropped".into());
         if let Ok(comms) = &mut self.vendor {
             comms.clear();
         }
@@ -927,12 +977,13 @@ fn dtype_index(d: DType) -> usize {
 }
 
 // Descriptor codes; 0 is never used so a zeroed slot matches nothing.
-const STRATEGIES: [Strategy; 5] = [
+const STRATEGIES: [Strategy; 6] = [
     Strategy::OneShot,
     Strategy::TwoShot,
     Strategy::QuantizedTwoShot,
     Strategy::Vendor,
     Strategy::HierarchicalQuantized,
+    Strategy::VendorSymmetric,
 ];
 
 fn precision_code(p: Precision) -> u64 {
@@ -973,6 +1024,7 @@ fn mismatch_error(me: usize, peer: usize, call: u64, mine: Desc, theirs: Desc) -
         "quantized",
         "vendor",
         "hierarchical",
+        "vendor-symmetric",
     ];
     let mut precisions = vec!["exact"];
     precisions.extend(Codec::ALL.iter().map(|c| c.name()));
@@ -1077,6 +1129,48 @@ impl<R: GpuRuntime> GpuComm<R> {
     /// Whether any rank's kernel has timed out: then the group is out of step for good.
     fn aborted(&self) -> Option<String> {
         self.group.aborted()
+    }
+
+    /// `Strategy::VendorSymmetric`: the vendor library on this rank's symmetric window. A
+    /// call whose input and output both lie in the window runs there as given (the caller
+    /// keeps every rank's offsets equal, as NCCL asks of symmetric buffers); any other is
+    /// copied in, reduced in place in the window and copied out, in pieces of the window's
+    /// size, all on the call's stream (so graph capture records the copies with the call).
+    fn vendor_symmetric(&self, call: &Call) -> Result<()> {
+        let g = &*self.group;
+        let unavailable = |reason: &String| Error::StrategyUnavailable {
+            strategy: Strategy::VendorSymmetric,
+            reason: reason.clone(),
+        };
+        let comms = g.vendor.as_ref().map_err(unavailable)?;
+        let windows = g.windows.as_ref().map_err(unavailable)?;
+        let i = g.local.iter().position(|&r| r == self.rank).expect("local");
+        let (comm, dev) = (&comms[i], self.device());
+        let base = R::vendor_window_addr(windows, i) as usize;
+        let (input, output, bytes) = (call.input.addr, call.output.addr, call.bytes());
+        let inside = |a: usize| a >= base && a + bytes <= base + g.max_bytes;
+        R::bind(dev)?;
+        let (n, dtype, stream) = (call.len(), call.dtype(), call.stream);
+        if inside(input) && inside(output) {
+            // SAFETY: `prepare` validated the buffers; the window is alive with the group.
+            return unsafe { R::vendor_all_reduce(comm, dev, input, output, n, dtype, stream) };
+        }
+        let elem = dtype.size();
+        let piece = g.max_bytes / elem;
+        let mut start = 0;
+        while start < n {
+            let len = piece.min(n - start);
+            let at = start * elem;
+            // SAFETY: the pieces lie in the caller's validated buffers and in the window
+            // (len * elem <= max_bytes); both outlive the stream's pass over them.
+            unsafe {
+                R::copy_async(base as u64, (input + at) as u64, len * elem, stream)?;
+                R::vendor_all_reduce(comm, dev, base, base, len, dtype, stream)?;
+                R::copy_async((output + at) as u64, base as u64, len * elem, stream)?;
+            }
+            start += len;
+        }
+        Ok(())
     }
 
     /// An exact one-shot or two-shot call whose input lies in registered memory: the peers'
@@ -1318,6 +1412,12 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
                     .map(|_| ())
                 }),
             Strategy::Vendor => self.group.vendor.as_ref().map(|_| ()).map_err(Clone::clone),
+            Strategy::VendorSymmetric => self
+                .group
+                .windows
+                .as_ref()
+                .map(|_| ())
+                .map_err(Clone::clone),
             Strategy::Auto => Err("Auto is resolved before the backend is called".into()),
         }
     }
@@ -1395,8 +1495,19 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
                 R::bind(self.device())?;
                 // SAFETY: `prepare` validated the buffers (device, size, alignment).
                 let i = g.local.iter().position(|&r| r == self.rank).expect("local");
-                return unsafe { R::vendor_all_reduce(&comms[i], self.device(), call) };
+                return unsafe {
+                    R::vendor_all_reduce(
+                        &comms[i],
+                        self.device(),
+                        call.input.addr,
+                        call.output.addr,
+                        call.len(),
+                        call.dtype(),
+                        call.stream,
+                    )
+                };
             }
+            Strategy::VendorSymmetric => return self.vendor_symmetric(call),
             s => {
                 return Err(Error::StrategyUnavailable {
                     strategy: s,
@@ -1467,6 +1578,13 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
 
     fn topology(&self) -> Option<&allreduce_core::Topology> {
         Some(&self.group.topology)
+    }
+
+    fn vendor_window(&self) -> Option<(u64, usize)> {
+        let g = &*self.group;
+        let windows = g.windows.as_ref().ok()?;
+        let i = g.local.iter().position(|&r| r == self.rank)?;
+        Some((R::vendor_window_addr(windows, i), g.max_bytes))
     }
 
     fn create_fused_group(

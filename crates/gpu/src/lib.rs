@@ -17,7 +17,7 @@
 
 use std::ffi::CStr;
 
-use allreduce_core::{Call, Device, Error, GroupConfig, Result, SelectionTable, Stream};
+use allreduce_core::{DType, Device, Error, GroupConfig, Result, SelectionTable, Stream};
 
 pub mod abi;
 pub mod device;
@@ -94,6 +94,11 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
     type Function: Copy + Send + Sync;
     /// One rank's communicator of the vendor library (NCCL, RCCL), destroyed on drop.
     type Vendor: Send + Sync;
+    /// The symmetric windows of this process's ranks (`Strategy::VendorSymmetric`): memory
+    /// the vendor library allocated, registered with the group once
+    /// [`GpuRuntime::vendor_windows_register`] ran; deregistered together and freed on drop,
+    /// which the group does before it destroys the communicators.
+    type VendorWindows: Send + Sync;
     /// A stream of one device that does not synchronise with the legacy/null stream,
     /// destroyed on drop.
     type Stream: Send + Sync;
@@ -155,12 +160,62 @@ pub trait GpuRuntime: Sized + Send + Sync + 'static {
     fn vendor_unavailable(ordinals: &[u32]) -> Option<String>;
     /// One vendor communicator per rank, `devices[r]` being rank r's (all distinct).
     fn vendor_init(devices: &[&Self::Device]) -> Result<Vec<Self::Vendor>>;
-    /// Enqueue `call` on the vendor library (its buffers validated by `prepare`).
+    /// Enqueue a sum of `n` elements from `input` into `output` (equal: in place) on the
+    /// vendor library, on `stream`.
     ///
     /// # Safety
-    /// The call's buffers must be valid device memory of `dev` until its stream passes it.
-    unsafe fn vendor_all_reduce(comm: &Self::Vendor, dev: &Self::Device, call: &Call)
-        -> Result<()>;
+    /// Both ranges must be valid device memory of `dev` until `stream` passes the call.
+    unsafe fn vendor_all_reduce(
+        comm: &Self::Vendor,
+        dev: &Self::Device,
+        input: usize,
+        output: usize,
+        n: usize,
+        dtype: DType,
+        stream: Stream,
+    ) -> Result<()>;
+
+    /// Why the vendor library cannot make symmetric windows (a version without them, a
+    /// missing symbol), or `None`. Asked only where [`GpuRuntime::vendor_unavailable`] said
+    /// the library serves the group.
+    fn vendor_symmetric_unavailable() -> Option<String> {
+        Some(format!(
+            "the {} backend has no symmetric windows",
+            Self::NAME
+        ))
+    }
+
+    /// A window of `bytes` on each of `devices` (this process's ranks, in order), from the
+    /// vendor's allocator (memory its symmetric kernels can map), not yet registered. Local:
+    /// a failure here is exchanged before anyone enters the collective registration.
+    fn vendor_windows_alloc(
+        _devices: &[&Self::Device],
+        _bytes: usize,
+    ) -> Result<Self::VendorWindows> {
+        Err(unsupported::<Self>("symmetric windows"))
+    }
+
+    /// Register every window with its communicator (`comms[i]` for window i) as a symmetric
+    /// window. Collective over the whole group: in-process, this thread registers every
+    /// rank's in one vendor group call; across processes, every process calls it at the same
+    /// point.
+    fn vendor_windows_register(
+        _windows: &mut Self::VendorWindows,
+        _comms: &[Self::Vendor],
+        _devices: &[&Self::Device],
+    ) -> Result<()> {
+        Err(unsupported::<Self>("symmetric windows"))
+    }
+
+    /// The device address of window `i`.
+    fn vendor_window_addr(windows: &Self::VendorWindows, i: usize) -> u64;
+
+    /// Copy `bytes` between two device addresses of the current device, ordered on `stream`
+    /// (in and out of a symmetric window).
+    ///
+    /// # Safety
+    /// Both ranges are device memory that stays valid until `stream` passes the copy.
+    unsafe fn copy_async(dst: u64, src: u64, bytes: usize, stream: Stream) -> Result<()>;
 
     /// The table behind `Strategy::Auto` when the caller gives none.
     fn default_selection(_config: &GroupConfig) -> SelectionTable {

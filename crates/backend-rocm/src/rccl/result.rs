@@ -1,10 +1,10 @@
 //! A thin `Result` layer over [`super::sys`]: errors carry RCCL's own message.
 
-use std::ffi::{c_int, CStr};
+use std::ffi::{c_int, c_void, CStr};
 
 use allreduce_core::{DType, Error, Result};
 
-use super::sys::{self, Lib};
+use super::sys::{self, window, Lib};
 
 /// The loaded library, or why there is none (as `Error::LibraryUnavailable`).
 pub fn lib() -> Result<&'static Lib> {
@@ -101,4 +101,117 @@ pub unsafe fn all_reduce(
         ),
         "ncclAllReduce",
     )
+}
+
+/// This process's ranks' symmetric windows: `ncclMemAlloc` memory, registered with
+/// `NCCL_WIN_COLL_SYMMETRIC` once [`Windows::register`] ran.
+pub struct Windows {
+    bytes: usize,
+    /// Per window: its device, address, communicator and registration (null until
+    /// registered).
+    ranks: Vec<(i32, *mut c_void, sys::ncclComm_t, window::ncclWindow_t)>,
+}
+
+// SAFETY: device addresses and RCCL handles, used from one thread at a time.
+unsafe impl Send for Windows {}
+unsafe impl Sync for Windows {}
+
+impl Windows {
+    /// `bytes` from `ncclMemAlloc` on each of `devices` (ordinals).
+    pub fn alloc(devices: &[i32], bytes: usize) -> Result<Windows> {
+        let (lib, win) = (lib()?, window_lib()?);
+        let mut w = Windows {
+            bytes,
+            ranks: Vec::new(),
+        };
+        for &d in devices {
+            crate::hip::result::device::set(d).map_err(Error::from)?;
+            let mut ptr = std::ptr::null_mut();
+            // SAFETY: RCCL writes the address; what was made so far is freed by drop.
+            check(
+                lib,
+                unsafe { (win.ncclMemAlloc)(&mut ptr, bytes) },
+                "ncclMemAlloc",
+            )?;
+            w.ranks
+                .push((d, ptr, std::ptr::null_mut(), std::ptr::null_mut()));
+        }
+        Ok(w)
+    }
+
+    /// Register window i with `comms[i]`, every rank of this process in one RCCL group.
+    pub fn register(&mut self, comms: &[sys::ncclComm_t]) -> Result<()> {
+        let (lib, win) = (lib()?, window_lib()?);
+        let bytes = self.bytes;
+        // SAFETY: each window is live memory of its device; the group is always closed;
+        // handles are filled by ncclGroupEnd.
+        unsafe {
+            check(lib, (lib.ncclGroupStart)(), "ncclGroupStart")?;
+            let mut first_err = Ok(());
+            for ((dev, ptr, comm, handle), &c) in self.ranks.iter_mut().zip(comms) {
+                let r = crate::hip::result::device::set(*dev)
+                    .map_err(Error::from)
+                    .and_then(|()| {
+                        check(
+                            lib,
+                            (win.ncclCommWindowRegister)(
+                                c,
+                                *ptr,
+                                bytes,
+                                handle,
+                                window::NCCL_WIN_COLL_SYMMETRIC,
+                            ),
+                            "ncclCommWindowRegister",
+                        )
+                    });
+                if let Err(e) = r {
+                    first_err = Err(e);
+                    break;
+                }
+                *comm = c;
+            }
+            let end = check(lib, (lib.ncclGroupEnd)(), "ncclGroupEnd");
+            first_err?;
+            end?;
+        }
+        Ok(())
+    }
+
+    pub fn addr(&self, i: usize) -> u64 {
+        self.ranks[i].1 as u64
+    }
+}
+
+impl Drop for Windows {
+    fn drop(&mut self) {
+        let (Ok(lib), Ok(win)) = (lib(), window_lib()) else {
+            return;
+        };
+        // SAFETY: registrations and allocations made above; deregistration is collective
+        // like the registration, so it goes in one group.
+        unsafe {
+            if self.ranks.iter().any(|r| !r.3.is_null()) {
+                let _ = (lib.ncclGroupStart)();
+                for (dev, _, comm, handle) in &self.ranks {
+                    if !handle.is_null() {
+                        let _ = crate::hip::result::device::set(*dev);
+                        let _ = (win.ncclCommWindowDeregister)(*comm, *handle);
+                    }
+                }
+                let _ = (lib.ncclGroupEnd)();
+            }
+            for (dev, ptr, _, _) in &self.ranks {
+                let _ = crate::hip::result::device::set(*dev);
+                let _ = (win.ncclMemFree)(*ptr);
+            }
+        }
+    }
+}
+
+/// The window functions, or why this RCCL has none (as `Error::LibraryUnavailable`).
+pub fn window_lib() -> Result<&'static window::Lib> {
+    window::lib().map_err(|detail| Error::LibraryUnavailable {
+        library: "librccl",
+        detail,
+    })
 }

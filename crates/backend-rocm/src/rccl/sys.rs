@@ -78,3 +78,47 @@ pub fn lib() -> Result<&'static Lib, String> {
     .as_ref()
     .map_err(Clone::clone)
 }
+
+/// The window API (`Strategy::VendorSymmetric`), which RCCL exports only in its newer
+/// releases: resolved apart from [`Lib`], so an RCCL without it still serves `Vendor`.
+pub mod window {
+    use std::ffi::{c_int, c_void};
+    use std::sync::OnceLock;
+
+    use super::{ncclComm_t, ncclResult_t};
+    use crate::loader;
+
+    pub type ncclWindow_t = *mut c_void;
+
+    /// `ncclCommWindowRegister`'s flag for windows the symmetric kernels run on.
+    pub const NCCL_WIN_COLL_SYMMETRIC: c_int = 0x01;
+
+    loader::function_table! {
+        fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize) -> ncclResult_t;
+        fn ncclMemFree(ptr: *mut c_void) -> ncclResult_t;
+        fn ncclCommWindowRegister(
+            comm: ncclComm_t,
+            buff: *mut c_void,
+            size: usize,
+            win: *mut ncclWindow_t,
+            flags: c_int,
+        ) -> ncclResult_t;
+        fn ncclCommWindowDeregister(comm: ncclComm_t, win: ncclWindow_t) -> ncclResult_t;
+    }
+
+    /// The window functions of the RCCL [`super::lib`] loaded, or why it has none.
+    pub fn lib() -> Result<&'static Lib, String> {
+        static LIB: OnceLock<Result<Lib, String>> = OnceLock::new();
+        LIB.get_or_init(|| {
+            let rccl = super::lib()?;
+            // SAFETY: the library is already loaded; this takes another reference to it.
+            let library = unsafe { libloading::Library::new(&rccl.path) }
+                .map_err(|e| format!("{}: {e}", rccl.path))?;
+            // SAFETY: RCCL's window functions have NCCL's signatures, declared above.
+            unsafe { Lib::from_library(library, rccl.path.clone()) }
+                .map_err(|e| format!("no symmetric windows: {e}"))
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+    }
+}

@@ -195,7 +195,26 @@ int hipIpcOpenMemHandle(void** p, hipIpcMemHandle_t h, unsigned flags) {
 }
 int hipIpcCloseMemHandle(void* p) { (void)p; ipc_closes++; return 0; }
 
+// Device-to-device copies (in and out of a symmetric window): recorded, not made, since the
+// test's buffers are fake addresses.
+static int copies;
+static size_t last_copy_bytes;
+static void *last_copy_dst, *last_copy_src;
+int hipMemcpyAsync(void* dst, const void* src, size_t bytes, int kind, void* stream) {
+  (void)stream;
+  if (!works() || kind != 3) return 1;  // hipMemcpyDeviceToDevice
+  copies++;
+  last_copy_dst = dst;
+  last_copy_src = (void*)src;
+  last_copy_bytes = bytes;
+  return 0;
+}
+
 // What the test reads back.
+int stub_copies(void) { return copies; }
+unsigned stub_last_copy_bytes(void) { return (unsigned)last_copy_bytes; }
+void* stub_last_copy_dst(void) { return last_copy_dst; }
+void* stub_last_copy_src(void) { return last_copy_src; }
 int stub_launches(void) { return launches; }
 int stub_fills(void) { return fills; }
 int stub_captured(void) { return captured; }

@@ -106,6 +106,34 @@ thread_local! {
     static FILLS: RefCell<Vec<(usize, Fill)>> = const { RefCell::new(Vec::new()) };
     /// Every name `function` was asked for.
     static LOOKED_UP: RefCell<Vec<String>> = const { RefCell::new(Vec::new()) };
+    /// The mock's vendor library: `None` has none; `Some(why)` has one whose symmetric
+    /// windows are unavailable for `why` (empty: available).
+    static VENDOR: RefCell<Option<String>> = const { RefCell::new(None) };
+    /// What the vendor library and the device copies did, in order.
+    static VENDOR_LOG: RefCell<Vec<VendorOp>> = const { RefCell::new(Vec::new()) };
+}
+
+/// One operation of the mock's vendor library or its device copies.
+#[derive(Clone, Debug, PartialEq)]
+enum VendorOp {
+    Copy {
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    },
+    AllReduce {
+        comm: usize,
+        input: usize,
+        output: usize,
+        n: usize,
+    },
+    Register {
+        windows: usize,
+    },
+}
+
+fn vendor_log() -> Vec<VendorOp> {
+    VENDOR_LOG.with(|l| std::mem::take(&mut *l.borrow_mut()))
 }
 
 pub(crate) struct Mock;
@@ -121,7 +149,9 @@ impl GpuRuntime for Mock {
     type HostMapped = Box<[u64]>;
     type Module = ();
     type Function = &'static str;
-    type Vendor = ();
+    /// The rank index.
+    type Vendor = usize;
+    type VendorWindows = Vec<Box<[u64]>>;
     type Stream = ();
     type Graph = ();
 
@@ -286,13 +316,59 @@ impl GpuRuntime for Mock {
         Ok(vec![word; bytes.div_ceil(8)].into_boxed_slice())
     }
     fn vendor_unavailable(_ordinals: &[u32]) -> Option<String> {
-        Some("the mock has no vendor library".into())
+        VENDOR
+            .with(|v| v.borrow().is_none())
+            .then(|| "the mock has no vendor library".into())
     }
-    fn vendor_init(_devices: &[&MockDevice]) -> Result<Vec<()>> {
-        unreachable!("vendor_unavailable always says why")
+    fn vendor_init(devices: &[&MockDevice]) -> Result<Vec<usize>> {
+        Ok((0..devices.len()).collect())
     }
-    unsafe fn vendor_all_reduce(_comm: &(), _dev: &MockDevice, _call: &Call) -> Result<()> {
-        unreachable!()
+    /// A group of one rank's sum: the input, copied (host memory stands for device memory).
+    unsafe fn vendor_all_reduce(
+        comm: &usize,
+        _dev: &MockDevice,
+        input: usize,
+        output: usize,
+        n: usize,
+        dtype: DType,
+        _stream: Stream,
+    ) -> Result<()> {
+        VENDOR_LOG.with(|l| {
+            l.borrow_mut().push(VendorOp::AllReduce {
+                comm: *comm,
+                input,
+                output,
+                n,
+            })
+        });
+        std::ptr::copy(input as *const u8, output as *mut u8, n * dtype.size());
+        Ok(())
+    }
+    fn vendor_symmetric_unavailable() -> Option<String> {
+        VENDOR.with(|v| v.borrow().clone().filter(|why| !why.is_empty()))
+    }
+    fn vendor_windows_alloc(devices: &[&MockDevice], bytes: usize) -> Result<Vec<Box<[u64]>>> {
+        Ok((devices.iter())
+            .map(|_| vec![0u64; bytes.div_ceil(8)].into_boxed_slice())
+            .collect())
+    }
+    fn vendor_windows_register(
+        windows: &mut Vec<Box<[u64]>>,
+        comms: &[usize],
+        _devices: &[&MockDevice],
+    ) -> Result<()> {
+        assert_eq!(windows.len(), comms.len());
+        let windows = windows.len();
+        VENDOR_LOG.with(|l| l.borrow_mut().push(VendorOp::Register { windows }));
+        Ok(())
+    }
+    fn vendor_window_addr(windows: &Vec<Box<[u64]>>, i: usize) -> u64 {
+        windows[i].as_ptr() as u64
+    }
+    unsafe fn copy_async(dst: u64, src: u64, bytes: usize, _stream: Stream) -> Result<()> {
+        VENDOR_LOG.with(|l| l.borrow_mut().push(VendorOp::Copy { dst, src, bytes }));
+        std::ptr::copy(src as *const u8, dst as *mut u8, bytes);
+        Ok(())
     }
     // The device API over host memory: the mock's "device memory" is a host allocation, so
     // copies and fills are plain memory operations.
@@ -715,6 +791,188 @@ fn quantized_slots_fit_every_admitted_call() {
             }
         }
     }
+}
+
+/// Run `f` with the mock's vendor library present (`symmetric`: why its windows are
+/// unavailable, empty when they are available), then without it again.
+fn with_vendor<T>(symmetric: &str, f: impl FnOnce() -> T) -> T {
+    VENDOR.with(|v| *v.borrow_mut() = Some(symmetric.into()));
+    vendor_log();
+    let out = f();
+    VENDOR.with(|v| *v.borrow_mut() = None);
+    out
+}
+
+fn prepare_on(
+    c: &GpuComm<Mock>,
+    input: &[f32],
+    output: &mut [f32],
+    strategy: Strategy,
+) -> allreduce_core::Result<Call> {
+    let n = output.len();
+    prepare_raw(
+        c,
+        input.as_ptr() as usize,
+        output.as_mut_ptr() as usize,
+        n,
+        strategy,
+    )
+}
+
+/// As [`prepare_on`] on `n` f32 at raw addresses of the mock's host memory.
+fn prepare_raw(
+    c: &GpuComm<Mock>,
+    input: usize,
+    output: usize,
+    n: usize,
+    strategy: Strategy,
+) -> allreduce_core::Result<Call> {
+    let dev = Device::Rocm(c.rank() as u32);
+    // SAFETY: host memory stands for device memory in the mock; both outlive the call.
+    let (i, o) = unsafe {
+        (
+            BufRef::from_raw(input, n, DType::F32, dev),
+            BufMut::from_raw(output, n, DType::F32, dev),
+        )
+    };
+    allreduce_core::prepare(
+        Some(i),
+        &o,
+        &AllReduceOptions::default().strategy(strategy),
+        &c.limits(),
+        c.world_size(),
+        c.selection(),
+        |s, d, p| c.strategy_available(s, d, p),
+    )
+}
+
+/// `Strategy::VendorSymmetric` registers one window of the group's `max_bytes` per rank in
+/// one collective step; a call outside the window is copied in, reduced in place in the
+/// window and copied out, piece by piece on the call's stream; a call inside the window runs
+/// there with no copy.
+#[test]
+fn vendor_symmetric_stages_through_the_window_or_runs_in_it() {
+    with_vendor("", || {
+        let config = GroupConfig::new(2).devices(vec![0, 1]).max_bytes(1000); // 1024 bytes
+        let comms = GpuBackend::<Mock>::create_group(&config).unwrap();
+        assert_eq!(vendor_log(), vec![VendorOp::Register { windows: 2 }]);
+        let c = &comms[1];
+        assert_eq!(
+            c.strategy_available(Strategy::VendorSymmetric, DType::BF16, Precision::Exact),
+            Ok(())
+        );
+        let (base, bytes) = c.vendor_window().expect("a window");
+        assert_eq!(bytes, 1024);
+        assert_ne!(Some(base), comms[0].vendor_window().map(|w| w.0));
+
+        // 700 f32 = 2800 bytes: pieces of 256, 256 and 188 elements.
+        let input: Vec<f32> = (0..700).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let mut output = vec![0f32; 700];
+        let call = prepare_on(c, &input, &mut output, Strategy::VendorSymmetric).unwrap();
+        c.all_reduce(&call).unwrap();
+        let (inp, out) = (input.as_ptr() as u64, output.as_ptr() as u64);
+        let mut want = Vec::new();
+        for (start, len) in [(0u64, 256usize), (256, 256), (512, 188)] {
+            let b = len * 4;
+            want.push(VendorOp::Copy {
+                dst: base,
+                src: inp + 4 * start,
+                bytes: b,
+            });
+            want.push(VendorOp::AllReduce {
+                comm: 1,
+                input: base as usize,
+                output: base as usize,
+                n: len,
+            });
+            want.push(VendorOp::Copy {
+                dst: out + 4 * start,
+                src: base,
+                bytes: b,
+            });
+        }
+        assert_eq!(vendor_log(), want);
+        assert_eq!(output, input, "the mock's one-rank sum is the input");
+
+        // In the window (in place at an offset): the library runs on it directly.
+        let at = base as usize + 64;
+        let call = prepare_raw(c, at, at, 100, Strategy::VendorSymmetric).unwrap();
+        c.all_reduce(&call).unwrap();
+        assert_eq!(
+            vendor_log(),
+            vec![VendorOp::AllReduce {
+                comm: 1,
+                input: base as usize + 64,
+                output: base as usize + 64,
+                n: 100,
+            }]
+        );
+        // The plain vendor strategy takes the caller's buffers as they are.
+        let call = prepare_on(c, &input, &mut output, Strategy::Vendor).unwrap();
+        c.all_reduce(&call).unwrap();
+        assert_eq!(
+            vendor_log(),
+            vec![VendorOp::AllReduce {
+                comm: 1,
+                input: inp as usize,
+                output: out as usize,
+                n: 700,
+            }]
+        );
+    });
+}
+
+/// A vendor library without symmetric windows (too old, a missing symbol) leaves the plain
+/// vendor strategy, says why for the symmetric one, and registers nothing.
+#[test]
+fn vendor_symmetric_says_why_it_is_unavailable() {
+    let why = "NCCL 2.26.2 has no symmetric windows (2.27 or later)";
+    with_vendor(why, || {
+        let config = GroupConfig::new(2).devices(vec![0, 1]);
+        let comms = GpuBackend::<Mock>::create_group(&config).unwrap();
+        assert_eq!(vendor_log(), vec![]);
+        let c = &comms[0];
+        let avail = |s| c.strategy_available(s, DType::F16, Precision::Exact);
+        assert_eq!(avail(Strategy::Vendor), Ok(()));
+        assert_eq!(avail(Strategy::VendorSymmetric), Err(why.to_string()));
+        assert_eq!(c.vendor_window(), None);
+        let input = vec![1f32; 64];
+        let mut output = vec![0f32; 64];
+        match prepare_on(c, &input, &mut output, Strategy::VendorSymmetric) {
+            Err(Error::StrategyUnavailable { strategy, reason }) => {
+                assert_eq!(strategy, Strategy::VendorSymmetric);
+                assert_eq!(reason, why);
+            }
+            other => panic!("{other:?}"),
+        }
+    });
+}
+
+/// A group whose GPUs cannot reach each other (several hosts, or no P2P) builds, offers only
+/// the vendor strategies, and `Auto` takes the vendor library at every size.
+#[test]
+fn without_peer_access_auto_takes_the_vendor_library() {
+    with_vendor("", || {
+        let config = GroupConfig::new(2)
+            .devices(vec![0, 1])
+            .topology(allreduce_core::Topology::parse("none", 2).unwrap());
+        let comms = GpuBackend::<Mock>::create_group(&config).unwrap();
+        let c = &comms[0];
+        for s in Strategy::CONCRETE {
+            let ok = c
+                .strategy_available(s, DType::BF16, Precision::Lossy(Codec::Fp8E4M3))
+                .is_ok();
+            assert_eq!(ok, s.is_vendor(), "{s}");
+        }
+        for n in [4usize, 1 << 16] {
+            let input = vec![2f32; n];
+            let mut output = vec![0f32; n];
+            let call = prepare_on(c, &input, &mut output, Strategy::Auto).unwrap();
+            assert_eq!(call.strategy, Strategy::Vendor, "{n} elements");
+            c.all_reduce(&call).unwrap();
+            assert_eq!(output, input);
+        }
+    });
 }
 
 /// Without peer access the group still builds, the custom kernels say why they cannot run,
