@@ -37,3 +37,23 @@ fi
 # source tree there would be imported instead of the installed package.
 # -rs: each skipped test's reason (no torch, no CUDA) is printed.
 ALLREDUCE_LIB="$lib" "$venv/bin/pytest" python/tests -q -rs "$@"
+
+# The wheel as a user installs it (python/build-wheel.sh): it carries the library, found
+# with no ALLREDUCE_LIB, and runs a group.
+wheel="$(PYTHON="$venv/bin/python" python/build-wheel.sh)"
+"${pip[@]}" install --force-reinstall --no-deps "$wheel"
+(cd /tmp && env -u ALLREDUCE_LIB "$venv/bin/python" - <<'PY'
+import os, numpy as np, allreduce
+here = os.path.dirname(allreduce.__file__)
+assert os.path.dirname(allreduce.library_path()) == here, (allreduce.library_path(), here)
+comms = allreduce.Communicator.group(2)
+xs = [np.arange(8, dtype=np.float32) + r for r in range(2)]
+import threading
+ts = [threading.Thread(target=comms[r].all_reduce, args=(xs[r],)) for r in range(2)]
+[t.start() for t in ts]; [t.join() for t in ts]
+assert (xs[0] == 2 * np.arange(8) + 1).all() and (xs[1] == xs[0]).all(), xs
+print("the wheel runs: library", allreduce.library_path())
+PY
+)
+# Back to the plain install, so a later run of the tests against ALLREDUCE_LIB is unchanged.
+"${pip[@]}" install --force-reinstall --no-deps ./python

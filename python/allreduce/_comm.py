@@ -134,6 +134,28 @@ def _through_torch_ops(x: Any, out: Any, precision: Any, strategy: Any, stream: 
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
 
 
+def _fused_through_torch_ops(ws: Any, tensors: Sequence[Any], rms_eps: Any, pattern: Any,
+                             use_oneshot: Any, stream: Any, weight_bias: Any) -> bool:
+    """As :func:`_through_torch_ops`, for ``all_reduce_fused``: while ``torch.compile``
+    traces, when every array given is a torch tensor (``x`` always) and every option is of
+    the op schema's type; anything else takes the direct path and its own refusals."""
+    torch = torch_with_ops()
+    if torch is None or not _compiling(torch):
+        return False
+    from . import _fused
+
+    real = (int, float)
+    return (isinstance(ws, _fused.FusedWorkspace) and stream is None
+            and isinstance(tensors[0], torch.Tensor)
+            and all(t is None or isinstance(t, torch.Tensor) for t in tensors)
+            and isinstance(rms_eps, real) and not isinstance(rms_eps, bool)
+            and isinstance(weight_bias, real) and not isinstance(weight_bias, bool)
+            and (pattern is None or isinstance(pattern, str))
+            and (use_oneshot is None or isinstance(use_oneshot, bool))
+            and not (torch.is_grad_enabled()
+                     and any(t is not None and t.requires_grad for t in tensors)))
+
+
 def _compiling(torch: Any) -> bool:
     compiler = getattr(torch, "compiler", None)
     is_compiling = getattr(compiler, "is_compiling", None)
@@ -454,6 +476,18 @@ class Communicator(Handle):
 
     _DESTROY = "ar_comm_destroy"
 
+    def abort(self) -> None:
+        """Abort the group and release this rank (``ar_comm_abort``, NCCL's
+        ``ncclCommAbort``). Callable from any thread, also while another thread's call waits
+        for a peer that will never come: every call in flight on any rank leaves at once with
+        ``Aborted``, as does every later call; close the other ranks and build a new group.
+        This communicator is closed afterwards, even when the abort itself raises."""
+        with self._close_lock:
+            handle, self._handle = self._handle, None
+        if handle is None:
+            raise InvalidUsage("this communicator is closed")
+        _lib.check(_lib.lib().ar_comm_abort(handle))
+
     def close(self) -> None:
         """Release this rank (``ar_comm_destroy``); later calls raise ``InvalidUsage``.
         Idempotent. On a GPU, synchronize the streams of this rank's calls first. The group's
@@ -631,6 +665,16 @@ class Communicator(Handle):
         """
         from . import _fused
 
+        tensors = (x, residual_in, residual_out, norm_out, quant_out, scale_out, rms_gamma,
+                   allreduce_out, static_scale)
+        if _fused_through_torch_ops(ws, tensors, rms_eps, pattern, use_oneshot, stream,
+                                    weight_bias):
+            from . import _torch_ops
+
+            _torch_ops.call_fused(self, ws, x, residual_in, residual_out, norm_out, quant_out,
+                                  scale_out, rms_gamma, rms_eps, pattern, allreduce_out,
+                                  use_oneshot, static_scale, weight_bias)
+            return
         _fused.all_reduce_fused(self, ws, x, residual_in, residual_out, norm_out, quant_out,
                                 scale_out, rms_gamma, rms_eps, pattern, allreduce_out,
                                 use_oneshot, static_scale, stream, weight_bias)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import math
 import numbers
+import weakref
 from typing import Any, Dict, List, Sequence, Tuple
 
 from . import _buffers, _errors, _lib
@@ -57,6 +58,19 @@ def _size_arg(value: Any, what: str) -> int:
     return value
 
 
+# Open workspaces by key, for the torch op (which takes ints, not objects).
+_OPEN_WORKSPACES: "weakref.WeakValueDictionary[int, FusedWorkspace]" = (
+    weakref.WeakValueDictionary())
+
+
+def lookup_workspace(key: Any) -> "FusedWorkspace":
+    """The open workspace whose ``key`` this is; ``InvalidUsage`` if there is none."""
+    ws = _OPEN_WORKSPACES.get(key) if isinstance(key, int) else None
+    if ws is None or ws.closed:
+        raise InvalidUsage(f"no open fused workspace has key {key!r}")
+    return ws
+
+
 class FusedWorkspace(Handle):
     """One rank's workspace for the fused call (FlashInfer's
     ``trtllm_create_ipc_workspace_for_all_reduce_fusion``): calls of up to ``max_tokens``
@@ -81,6 +95,9 @@ class FusedWorkspace(Handle):
         self.max_tokens = max_tokens
         self.hidden = hidden
         self.dtype = _buffers.DTYPE_NAMES[dtype]
+        # The library's token, as `Communicator.key`: what the torch op names it by.
+        self.key = int(handle)
+        _OPEN_WORKSPACES[self.key] = self
 
     @classmethod
     def group(cls, comms: Sequence[Communicator], max_tokens: int, hidden: int,

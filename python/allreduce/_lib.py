@@ -128,6 +128,7 @@ PROTOTYPES = {
     "ar_comm_backend": (ctypes.c_int, [Handle, _int_p]),
     "ar_comm_alignment": (ctypes.c_int, [Handle, _size_p]),
     "ar_comm_max_bytes": (ctypes.c_int, [Handle, _size_p]),
+    "ar_comm_abort": (ctypes.c_int, [Handle]),
     "ar_comm_vendor_window": (ctypes.c_int, [Handle, ctypes.POINTER(ctypes.c_void_p), _size_p]),
     "ar_fused_workspace_create": (ctypes.c_int, [
         ctypes.POINTER(FusedHandle),  # workspaces

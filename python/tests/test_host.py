@@ -167,6 +167,36 @@ def test_option_refusals_raise_and_leave_the_group_exact(group4, kwargs, exc, te
     exact_round(group4)
 
 
+def test_abort_releases_waiting_ranks_and_closes_the_communicator():
+    """A rank that never calls aborts from another thread: its waiting peers raise Aborted
+    at once (not at the 10 s deadline), later calls too; the aborted rank is closed."""
+    comms = allreduce.Communicator.group(3, timeout=10.0)
+    errors = [None] * 3
+
+    def wait(r):
+        try:
+            comms[r].all_reduce(inputs(np.float32, 64, r))
+        except allreduce.Aborted as e:
+            errors[r] = e
+
+    threads = [threading.Thread(target=wait, args=(r,)) for r in (0, 2)]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    comms[1].abort()
+    for t in threads:
+        t.join()
+    assert time.monotonic() - start < 3
+    assert all("rank 1 aborted" in str(errors[r]) for r in (0, 2)), errors
+    with pytest.raises(allreduce.InvalidUsage):
+        comms[1].abort()
+    with pytest.raises(allreduce.Aborted):
+        comms[0].all_reduce(inputs(np.float32, 64, 0))
+    comms[0].close()
+    comms[2].close()
+
+
 def test_the_host_backend_has_no_vendor_window(group4):
     assert all(c.vendor_window() is None for c in group4)
 

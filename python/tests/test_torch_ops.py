@@ -281,3 +281,85 @@ def test_import_allreduce_loads_no_torch_and_after_torch_registers_the_ops():
     assert interpreter("import sys, allreduce; print('torch' in sys.modules)") == "False"
     assert interpreter("import torch, allreduce; print(torch.ops.allreduce.all_reduce)") == \
         "allreduce.all_reduce"
+
+
+def fused_outputs(x):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def fused_op(comm, ws, x, residual, gamma):
+    res_out, norm = fused_outputs(x)
+    ops.all_reduce_fused(x, comm.key, ws.key, residual, res_out, norm, None, None, gamma, 1e-6,
+                         None, None, None, None, 0.0)
+    return res_out, norm
+
+
+def fused_comm(comm, ws, x, residual, gamma):
+    res_out, norm = fused_outputs(x)
+    comm.all_reduce_fused(ws, x, residual_in=residual, residual_out=res_out, norm_out=norm,
+                          rms_gamma=gamma)
+    return res_out, norm
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_fused_op_is_the_direct_call_bit_for_bit_also_compiled(threads, dtype):
+    """``torch.ops.allreduce.all_reduce_fused`` called directly, and the fused call inside
+    ``torch.compile(fullgraph=True)`` (one graph, the op in it), give the direct call's bits."""
+    torch._dynamo.reset()
+    world, tokens, hidden = 2, 4, 64
+    tdtype = TORCH_DTYPES[dtype]
+    comms = group(world)
+    wss = allreduce.FusedWorkspace.group(comms, 8, hidden, tdtype)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        xs = [torch.randn(tokens, hidden, generator=gen).to(tdtype) for _ in range(world)]
+        residual = torch.randn(tokens, hidden, generator=gen).to(tdtype)
+        gamma = torch.randn(hidden, generator=gen).to(tdtype)
+
+        def compiled(comm, ws):
+            def step(x, residual, gamma):
+                res_out, norm = fused_outputs(x)
+                comm.all_reduce_fused(ws, x, residual_in=residual, residual_out=res_out,
+                                      norm_out=norm, rms_gamma=gamma)
+                return res_out * 1, norm * 1
+
+            counter = CompileCounterWithBackend("aot_eager")
+            return torch.compile(step, backend=counter, fullgraph=True), counter
+
+        steps = [compiled(c, w) for c, w in zip(comms, wss)]
+        results = {}
+        for how, fn in [("comm", fused_comm), ("op", fused_op)]:
+            results[how] = values(threads(comms, lambda r: fn(comms[r], wss[r], xs[r].clone(),
+                                                               residual, gamma)))
+        results["compiled"] = values(threads(
+            comms, lambda r: steps[r][0](xs[r].clone(), residual, gamma)))
+        for how in ("op", "compiled"):
+            for r in range(world):
+                for i, what in enumerate(("residual_out", "norm_out")):
+                    got, want = results[how][r][i], results["comm"][r][i]
+                    assert torch.equal(got.view(torch.int16 if dtype == "bfloat16"
+                                                else torch.int32),
+                                       want.view(torch.int16 if dtype == "bfloat16"
+                                                 else torch.int32)), (how, r, what)
+        assert torch.equal(results["comm"][0][1], results["comm"][1][1])
+        for step, counter in steps:
+            assert counter.frame_count == 1, "one graph, compiled once"
+            assert "torch.ops.allreduce.all_reduce_fused" in counter.graphs[0].code
+    finally:
+        for w in wss:
+            w.close()
+        close(comms)
+
+
+def test_the_fused_fake_passes_opcheck():
+    (comm,) = group(1)
+    (ws,) = allreduce.FusedWorkspace.group([comm], 4, 32, torch.float32)
+    try:
+        x = torch.randn(2, 32)
+        args = (x.clone(), comm.key, ws.key, torch.randn(2, 32), torch.empty(2, 32),
+                torch.empty(2, 32), None, None, torch.randn(32), 1e-6, None, None, None, None,
+                0.0)
+        torch.library.opcheck(ops.all_reduce_fused, args)
+    finally:
+        ws.close()
+        comm.close()

@@ -72,6 +72,10 @@ pub const TESTS: &[Test] = &[
         run: missing_rank_times_out,
     },
     Test {
+        name: "abort_releases_waiting_ranks",
+        run: abort_releases_waiting_ranks,
+    },
+    Test {
         name: "invalid_group_config",
         run: invalid_group_config,
     },
@@ -1057,6 +1061,50 @@ fn missing_rank_times_out(h: &dyn Harness) -> Result<(), String> {
     expect_all(&after, "call after the timeout", |_, e| {
         matches!(e, Error::Aborted { .. })
     })
+}
+
+/// A rank that never calls aborts the group from another thread while its peers wait for it:
+/// they leave at once with `Aborted` naming it (long before their 20 s deadline), and every
+/// later call of every rank is `Aborted` too.
+fn abort_releases_waiting_ranks(h: &dyn Harness) -> Result<(), String> {
+    let world = 3.min(h.max_world()).max(2);
+    let config = GroupConfig::new(world).timeout(Duration::from_secs(20));
+    let comms = h.group(config).map_err(|e| e.to_string())?;
+    let inputs: Vec<HostBytes> = (0..world).map(|r| gauss(100, DType::F32, 1, r)).collect();
+    let mut s = step(
+        &inputs,
+        DType::F32,
+        false,
+        opts(Strategy::OneShot, Precision::Exact),
+    );
+    s[1].skip = true;
+    s.iter_mut().for_each(|a| a.sync_after = true);
+    let start = std::time::Instant::now();
+    let (results, aborted) = std::thread::scope(|scope| {
+        let aborter = scope.spawn(|| {
+            std::thread::sleep(Duration::from_millis(300));
+            comms[1].abort()
+        });
+        let results = h.run(&comms, &[s.clone(), s]);
+        (results, aborter.join().expect("the aborting thread"))
+    });
+    aborted.map_err(|e| format!("abort: {e}"))?;
+    if start.elapsed() > Duration::from_secs(10) {
+        return Err(format!(
+            "the waiting ranks took {:?} to leave after the abort",
+            start.elapsed()
+        ));
+    }
+    for (i, round) in results.iter().enumerate() {
+        let mut outcomes = round.clone();
+        let _skipped_rank = outcomes.remove(1);
+        expect_all(
+            &outcomes,
+            &format!("call {i} around the abort"),
+            |_, e| matches!(e, Error::Aborted { reason } if reason.contains("rank 1 aborted")),
+        )?;
+    }
+    Ok(())
 }
 
 fn invalid_group_config(h: &dyn Harness) -> Result<(), String> {

@@ -511,6 +511,20 @@ impl Communicator {
         Ok(first)
     }
 
+    /// Abort the group (NCCL's `ncclCommAbort`): callable from any thread, also while a call
+    /// of this or another rank waits for a peer that will never come. Every call in flight
+    /// leaves its wait now instead of at the deadline and reports `Error::Aborted`, as does
+    /// every later call of every rank; drop the group and build a new one. In a group of one
+    /// process per rank the peers' calls learn it from the device (GPU backends), so every
+    /// process should still abort or drop its own rank.
+    pub fn abort(&self) -> Result<()> {
+        let reason = format!(
+            "rank {} aborted the group (Communicator::abort)",
+            self.rank()
+        );
+        self.comm.abort(&reason)
+    }
+
     /// Wait for the work enqueued on `stream` and report any asynchronous error (a device-side
     /// timeout, an aborted group).
     pub fn synchronize(&self, stream: Stream) -> Result<()> {

@@ -44,6 +44,14 @@ impl DeadlineBarrier {
         self.lock().aborted.clone()
     }
 
+    /// Fail every wait, now and later, with `Error::Aborted` naming `reason` (the first
+    /// reason stays).
+    pub fn abort(&self, reason: &str) {
+        let mut st = self.lock();
+        st.aborted.get_or_insert_with(|| reason.to_string());
+        self.cv.notify_all();
+    }
+
     /// Wait for all parties. `what` names the phase for the timeout message.
     pub fn wait(&self, rank: usize, call: u64, timeout: Duration, what: &str) -> Result<()> {
         let start = Instant::now();

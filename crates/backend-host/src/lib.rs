@@ -605,6 +605,11 @@ impl BackendComm for HostComm {
         ))
     }
 
+    fn abort(&self, reason: &str) -> Result<()> {
+        self.group.barrier.abort(reason);
+        Ok(())
+    }
+
     fn synchronize(&self, _stream: Stream) -> Result<()> {
         // Host calls complete before returning; only an abort is left to report.
         match self.group.barrier.aborted() {

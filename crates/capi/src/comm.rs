@@ -192,6 +192,24 @@ pub extern "C" fn ar_comm_destroy(comm: ar_comm_t) -> ar_result_t {
     call::run(|| handle::remove_comm(comm))
 }
 
+/// Abort the group and release this rank (NCCL's `ncclCommAbort`). Callable from any thread,
+/// also while another thread's call with any rank of the group waits for a peer that will
+/// never come: every call in flight leaves its wait now (instead of at the deadline) with
+/// `AR_ABORTED`, as does every later call of every rank. Then this handle is destroyed as by
+/// `ar_comm_destroy`, even when the abort itself failed (its error is returned). Destroy the
+/// other ranks and build a new group. In a group of one process per rank, the other processes'
+/// calls learn it from the device (GPU backends); NCCL calls in flight are not interrupted.
+/// Thread-safe.
+#[no_mangle]
+pub extern "C" fn ar_comm_abort(comm: ar_comm_t) -> ar_result_t {
+    call::run(|| {
+        let found = handle::comm(comm)?;
+        let aborted = found.comm().abort();
+        handle::remove_comm(comm)?;
+        aborted.map_err(Failure::from)
+    })
+}
+
 /// Wait for this rank's work on `stream` (a `cudaStream_t` / `hipStream_t`; NULL on the
 /// host) and report any error the device recorded since the last check (a peer past the
 /// deadline, an aborted group), as NCCL's `ncclCommGetAsyncError` after a stream

@@ -42,9 +42,10 @@ pub use call::ar_last_error;
 pub use codes::{ar_get_error_string, ar_result_t};
 pub use collective::ar_all_reduce;
 pub use comm::{
-    ar_comm_alignment, ar_comm_backend, ar_comm_count, ar_comm_destroy, ar_comm_device,
-    ar_comm_init_all, ar_comm_init_env, ar_comm_init_rank, ar_comm_max_bytes, ar_comm_select,
-    ar_comm_splits_large_calls, ar_comm_synchronize, ar_comm_user_rank, ar_comm_vendor_window,
+    ar_comm_abort, ar_comm_alignment, ar_comm_backend, ar_comm_count, ar_comm_destroy,
+    ar_comm_device, ar_comm_init_all, ar_comm_init_env, ar_comm_init_rank, ar_comm_max_bytes,
+    ar_comm_select, ar_comm_splits_large_calls, ar_comm_synchronize, ar_comm_user_rank,
+    ar_comm_vendor_window,
 };
 pub use fused::{
     ar_all_reduce_fused, ar_fused_args_t, ar_fused_pattern_t, ar_fused_workspace_create,

@@ -648,6 +648,45 @@ fn destroying_one_rank_leaves_the_others_usable_until_their_own_destroy() {
     assert_eq!(ar_comm_destroy(comms[1].0), ar_result_t::AR_SUCCESS);
 }
 
+/// `ar_comm_abort` from another thread releases ranks waiting for a peer that never comes
+/// (well before their 5 s deadline), with `AR_ABORTED`; the aborted handle is gone and the
+/// other ranks' later calls are `AR_ABORTED` too.
+#[test]
+fn abort_releases_waiting_ranks_and_destroys_its_handle() {
+    let comms = host_group(3, 1 << 16);
+    let start = std::time::Instant::now();
+    let waiting = std::thread::scope(|s| {
+        let calls: Vec<_> = [0usize, 2]
+            .map(|r| {
+                let c = comms[r];
+                s.spawn(move || reduce_on(c, r, DType::F32, 64, 0, 1, false))
+            })
+            .into_iter()
+            .collect();
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert_eq!(ar_comm_abort(comms[1].0), ar_result_t::AR_SUCCESS);
+        calls
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(3),
+        "{:?}",
+        start.elapsed()
+    );
+    for w in waiting {
+        let (code, msg) = w.expect_err("aborted");
+        assert_eq!(code, ar_result_t::AR_ABORTED);
+        assert!(msg.contains("rank 1 aborted"), "{msg}");
+    }
+    assert_eq!(ar_comm_abort(comms[1].0), ar_result_t::AR_INVALID_USAGE);
+    let again = reduce_on(comms[0], 0, DType::F32, 64, 0, 1, false);
+    assert_eq!(again.unwrap_err().0, ar_result_t::AR_ABORTED);
+    assert_eq!(ar_comm_destroy(comms[0].0), ar_result_t::AR_SUCCESS);
+    assert_eq!(ar_comm_destroy(comms[2].0), ar_result_t::AR_SUCCESS);
+}
+
 #[derive(Clone, Copy)]
 struct Workspace(ar_fused_workspace_t);
 // SAFETY: a token, as `Comm`.

@@ -383,6 +383,17 @@ pub trait BackendComm: Send + Sync {
         None
     }
 
+    /// Abort the group (NCCL's `ncclCommAbort`, from any thread, also while a call of this
+    /// or another rank waits for a peer that will never come): every call in flight on any
+    /// rank leaves its wait now rather than at its deadline, and every later call of every
+    /// rank fails with `Error::Aborted` naming `reason`. The group is out of step for good;
+    /// drop it. Ranks of other processes learn it through their kernels (GPU backends).
+    fn abort(&self, _reason: &str) -> Result<()> {
+        Err(Error::Unsupported {
+            what: "abort on this backend".into(),
+        })
+    }
+
     /// This rank's symmetric window of the vendor library (`Strategy::VendorSymmetric`):
     /// its device address and bytes, or `None` where the group has none. A call whose input
     /// and output lie in it, at the same offset on every rank, runs in place with no copy;

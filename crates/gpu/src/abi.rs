@@ -19,6 +19,9 @@ const _: () = assert!(FLAGS_OFFSET + MAX_BLOCKS * MAX_WORLD * 4 <= DESC_OFFSET);
 const _: () = assert!(DESC_OFFSET + 2 * MAX_BLOCKS * MAX_WORLD * 8 <= DESC2_OFFSET);
 const _: () = assert!(DESC2_OFFSET + 2 * MAX_BLOCKS * MAX_WORLD * 8 <= STAGING_OFFSET);
 // Header: epoch[64], calls[64], abort, skip[64] (abi.h asserts 772 bytes).
+/// Byte offset of the abort word in a workspace (`Header::abort`, abi.h asserts it).
+pub const ABORT_OFFSET: usize = 2 * MAX_BLOCKS * 4;
+const _: () = assert!(ABORT_OFFSET == 512);
 const _: () = assert!(3 * MAX_BLOCKS * 4 + 4 <= HEADER_BYTES);
 
 /// Workspace bytes for calls of up to `max_bytes` (rounded up to 256): header, flags,

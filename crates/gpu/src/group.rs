@@ -228,6 +228,8 @@ struct Group<R: GpuRuntime> {
     slots: Mutex<GraphSlots>,
     /// Peers' allocations mapped for registrations in a group of processes.
     mapped: exchange::Mapped,
+    /// Why a caller aborted the group ([`BackendComm::abort`]), if one did.
+    caller_abort: Mutex<Option<String>>,
 }
 
 /// The graph slots every local rank took, in capture order. Ranks capture the same calls in
@@ -537,6 +539,7 @@ impl<R: GpuRuntime> Group<R> {
             peers: [0; MAX_WORLD],
             vendor: Err("the vendor library is not initialised yet".into()),
             windows: Err("the vendor library is not initialised yet".into()),
+            caller_abort: Mutex::new(None),
             grid,
             max_bytes,
             stage_bytes: stage,
@@ -830,6 +833,11 @@ impl<R: GpuRuntime> Group<R> {
     /// left a call because a peer (perhaps in another process) did.
     /// Read before every call, so it borrows the group rather than cloning a handle.
     fn aborted(&self) -> Option<String> {
+        let by_caller = self.caller_abort.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(reason) = by_caller.as_ref() {
+            return Some(reason.clone());
+        }
+        drop(by_caller);
         // A timeout names the rank that waited: the better report when a local rank has one.
         let find = |error: u32| {
             self.local
@@ -1580,6 +1588,33 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
         Some(&self.group.topology)
     }
 
+    /// Raise the abort word in every rank's workspace header (the peers' too: their
+    /// workspaces are mapped here, in process or by IPC), which every spinning kernel polls,
+    /// through a copy on a stream of its own: the caller's streams may be blocked behind
+    /// those kernels. Calls of the vendor library in flight are not interrupted.
+    fn abort(&self, reason: &str) -> Result<()> {
+        let g = &*self.group;
+        g.caller_abort
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert_with(|| reason.to_string());
+        let dev = self.device();
+        R::bind(dev)?;
+        let stream = R::create_stream(dev)?;
+        // SAFETY: the stream outlives the word (synchronised below before both drop).
+        let one = unsafe { R::alloc(&stream, 4)? };
+        // SAFETY: 4 bytes at offset 0 of a 4-byte allocation; every peer address is a live
+        // workspace of the group (its header's abort word at ABORT_OFFSET).
+        unsafe {
+            R::upload(&one, 0, &1u32.to_le_bytes(), &stream)?;
+            for &base in g.peers.iter().take(g.world) {
+                let at = base + abi::ABORT_OFFSET as u64;
+                R::copy_async(at, R::memory_addr(&one), 4, R::stream_handle(&stream))?;
+            }
+        }
+        R::stream_synchronize(&stream)
+    }
+
     fn vendor_window(&self) -> Option<(u64, usize)> {
         let g = &*self.group;
         let windows = g.windows.as_ref().ok()?;
@@ -1795,7 +1830,8 @@ fn aborted_reason(c: &Control) -> String {
         )
     } else {
         format!(
-            "rank {} left a call at block {}: a peer timed out and set the group's abort word",
+            "rank {} left a call at block {}: a peer timed out or aborted the group, and set \
+             its abort word",
             c.rank, c.block
         )
     }

@@ -922,6 +922,31 @@ fn vendor_symmetric_stages_through_the_window_or_runs_in_it() {
     });
 }
 
+/// `abort` raises the abort word in every rank's workspace (what spinning kernels poll), and
+/// every later call of every rank fails with the caller's reason.
+#[test]
+fn abort_raises_every_ranks_abort_word_and_fails_later_calls() {
+    let config = GroupConfig::new(3).devices(vec![0, 1, 2]);
+    let comms = GpuBackend::<Mock>::create_group(&config).unwrap();
+    let word = |r: usize| {
+        let at = comms[0].group.peers[r] as usize + abi::ABORT_OFFSET;
+        // SAFETY: the mock's workspaces are host memory, alive with the group.
+        unsafe { (at as *const u32).read_volatile() }
+    };
+    assert!((0..3).all(|r| word(r) == 0));
+    comms[1].abort("rank 1 aborted the group").unwrap();
+    assert!((0..3).all(|r| word(r) == 1));
+    let input = vec![1f32; 64];
+    let mut output = vec![0f32; 64];
+    for c in &comms {
+        let call = prepare_on(c, &input, &mut output, Strategy::OneShot).unwrap();
+        match c.all_reduce(&call) {
+            Err(Error::Aborted { reason }) => assert_eq!(reason, "rank 1 aborted the group"),
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
 /// A vendor library without symmetric windows (too old, a missing symbol) leaves the plain
 /// vendor strategy, says why for the symmetric one, and registers nothing.
 #[test]
