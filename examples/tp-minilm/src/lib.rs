@@ -1,0 +1,352 @@
+//! all-MiniLM-L6-v2 (a 6-layer BERT, hidden 384, 12 heads, FFN 1536) with tensor parallelism
+//! over `tp` ranks, Megatron style: the query/key/value and FFN-input projections split by
+//! columns (each rank owns `12 / tp` heads and `1536 / tp` FFN units), the attention-output
+//! and FFN-output projections split by rows, their partial products summed across ranks by
+//! this library (`allreduce_candle::all_reduce_`, two calls per layer), and the bias, residual
+//! and LayerNorm applied after the sum on every rank. Embeddings and norms are replicated.
+//! Sentence embeddings are the mean of the last hidden states, L2-normalised, as the
+//! sentence-transformers model defines them.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use allreduce::{Communicator, DType as ArDType, Precision, Strategy};
+use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_nn::LayerNorm;
+
+pub const HIDDEN: usize = 384;
+pub const HEADS: usize = 12;
+pub const HEAD_DIM: usize = 32;
+pub const FFN: usize = 1536;
+pub const LAYERS: usize = 6;
+const LN_EPS: f64 = 1e-12;
+
+/// The tensor-parallel sizes the model splits evenly into (heads and FFN units).
+pub const TP_SIZES: [usize; 5] = [1, 2, 3, 4, 6];
+
+/// The model's weights, loaded once and shared by every rank.
+pub struct Weights(HashMap<String, Tensor>);
+
+impl Weights {
+    pub fn load(model_dir: &Path) -> Result<Self> {
+        let path = model_dir.join("model.safetensors");
+        Ok(Weights(candle_core::safetensors::load(path, &Device::Cpu)?))
+    }
+
+    fn get(&self, name: &str) -> Result<&Tensor> {
+        self.0
+            .get(name)
+            .ok_or_else(|| candle_core::Error::Msg(format!("model.safetensors lacks {name}")))
+    }
+
+    fn norm(&self, prefix: &str) -> Result<LayerNorm> {
+        Ok(LayerNorm::new(
+            self.get(&format!("{prefix}.weight"))?.clone(),
+            self.get(&format!("{prefix}.bias"))?.clone(),
+            LN_EPS,
+        ))
+    }
+}
+
+/// How the row-parallel sums travel: exact in the model's f32, or through a 16-bit dtype
+/// (the codecs carry f16 and bf16) exactly or with a lossy codec.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Reduce {
+    pub wire: Option<ArDType>,
+    pub precision: Precision,
+}
+
+impl Reduce {
+    pub const EXACT: Reduce = Reduce {
+        wire: None,
+        precision: Precision::Exact,
+    };
+
+    pub fn name(&self) -> String {
+        match (self.wire, self.precision) {
+            (None, _) => "exact f32".into(),
+            (Some(d), Precision::Exact) => format!("exact {d}"),
+            (Some(d), Precision::Lossy(c)) => format!("{c} ({d})"),
+        }
+    }
+}
+
+/// One rank's slice of one layer.
+struct Layer {
+    qkv: [(Tensor, Tensor); 3],
+    attn_out: (Tensor, Tensor),
+    attn_norm: LayerNorm,
+    ffn_in: (Tensor, Tensor),
+    ffn_out: (Tensor, Tensor),
+    ffn_norm: LayerNorm,
+}
+
+/// Rank `rank` of `tp`'s part of the model.
+pub struct Shard {
+    rank: usize,
+    tp: usize,
+    word: Tensor,
+    position: Tensor,
+    token_type: Tensor,
+    embed_norm: LayerNorm,
+    layers: Vec<Layer>,
+}
+
+/// `x @ w.T + b` (`w`: `[out, in]`).
+fn linear(x: &Tensor, (w, b): &(Tensor, Tensor)) -> Result<Tensor> {
+    x.matmul(&w.t()?)?.broadcast_add(b)
+}
+
+impl Shard {
+    pub fn new(weights: &Weights, rank: usize, tp: usize) -> Result<Self> {
+        if !TP_SIZES.contains(&tp) || rank >= tp {
+            return Err(candle_core::Error::Msg(format!(
+                "rank {rank} of {tp}: the model splits over {TP_SIZES:?} ranks"
+            )));
+        }
+        let heads = HEADS / tp * HEAD_DIM;
+        let ffn = FFN / tp;
+        // Column-parallel: this rank's rows of the weight and of the bias.
+        let cols = |name: &str, n: usize| -> Result<(Tensor, Tensor)> {
+            let w = weights
+                .get(&format!("{name}.weight"))?
+                .narrow(0, rank * n, n)?;
+            let b = weights
+                .get(&format!("{name}.bias"))?
+                .narrow(0, rank * n, n)?;
+            Ok((w.contiguous()?, b.contiguous()?))
+        };
+        // Row-parallel: this rank's columns of the weight; the bias is added after the sum.
+        let rows = |name: &str, n: usize| -> Result<(Tensor, Tensor)> {
+            let w = weights
+                .get(&format!("{name}.weight"))?
+                .narrow(1, rank * n, n)?;
+            Ok((
+                w.contiguous()?,
+                weights.get(&format!("{name}.bias"))?.clone(),
+            ))
+        };
+        let layers = (0..LAYERS)
+            .map(|l| {
+                let p = format!("encoder.layer.{l}");
+                Ok(Layer {
+                    qkv: [
+                        cols(&format!("{p}.attention.self.query"), heads)?,
+                        cols(&format!("{p}.attention.self.key"), heads)?,
+                        cols(&format!("{p}.attention.self.value"), heads)?,
+                    ],
+                    attn_out: rows(&format!("{p}.attention.output.dense"), heads)?,
+                    attn_norm: weights.norm(&format!("{p}.attention.output.LayerNorm"))?,
+                    ffn_in: cols(&format!("{p}.intermediate.dense"), ffn)?,
+                    ffn_out: rows(&format!("{p}.output.dense"), ffn)?,
+                    ffn_norm: weights.norm(&format!("{p}.output.LayerNorm"))?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Shard {
+            rank,
+            tp,
+            word: weights.get("embeddings.word_embeddings.weight")?.clone(),
+            position: weights
+                .get("embeddings.position_embeddings.weight")?
+                .clone(),
+            token_type: weights
+                .get("embeddings.token_type_embeddings.weight")?
+                .clone(),
+            embed_norm: weights.norm("embeddings.LayerNorm")?,
+            layers,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The sentence embedding (L2-normalised mean of the last hidden states) of one sentence's
+    /// token ids, every rank calling it with the same ids. `comm` is this rank's (a group of
+    /// `tp`); `reduce` how the row-parallel sums travel.
+    pub fn embed(&self, ids: &[u32], comm: &Communicator, reduce: Reduce) -> Result<Tensor> {
+        let t = ids.len();
+        let ids = Tensor::new(ids, &Device::Cpu)?;
+        let pos = Tensor::arange(0u32, t as u32, &Device::Cpu)?;
+        let x = self
+            .word
+            .embedding(&ids)?
+            .add(&self.position.embedding(&pos)?)?
+            .broadcast_add(&self.token_type.get(0)?)?;
+        let mut x = self.embed_norm.forward(&x)?;
+        let local_heads = HEADS / self.tp;
+        let scale = 1.0 / (HEAD_DIM as f64).sqrt();
+        for layer in &self.layers {
+            // [t, local_heads * 32] -> [local_heads, t, 32]
+            let split = |y: Tensor| -> Result<Tensor> {
+                y.reshape((t, local_heads, HEAD_DIM))?
+                    .transpose(0, 1)?
+                    .contiguous()
+            };
+            let q = split(linear(&x, &layer.qkv[0])?)?;
+            let k = split(linear(&x, &layer.qkv[1])?)?;
+            let v = split(linear(&x, &layer.qkv[2])?)?;
+            let scores = (q.matmul(&k.t()?)? * scale)?;
+            let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+            let ctx = probs
+                .matmul(&v)?
+                .transpose(0, 1)?
+                .reshape((t, local_heads * HEAD_DIM))?;
+            let attn = self.row_parallel(&ctx, &layer.attn_out, comm, reduce)?;
+            x = layer.attn_norm.forward(&(attn + &x)?)?;
+            let h = linear(&x, &layer.ffn_in)?.gelu_erf()?;
+            let out = self.row_parallel(&h, &layer.ffn_out, comm, reduce)?;
+            x = layer.ffn_norm.forward(&(out + &x)?)?;
+        }
+        let mean = x.mean(0)?;
+        let norm = mean.sqr()?.sum_all()?.sqrt()?;
+        mean.broadcast_div(&norm)
+    }
+
+    /// This rank's partial product, summed over the ranks in place, then the bias.
+    fn row_parallel(
+        &self,
+        x: &Tensor,
+        (w, b): &(Tensor, Tensor),
+        comm: &Communicator,
+        reduce: Reduce,
+    ) -> Result<Tensor> {
+        let partial = x.matmul(&w.t()?)?;
+        let partial = match reduce.wire {
+            None => partial,
+            Some(ArDType::F16) => partial.to_dtype(DType::F16)?,
+            Some(ArDType::BF16) => partial.to_dtype(DType::BF16)?,
+            Some(ArDType::F32) => partial,
+        };
+        let mut op = allreduce_candle::AllReduce::new(comm).precision(reduce.precision);
+        if matches!(reduce.precision, Precision::Lossy(_)) {
+            // The calls here are a few KiB, where Auto takes an exact path; the codec is what
+            // is being measured.
+            op = op.strategy(Strategy::QuantizedTwoShot);
+        }
+        partial.inplace_op1(&op)?;
+        partial.to_dtype(DType::F32)?.broadcast_add(b)
+    }
+}
+
+/// Cosine similarity of two L2-normalised embeddings.
+pub fn cosine(a: &Tensor, b: &Tensor) -> Result<f32> {
+    (a * b)?.sum_all()?.to_scalar::<f32>()
+}
+
+/// Every sentence's embedding at tensor-parallel size `tp` (one thread per rank over
+/// `comms`), and the mean seconds per forward pass (one sentence through every rank).
+pub fn embed_all(
+    weights: &Weights,
+    comms: &[Communicator],
+    ids: &[Vec<u32>],
+    reduce: Reduce,
+) -> Result<(Vec<Tensor>, f64)> {
+    let tp = comms.len();
+    let shards = (0..tp)
+        .map(|r| Shard::new(weights, r, tp))
+        .collect::<Result<Vec<_>>>()?;
+    let start = std::time::Instant::now();
+    let per_rank: Vec<Result<Vec<Tensor>>> = std::thread::scope(|s| {
+        let hs: Vec<_> = shards
+            .iter()
+            .zip(comms)
+            .map(|(shard, comm)| {
+                s.spawn(move || {
+                    ids.iter()
+                        .map(|sentence| shard.embed(sentence, comm, reduce))
+                        .collect::<Result<Vec<_>>>()
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
+    });
+    let seconds = start.elapsed().as_secs_f64() / ids.len().max(1) as f64;
+    let mut per_rank = per_rank.into_iter().collect::<Result<Vec<_>>>()?;
+    // Every rank holds the same embeddings (the sums are bitwise equal across ranks).
+    let first = per_rank.swap_remove(0);
+    for (r, other) in per_rank.iter().enumerate() {
+        for (a, b) in first.iter().zip(other) {
+            let same = (a.to_vec1::<f32>()?.iter().zip(b.to_vec1::<f32>()?))
+                .all(|(x, y)| x.to_bits() == y.to_bits());
+            if !same {
+                return Err(candle_core::Error::Msg(format!(
+                    "rank {} embedded a sentence differently from rank 0",
+                    r + 1
+                )));
+            }
+        }
+    }
+    Ok((first, seconds))
+}
+
+/// The tokenizer of the model folder, without padding (one sentence per call).
+pub fn tokenizer(model_dir: &Path) -> std::result::Result<tokenizers::Tokenizer, String> {
+    let mut t = tokenizers::Tokenizer::from_file(model_dir.join("tokenizer.json"))
+        .map_err(|e| format!("{}: {e}", model_dir.join("tokenizer.json").display()))?;
+    t.with_padding(None);
+    Ok(t)
+}
+
+pub fn token_ids(
+    t: &tokenizers::Tokenizer,
+    sentences: &[&str],
+) -> std::result::Result<Vec<Vec<u32>>, String> {
+    sentences
+        .iter()
+        .map(|s| {
+            t.encode(*s, true)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| format!("tokenizing {s:?}: {e}"))
+        })
+        .collect()
+}
+
+/// The model folder: `$TP_MINILM_MODEL`, else `examples/tp-minilm/model` (what setup.sh
+/// fills), if it holds the weights and the tokenizer.
+pub fn model_dir() -> Option<std::path::PathBuf> {
+    let dir = match std::env::var_os("TP_MINILM_MODEL") {
+        Some(d) => std::path::PathBuf::from(d),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("model"),
+    };
+    (dir.join("model.safetensors").is_file() && dir.join("tokenizer.json").is_file()).then_some(dir)
+}
+
+/// The sentence-transformers quickstart's sentences and its published similarities
+/// (0-1, 0-2, 1-2) at four decimals.
+pub const QUICKSTART: [&str; 3] = [
+    "The weather is lovely today.",
+    "It's so sunny outside!",
+    "He drove to the stadium.",
+];
+pub const QUICKSTART_COSINES: [f32; 3] = [0.6660, 0.1046, 0.1411];
+
+/// A small corpus for nearest-neighbour order (corpus.txt, one sentence per line).
+pub fn corpus() -> Vec<&'static str> {
+    include_str!("../corpus.txt")
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect()
+}
+
+/// For each sentence, the others ordered by cosine, nearest first.
+pub fn neighbours(embeddings: &[Tensor]) -> Result<Vec<Vec<usize>>> {
+    let n = embeddings.len();
+    let mut sims = vec![vec![0f32; n]; n];
+    for i in 0..n {
+        for j in 0..n {
+            sims[i][j] = cosine(&embeddings[i], &embeddings[j])?;
+        }
+    }
+    Ok((0..n)
+        .map(|i| {
+            let mut order: Vec<usize> = (0..n).filter(|&j| j != i).collect();
+            order.sort_by(|&a, &b| sims[i][b].total_cmp(&sims[i][a]));
+            order
+        })
+        .collect())
+}
