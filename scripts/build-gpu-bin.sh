@@ -13,13 +13,13 @@ scripts/setup-cuda.sh >/dev/null
 mkdir -p gpu-bin
 rm -f gpu-bin/*
 json=$(mktemp)
-cargo test -p allreduce-conformance --features cuda --no-run --message-format=json >"$json"
+cargo test -p allreduce-conformance --features cuda,cudarc --no-run --message-format=json >"$json"
 python3 - "$json" <<'PY'
 import json, shutil, sys
 for line in open(sys.argv[1]):
     try: m = json.loads(line)
     except ValueError: continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("conformance", "cuda_graphs", "cuda_codecs", "cuda_processes", "cuda_fused"):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("conformance", "cuda_graphs", "cuda_codecs", "cuda_processes", "cuda_fused", "cuda_cudarc"):
         shutil.copy2(m["executable"], "gpu-bin/" + m["target"]["name"])
 PY
 rm -f "$json"
@@ -27,7 +27,7 @@ rm -f "$json"
 if [ -f .peers/VERSIONS ]; then bench_features=peers; else bench_features=cuda; fi
 cargo build --release -p allreduce-bench --features "$bench_features"
 cp "${CARGO_TARGET_DIR:-target}/release/allreduce-bench" gpu-bin/
-strip gpu-bin/conformance gpu-bin/cuda_graphs gpu-bin/cuda_codecs gpu-bin/cuda_processes gpu-bin/cuda_fused gpu-bin/allreduce-bench
+strip gpu-bin/cuda_cudarc gpu-bin/conformance gpu-bin/cuda_graphs gpu-bin/cuda_codecs gpu-bin/cuda_processes gpu-bin/cuda_fused gpu-bin/allreduce-bench
 cat >gpu-bin/run.sh <<'RUN'
 #!/usr/bin/env bash
 # On the GPU machine: OUT=$OUT gpu-bin/run.sh (logs under $OUT).

@@ -54,6 +54,13 @@ pub use fused::FusedWorkspace;
 #[cfg(feature = "cuda")]
 pub use allreduce_backend_cuda as cuda;
 
+/// Calls on cudarc's buffers and streams (`CudaSlice`, `CudaView`, `Arc<CudaStream>`) and
+/// groups on given `CudaContext`s.
+#[cfg(feature = "cudarc")]
+pub mod cudarc_interop;
+#[cfg(feature = "cudarc")]
+pub use cudarc_interop::CudarcElement;
+
 /// The ROCm backend's own API: device memory and streams for tests and the bench, the HIP and
 /// RCCL layers, its default selection table.
 #[cfg(feature = "rocm")]
