@@ -12,7 +12,10 @@
 //! CPU tensors go through a host-backend communicator (`BackendKind::Host`): the whole
 //! tensor-parallel model then runs, and is tested, on a machine with no GPU.
 
-use allreduce::{AllReduceOptions, BufMut, Communicator, Precision, Strategy};
+use allreduce::{
+    AllReduceOptions, BufMut, BufRef, Communicator, FusedArgs, FusedPattern, FusedWorkspace,
+    Precision, Strategy,
+};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, InplaceOp1, Layout, Tensor};
 
@@ -46,6 +49,87 @@ impl<'a> AllReduce<'a> {
 /// Sum `x` over the ranks of `comm`, in place.
 pub fn all_reduce_(x: &Tensor, comm: &Communicator) -> candle_core::Result<()> {
     x.inplace_op1(&AllReduce::new(comm))
+}
+
+/// The all-reduce fused with the residual add and the RMSNorm, in one library call (what vLLM
+/// runs as all-reduce then `fused_add_rms_norm`, and TensorRT-LLM / FlashInfer as one fusion
+/// kernel): with `a` the sum over the ranks of `x` (`[tokens, hidden]`),
+/// `residual_out = a + residual` and `norm_out = residual_out / rms(residual_out) * gamma`,
+/// returned as `(residual_out, norm_out)`. `ws` is this rank's fused workspace
+/// (`FusedWorkspace::create_group`), of `x`'s dtype and hidden size.
+///
+/// CPU tensors (a host-backend group); the tensors are read once and the outputs built from
+/// what the library wrote.
+pub fn all_reduce_add_rms_norm(
+    x: &Tensor,
+    residual: &Tensor,
+    gamma: &Tensor,
+    eps: f32,
+    comm: &Communicator,
+    ws: &FusedWorkspace,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let (_, hidden) = x.dims2()?;
+    if residual.dims() != x.dims() || gamma.dims() != [hidden] {
+        return Err(candle_core::Error::Msg(format!(
+            "allreduce: x {:?}, residual {:?}, gamma {:?}: expected [tokens, hidden] twice and \
+             [hidden]",
+            x.dims(),
+            residual.dims(),
+            gamma.dims()
+        )));
+    }
+    if !x.device().is_cpu() {
+        return Err(candle_core::Error::Msg(
+            "allreduce: the fused op takes CPU tensors (a host-backend group) so far".into(),
+        ));
+    }
+    match x.dtype() {
+        candle_core::DType::F32 => fused_cpu::<f32>(x, residual, gamma, eps, comm, ws),
+        candle_core::DType::F16 => fused_cpu::<half::f16>(x, residual, gamma, eps, comm, ws),
+        candle_core::DType::BF16 => fused_cpu::<half::bf16>(x, residual, gamma, eps, comm, ws),
+        d => Err(candle_core::Error::UnsupportedDTypeForOp(
+            d,
+            "allreduce-add-rms-norm",
+        )),
+    }
+}
+
+fn fused_cpu<T>(
+    x: &Tensor,
+    residual: &Tensor,
+    gamma: &Tensor,
+    eps: f32,
+    comm: &Communicator,
+    ws: &FusedWorkspace,
+) -> candle_core::Result<(Tensor, Tensor)>
+where
+    T: allreduce::Element + candle_core::WithDType,
+{
+    let (tokens, hidden) = x.dims2()?;
+    let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<T>();
+    let (xs, rs, g) = (flat(x)?, flat(residual)?, flat(gamma)?);
+    let mut residual_out = xs.clone();
+    let mut norm_out = xs.clone();
+    let args = FusedArgs::new(
+        FusedPattern::ResidualRmsNorm,
+        tokens,
+        BufRef::from_slice(&xs),
+    )
+    .residual(
+        BufRef::from_slice(&rs),
+        Some(BufMut::from_slice(&mut residual_out)),
+    )
+    .rms_norm(
+        BufRef::from_slice(&g),
+        eps,
+        Some(BufMut::from_slice(&mut norm_out)),
+    );
+    comm.all_reduce_fused(ws, args).map_err(failed)?;
+    let shape = (tokens, hidden);
+    Ok((
+        Tensor::from_vec(residual_out, shape, x.device())?,
+        Tensor::from_vec(norm_out, shape, x.device())?,
+    ))
 }
 
 fn failed(e: allreduce::Error) -> candle_core::Error {
