@@ -7,6 +7,9 @@
 //! Sentence embeddings are the mean of the last hidden states, L2-normalised, as the
 //! sentence-transformers model defines them.
 
+#[cfg(feature = "cuda")]
+pub mod gpu;
+
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -69,6 +72,15 @@ impl Reduce {
             (Some(d), Precision::Lossy(c)) => format!("{c} ({d})"),
         }
     }
+}
+
+/// Where a rank's row-parallel sums run.
+pub enum Sums {
+    /// In place on the CPU tensor: a host-backend group.
+    Host,
+    /// On the GPU through the cudarc calls (a CUDA group), the layers staying on the CPU.
+    #[cfg(feature = "cuda")]
+    Gpu(gpu::GpuSums),
 }
 
 /// One rank's slice of one layer.
@@ -165,7 +177,13 @@ impl Shard {
     /// The sentence embedding (L2-normalised mean of the last hidden states) of one sentence's
     /// token ids, every rank calling it with the same ids. `comm` is this rank's (a group of
     /// `tp`); `reduce` how the row-parallel sums travel.
-    pub fn embed(&self, ids: &[u32], comm: &Communicator, reduce: Reduce) -> Result<Tensor> {
+    pub fn embed(
+        &self,
+        ids: &[u32],
+        comm: &Communicator,
+        sums: &Sums,
+        reduce: Reduce,
+    ) -> Result<Tensor> {
         let t = ids.len();
         let ids = Tensor::new(ids, &Device::Cpu)?;
         let pos = Tensor::arange(0u32, t as u32, &Device::Cpu)?;
@@ -193,10 +211,10 @@ impl Shard {
                 .matmul(&v)?
                 .transpose(0, 1)?
                 .reshape((t, local_heads * HEAD_DIM))?;
-            let attn = self.row_parallel(&ctx, &layer.attn_out, comm, reduce)?;
+            let attn = self.row_parallel(&ctx, &layer.attn_out, comm, sums, reduce)?;
             x = layer.attn_norm.forward(&(attn + &x)?)?;
             let h = linear(&x, &layer.ffn_in)?.gelu_erf()?;
-            let out = self.row_parallel(&h, &layer.ffn_out, comm, reduce)?;
+            let out = self.row_parallel(&h, &layer.ffn_out, comm, sums, reduce)?;
             x = layer.ffn_norm.forward(&(out + &x)?)?;
         }
         let mean = x.mean(0)?;
@@ -210,9 +228,15 @@ impl Shard {
         x: &Tensor,
         (w, b): &(Tensor, Tensor),
         comm: &Communicator,
+        sums: &Sums,
         reduce: Reduce,
     ) -> Result<Tensor> {
         let partial = x.matmul(&w.t()?)?;
+        match sums {
+            Sums::Host => {}
+            #[cfg(feature = "cuda")]
+            Sums::Gpu(g) => return g.sum(&partial, comm, reduce)?.broadcast_add(b),
+        }
         let partial = match reduce.wire {
             None => partial,
             Some(ArDType::F16) => partial.to_dtype(DType::F16)?,
@@ -243,6 +267,18 @@ pub fn embed_all(
     ids: &[Vec<u32>],
     reduce: Reduce,
 ) -> Result<(Vec<Tensor>, f64)> {
+    let host: Vec<Sums> = comms.iter().map(|_| Sums::Host).collect();
+    embed_all_on(weights, comms, &host, ids, reduce)
+}
+
+/// [`embed_all`] with each rank's sums where `sums[r]` says.
+pub fn embed_all_on(
+    weights: &Weights,
+    comms: &[Communicator],
+    sums: &[Sums],
+    ids: &[Vec<u32>],
+    reduce: Reduce,
+) -> Result<(Vec<Tensor>, f64)> {
     let tp = comms.len();
     let shards = (0..tp)
         .map(|r| Shard::new(weights, r, tp))
@@ -252,10 +288,11 @@ pub fn embed_all(
         let hs: Vec<_> = shards
             .iter()
             .zip(comms)
-            .map(|(shard, comm)| {
+            .zip(sums)
+            .map(|((shard, comm), sums)| {
                 s.spawn(move || {
                     ids.iter()
-                        .map(|sentence| shard.embed(sentence, comm, reduce))
+                        .map(|sentence| shard.embed(sentence, comm, sums, reduce))
                         .collect::<Result<Vec<_>>>()
                 })
             })

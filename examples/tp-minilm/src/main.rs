@@ -4,15 +4,48 @@
 //! quickstart similarities with exact sums, and for each lossy codec report how far each
 //! sentence embedding moves from the exact run, whether every sentence's nearest neighbours
 //! keep their order, and the time per forward pass. Run `examples/tp-minilm/setup.sh` first.
+//!
+//! `--gpu` (a build with `--features cuda`): the sums run on GPU 0 (every rank a virtual rank
+//! there) through the `cudarc` calls, the layers on candle's CPU; every embedding must then be
+//! the host backend's, bit for bit (the GPU kernels and codecs match the reference exactly).
 
 use std::process::ExitCode;
 
 use allreduce::{BackendKind, Codec, Communicator, DType, GroupConfig, Precision};
 use clap::Parser;
 use tp_minilm::{
-    corpus, cosine, embed_all, model_dir, neighbours, token_ids, tokenizer, Reduce, Weights,
-    QUICKSTART, QUICKSTART_COSINES, TP_SIZES,
+    corpus, cosine, embed_all, embed_all_on, model_dir, neighbours, token_ids, tokenizer, Reduce,
+    Sums, Weights, QUICKSTART, QUICKSTART_COSINES, TP_SIZES,
 };
+
+/// A group of `tp` whose sums run on GPU 0, and each rank's device buffers.
+#[cfg(feature = "cuda")]
+fn gpu_group(tp: usize) -> Result<(Vec<Communicator>, Vec<Sums>), Box<dyn std::error::Error>> {
+    use allreduce_gpu::device::GpuDevice;
+    GpuDevice::<allreduce::cuda::CudaRuntime>::open(0)?.prepare_virtual_ranks()?;
+    let ctx = cudarc::driver::CudaContext::new(0)?;
+    let comms = Communicator::new_group_cudarc(&vec![ctx.clone(); tp], GroupConfig::new(tp))?;
+    let sums = tp_minilm::gpu::GpuSums::for_ranks(&ctx, tp)?;
+    Ok((comms, sums.into_iter().map(Sums::Gpu).collect()))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_group(_tp: usize) -> Result<(Vec<Communicator>, Vec<Sums>), Box<dyn std::error::Error>> {
+    Err("--gpu needs a build with --features cuda".into())
+}
+
+fn same_bits(
+    a: &[candle_core::Tensor],
+    b: &[candle_core::Tensor],
+) -> Result<bool, candle_core::Error> {
+    for (x, y) in a.iter().zip(b) {
+        let (x, y) = (x.to_vec1::<f32>()?, y.to_vec1::<f32>()?);
+        if x.iter().zip(&y).any(|(p, q)| p.to_bits() != q.to_bits()) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
 
 #[derive(Parser)]
 struct Args {
@@ -27,6 +60,10 @@ struct Args {
         default_value = "fp8,q8,q6,q4,q8a,q6a,q4a"
     )]
     codecs: Vec<Codec>,
+    /// The row-parallel sums on GPU 0 (build with --features cuda), checked bit for bit
+    /// against the host backend's
+    #[arg(long)]
+    gpu: bool,
 }
 
 fn main() -> ExitCode {
@@ -50,14 +87,24 @@ fn run(args: Args) -> Result<bool, Box<dyn std::error::Error>> {
     // The quickstart sentences are the corpus's first three.
     assert_eq!(&corpus[..3], &QUICKSTART);
     let mut ok = true;
-    println!("| TP | sums | quickstart cosines (want {QUICKSTART_COSINES:?}) | min cosine to exact | mean cosine to exact | nearest neighbour unchanged | top-5 order unchanged | ms per forward |");
-    println!("|---|---|---|---|---|---|---|---|");
+    let place = if args.gpu { "GPU" } else { "host" };
+    println!("| TP | sums ({place}) | quickstart cosines (want {QUICKSTART_COSINES:?}) | min cosine to exact | mean cosine to exact | nearest neighbour unchanged | top-5 order unchanged | ms per forward |{}", if args.gpu { " same bits as host |" } else { "" });
+    println!(
+        "|---|---|---|---|---|---|---|---|{}",
+        if args.gpu { "---|" } else { "" }
+    );
     for &tp in &args.tp {
         if !TP_SIZES.contains(&tp) {
             return Err(format!("--tp {tp}: the model splits over {TP_SIZES:?} ranks").into());
         }
-        let comms = Communicator::new_group(BackendKind::Host, GroupConfig::new(tp))?;
-        let (exact, secs) = embed_all(&weights, &comms, &ids, Reduce::EXACT)?;
+        let host = Communicator::new_group(BackendKind::Host, GroupConfig::new(tp))?;
+        let gpu = if args.gpu { Some(gpu_group(tp)?) } else { None };
+        let host_sums: Vec<Sums> = host.iter().map(|_| Sums::Host).collect();
+        let (comms, sums) = match &gpu {
+            Some((c, s)) => (c.as_slice(), s.as_slice()),
+            None => (host.as_slice(), host_sums.as_slice()),
+        };
+        let (exact, secs) = embed_all_on(&weights, comms, sums, &ids, Reduce::EXACT)?;
         let exact_nn = neighbours(&exact)?;
         let mut runs = vec![(Reduce::EXACT, exact.clone(), secs)];
         let wire = Some(DType::BF16);
@@ -69,7 +116,7 @@ fn run(args: Args) -> Result<bool, Box<dyn std::error::Error>> {
             wire,
             precision: Precision::Lossy(c),
         })) {
-            let (e, s) = embed_all(&weights, &comms, &ids, reduce)?;
+            let (e, s) = embed_all_on(&weights, comms, sums, &ids, reduce)?;
             runs.push((reduce, e, s));
         }
         for (reduce, emb, secs) in &runs {
@@ -97,8 +144,20 @@ fn run(args: Args) -> Result<bool, Box<dyn std::error::Error>> {
             let top5 = (nn.iter().zip(&exact_nn))
                 .filter(|(a, b)| a[..5] == b[..5])
                 .count();
+            let versus_host = if args.gpu {
+                let (h, _) = embed_all(&weights, &host, &ids, *reduce)?;
+                let same = same_bits(emb, &h)?;
+                ok &= same;
+                if same {
+                    " yes |"
+                } else {
+                    " NO |"
+                }
+            } else {
+                ""
+            };
             println!(
-                "| {tp} | {} | {:.4}, {:.4}, {:.4} | {min:.6} | {mean:.6} | {first}/{n} | {top5}/{n} | {:.2} |",
+                "| {tp} | {} | {:.4}, {:.4}, {:.4} | {min:.6} | {mean:.6} | {first}/{n} | {top5}/{n} | {:.2} |{versus_host}",
                 reduce.name(),
                 q[0],
                 q[1],

@@ -1,0 +1,86 @@
+//! The row-parallel sums on the GPU: each rank copies its partial product into a device buffer
+//! of its own (allocated before any rank's first call, as virtual ranks need), sums it in place
+//! with `Communicator::all_reduce_cudarc_in_place` on its own cudarc stream, and copies the sum
+//! back for candle's CPU layers.
+
+use std::sync::{Arc, Mutex};
+
+use allreduce::{AllReduceOptions, Communicator, DType as ArDType, Precision, Strategy};
+use candle_core::{Result, Tensor};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use half::bf16;
+
+/// Rows of 384 the buffers hold: every sentence of the corpus fits.
+const MAX_TOKENS: usize = 128;
+
+/// One rank's stream and device buffers.
+pub struct GpuSums {
+    stream: Arc<CudaStream>,
+    f32: Mutex<CudaSlice<f32>>,
+    bf16: Mutex<CudaSlice<bf16>>,
+}
+
+fn err(e: impl std::fmt::Display) -> candle_core::Error {
+    candle_core::Error::Msg(e.to_string())
+}
+
+impl GpuSums {
+    /// Every rank's, on GPU 0.
+    pub fn for_ranks(ctx: &Arc<CudaContext>, tp: usize) -> Result<Vec<GpuSums>> {
+        let n = MAX_TOKENS * crate::HIDDEN;
+        (0..tp)
+            .map(|_| {
+                let stream = ctx.new_stream().map_err(err)?;
+                let f32 = stream.alloc_zeros::<f32>(n).map_err(err)?;
+                let bf16 = stream.alloc_zeros::<bf16>(n).map_err(err)?;
+                stream.synchronize().map_err(err)?;
+                Ok(GpuSums {
+                    stream,
+                    f32: Mutex::new(f32),
+                    bf16: Mutex::new(bf16),
+                })
+            })
+            .collect()
+    }
+
+    /// `partial` (f32, on the CPU) summed over the ranks on the GPU, as `reduce` asks.
+    pub fn sum(
+        &self,
+        partial: &Tensor,
+        comm: &Communicator,
+        reduce: crate::Reduce,
+    ) -> Result<Tensor> {
+        let shape = partial.shape().clone();
+        let host = partial.flatten_all()?.to_vec1::<f32>()?;
+        let n = host.len();
+        let mut options = AllReduceOptions::default().precision(reduce.precision);
+        if matches!(reduce.precision, Precision::Lossy(_)) {
+            options = options.strategy(Strategy::QuantizedTwoShot);
+        }
+        let s = &self.stream;
+        let out: Vec<f32> = match reduce.wire {
+            None | Some(ArDType::F32) => {
+                let mut buf = self.f32.lock().unwrap_or_else(|e| e.into_inner());
+                let mut view = buf.slice_mut(..n);
+                s.memcpy_htod(&host, &mut view).map_err(err)?;
+                comm.all_reduce_cudarc_in_place(&mut view, s, &options)
+                    .map_err(err)?;
+                let mut back = vec![0f32; n];
+                s.memcpy_dtoh(&view, &mut back).map_err(err)?;
+                back
+            }
+            Some(_) => {
+                let src: Vec<bf16> = host.iter().map(|&v| bf16::from_f32(v)).collect();
+                let mut buf = self.bf16.lock().unwrap_or_else(|e| e.into_inner());
+                let mut view = buf.slice_mut(..n);
+                s.memcpy_htod(&src, &mut view).map_err(err)?;
+                comm.all_reduce_cudarc_in_place(&mut view, s, &options)
+                    .map_err(err)?;
+                let mut back = vec![bf16::ZERO; n];
+                s.memcpy_dtoh(&view, &mut back).map_err(err)?;
+                back.into_iter().map(bf16::to_f32).collect()
+            }
+        };
+        Tensor::from_vec(out, shape, &candle_core::Device::Cpu)
+    }
+}
