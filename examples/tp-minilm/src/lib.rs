@@ -28,12 +28,27 @@ const LN_EPS: f64 = 1e-12;
 pub const TP_SIZES: [usize; 5] = [1, 2, 3, 4, 6];
 
 /// The model's weights, loaded once and shared by every rank.
-pub struct Weights(HashMap<String, Tensor>);
+pub struct Weights(HashMap<String, Tensor>, bool);
 
 impl Weights {
     pub fn load(model_dir: &Path) -> Result<Self> {
         let path = model_dir.join("model.safetensors");
-        Ok(Weights(candle_core::safetensors::load(path, &Device::Cpu)?))
+        // Float weights of any width (setup.sh --f16 halves the file) compute in f32.
+        let mut w = candle_core::safetensors::load(path, &Device::Cpu)?;
+        let mut as_published = true;
+        for t in w.values_mut() {
+            if t.dtype().is_float() && t.dtype() != DType::F32 {
+                as_published = false;
+                *t = t.to_dtype(DType::F32)?;
+            }
+        }
+        Ok(Weights(w, as_published))
+    }
+
+    /// Whether the weights are the published f32 ones (the quickstart similarities hold to
+    /// four decimals only for them).
+    pub fn as_published(&self) -> bool {
+        self.1
     }
 
     fn get(&self, name: &str) -> Result<&Tensor> {

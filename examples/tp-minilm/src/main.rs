@@ -125,7 +125,7 @@ fn run(args: Args) -> Result<bool, Box<dyn std::error::Error>> {
                 cosine(&emb[0], &emb[2])?,
                 cosine(&emb[1], &emb[2])?,
             ];
-            if *reduce == Reduce::EXACT {
+            if *reduce == Reduce::EXACT && weights.as_published() {
                 let rounded = q.map(|c| (c * 1e4).round() / 1e4);
                 if rounded != QUICKSTART_COSINES {
                     eprintln!("TP {tp}: quickstart cosines {q:?}, want {QUICKSTART_COSINES:?}");
