@@ -359,6 +359,57 @@ def test_virtual_ranks_graph_buffers_registered_after_capture():
             _assert_bitwise(got[k], want, f"rank {r}, {'eager' if k == 0 else f'replay {k}'}")
 
 
+def test_virtual_ranks_fused_torch_op_is_the_direct_call_and_the_host_backends():
+    """The fused all-reduce + residual + RMSNorm through ``torch.ops.allreduce.all_reduce_fused``
+    (what ``torch.compile`` traces) on CUDA tensors gives the direct call's bits, and the
+    residual output is the host backend's f32 rank-order sum plus the residual."""
+    _skip_if_no_cuda()
+    world, tokens, hidden = 2, 8, 1024
+    xs = [_gauss(r, tokens * hidden, torch.bfloat16, seed=11).reshape(tokens, hidden)
+          for r in range(world)]
+    residual = _gauss(9, tokens * hidden, torch.bfloat16, seed=12).reshape(tokens, hidden)
+    gamma = _gauss(8, hidden, torch.bfloat16, seed=13)
+    # The workspaces are made for the whole group at once, before any rank's call.
+    dev = torch.cuda.current_device()
+    comms = allreduce.Communicator.group(world, backend="cuda", devices=[dev] * world,
+                                         max_bytes=MAX_BYTES, timeout=TIMEOUT)
+    wss = allreduce.FusedWorkspace.group(comms, 16, hidden, torch.bfloat16)
+    ready = threading.Barrier(world, timeout=5 * TIMEOUT)
+
+    def rank(r):
+        torch.cuda.set_device(dev)
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            x = xs[r].cuda()
+            res, g = residual.cuda(), gamma.cuda()
+            outs = [(torch.empty_like(x), torch.empty_like(x)) for _ in range(2)]
+            s.synchronize()
+            ready.wait()
+            comms[r].all_reduce_fused(wss[r], x, residual_in=res, residual_out=outs[0][0],
+                                      norm_out=outs[0][1], rms_gamma=g)
+            torch.ops.allreduce.all_reduce_fused(x, comms[r].key, wss[r].key, res, outs[1][0],
+                                                 outs[1][1], None, None, g, 1e-6, None, None,
+                                                 None, None, 0.0)
+            comms[r].synchronize(s)
+            s.synchronize()
+            ready.wait()
+            return [(a.cpu(), b.cpu()) for a, b in outs]
+
+    try:
+        results = _on_threads(world, rank)
+    finally:
+        for w in wss:
+            w.close()
+        for c in comms:
+            c.close()
+    want_residual = (_reference(xs).float() + residual.float()).to(torch.bfloat16)
+    for r, ((res0, norm0), (res1, norm1)) in enumerate(results):
+        _assert_bitwise(res1, res0, f"rank {r}: residual_out, op vs direct")
+        _assert_bitwise(norm1, norm0, f"rank {r}: norm_out, op vs direct")
+        _assert_bitwise(norm0, results[0][0][1], f"rank {r}: norm_out vs rank 0")
+        _assert_bitwise(res0, want_residual, f"rank {r}: residual_out vs the f32 sum")
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
