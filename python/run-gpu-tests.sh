@@ -88,7 +88,8 @@ run_tests() {
 # hardware queue (the MPS setting below) serializes a process's streams, so a rank's kernel
 # that spins for a peer's can sit in front of it until the deadline.
 set +e
-(unset CUDA_DEVICE_MAX_CONNECTIONS; run_tests -k "not processes and not tp_linear" "$@")
+(export CUDA_DEVICE_MAX_CONNECTIONS=${ALLREDUCE_VIRTUAL_CONNECTIONS:-32}
+ run_tests -k "not processes and not tp_linear" "$@")
 status_virtual=$?
 set -e
 

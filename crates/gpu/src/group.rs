@@ -1673,8 +1673,10 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
             });
         }
         if c.error == abi::ERROR_ABORTED {
+            // The caller's reason where a caller aborted the group (`abort`); else the
+            // kernel's: a peer timed out.
             return Err(Error::Aborted {
-                reason: aborted_reason(&c),
+                reason: self.aborted().unwrap_or_else(|| aborted_reason(&c)),
             });
         }
         match self.aborted() {

@@ -1,13 +1,16 @@
 //! The row-parallel sums on the GPU: each rank copies its partial product into a device buffer
 //! of its own (allocated before any rank's first call, as virtual ranks need), sums it in place
 //! with `Communicator::all_reduce_cudarc_in_place` on its own cudarc stream, and copies the sum
-//! back for candle's CPU layers.
+//! back for candle's CPU layers. The copies go through pinned host buffers: a copy from or to
+//! pageable memory passes through the driver's staging buffers, which ranks sharing one GPU
+//! would share, so one rank's copy back (waiting for its all-reduce, which waits for the
+//! peers) could hold up a peer's copy in that the all-reduce needs.
 
 use std::sync::{Arc, Mutex};
 
 use allreduce::{AllReduceOptions, Communicator, DType as ArDType, Precision, Strategy};
 use candle_core::{Result, Tensor};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, PinnedHostSlice};
 use half::bf16;
 
 /// Rows of 384 the buffers hold: every sentence of the corpus fits.
@@ -16,8 +19,8 @@ const MAX_TOKENS: usize = 128;
 /// One rank's stream and device buffers.
 pub struct GpuSums {
     stream: Arc<CudaStream>,
-    f32: Mutex<CudaSlice<f32>>,
-    bf16: Mutex<CudaSlice<bf16>>,
+    f32: Mutex<(CudaSlice<f32>, PinnedHostSlice<f32>)>,
+    bf16: Mutex<(CudaSlice<bf16>, PinnedHostSlice<bf16>)>,
 }
 
 fn err(e: impl std::fmt::Display) -> candle_core::Error {
@@ -33,11 +36,18 @@ impl GpuSums {
                 let stream = ctx.new_stream().map_err(err)?;
                 let f32 = stream.alloc_zeros::<f32>(n).map_err(err)?;
                 let bf16 = stream.alloc_zeros::<bf16>(n).map_err(err)?;
+                // SAFETY: the pinned buffers are written before they are read.
+                let (pf32, pbf16) = unsafe {
+                    (
+                        ctx.alloc_pinned::<f32>(n).map_err(err)?,
+                        ctx.alloc_pinned::<bf16>(n).map_err(err)?,
+                    )
+                };
                 stream.synchronize().map_err(err)?;
                 Ok(GpuSums {
                     stream,
-                    f32: Mutex::new(f32),
-                    bf16: Mutex::new(bf16),
+                    f32: Mutex::new((f32, pf32)),
+                    bf16: Mutex::new((bf16, pbf16)),
                 })
             })
             .collect()
@@ -60,25 +70,32 @@ impl GpuSums {
         let s = &self.stream;
         let out: Vec<f32> = match reduce.wire {
             None | Some(ArDType::F32) => {
-                let mut buf = self.f32.lock().unwrap_or_else(|e| e.into_inner());
-                let mut view = buf.slice_mut(..n);
-                s.memcpy_htod(&host, &mut view).map_err(err)?;
-                comm.all_reduce_cudarc_in_place(&mut view, s, &options)
+                let mut bufs = self.f32.lock().unwrap_or_else(|e| e.into_inner());
+                let (dev, pinned) = &mut *bufs;
+                pinned.as_mut_slice().map_err(err)?[..n].copy_from_slice(&host);
+                s.memcpy_htod(&*pinned, dev).map_err(err)?;
+                comm.all_reduce_cudarc_in_place(&mut dev.slice_mut(..n), s, &options)
                     .map_err(err)?;
-                let mut back = vec![0f32; n];
-                s.memcpy_dtoh(&view, &mut back).map_err(err)?;
-                back
+                s.memcpy_dtoh(&*dev, pinned).map_err(err)?;
+                pinned.as_slice().map_err(err)?[..n].to_vec()
             }
             Some(_) => {
-                let src: Vec<bf16> = host.iter().map(|&v| bf16::from_f32(v)).collect();
-                let mut buf = self.bf16.lock().unwrap_or_else(|e| e.into_inner());
-                let mut view = buf.slice_mut(..n);
-                s.memcpy_htod(&src, &mut view).map_err(err)?;
-                comm.all_reduce_cudarc_in_place(&mut view, s, &options)
+                let mut bufs = self.bf16.lock().unwrap_or_else(|e| e.into_inner());
+                let (dev, pinned) = &mut *bufs;
+                for (d, &v) in pinned.as_mut_slice().map_err(err)?[..n]
+                    .iter_mut()
+                    .zip(&host)
+                {
+                    *d = bf16::from_f32(v);
+                }
+                s.memcpy_htod(&*pinned, dev).map_err(err)?;
+                comm.all_reduce_cudarc_in_place(&mut dev.slice_mut(..n), s, &options)
                     .map_err(err)?;
-                let mut back = vec![bf16::ZERO; n];
-                s.memcpy_dtoh(&view, &mut back).map_err(err)?;
-                back.into_iter().map(bf16::to_f32).collect()
+                s.memcpy_dtoh(&*dev, pinned).map_err(err)?;
+                pinned.as_slice().map_err(err)?[..n]
+                    .iter()
+                    .map(|v| v.to_f32())
+                    .collect()
             }
         };
         Tensor::from_vec(out, shape, &candle_core::Device::Cpu)
