@@ -947,6 +947,38 @@ fn abort_raises_every_ranks_abort_word_and_fails_later_calls() {
     }
 }
 
+/// A group of one copies an exact call's input to its output (nothing to reduce) and
+/// launches no kernel; in place it does nothing at all.
+#[test]
+fn a_group_of_one_copies_exact_calls() {
+    let comms = GpuBackend::<Mock>::create_group(&GroupConfig::new(1).devices(vec![0])).unwrap();
+    let c = &comms[0];
+    take_launches();
+    vendor_log();
+    let input: Vec<f32> = (0..100).map(|i| i as f32 - 7.5).collect();
+    let mut output = vec![0f32; 100];
+    for s in [Strategy::Auto, Strategy::OneShot, Strategy::TwoShot] {
+        output.fill(0.0);
+        let call = prepare_on(c, &input, &mut output, s).unwrap();
+        c.all_reduce(&call).unwrap();
+        assert_eq!(output, input, "{s}");
+        let (i, o) = (input.as_ptr() as u64, output.as_ptr() as u64);
+        assert_eq!(
+            vendor_log(),
+            vec![VendorOp::Copy {
+                dst: o,
+                src: i,
+                bytes: 400
+            }]
+        );
+    }
+    let at = output.as_mut_ptr() as usize;
+    let call = prepare_raw(c, at, at, 100, Strategy::OneShot).unwrap();
+    c.all_reduce(&call).unwrap();
+    assert_eq!(vendor_log(), vec![]);
+    assert!(take_launches().is_empty(), "no kernel for a group of one");
+}
+
 /// A vendor library without symmetric windows (too old, a missing symbol) leaves the plain
 /// vendor strategy, says why for the symmetric one, and registers nothing.
 #[test]
