@@ -1017,13 +1017,18 @@ fn late_rank_is_waited_for(h: &dyn Harness) -> Result<(), String> {
 
 /// A rank that never arrives makes the others fail within the deadline (no hang), and the
 /// group stays failed until it is rebuilt.
-fn missing_rank_times_out(h: &dyn Harness) -> Result<(), String> {
+/// A group of up to 3 ranks with this deadline, and one call's arguments in which rank 1 makes
+/// no call; every other rank waits for its call's result, so a failure is reported before
+/// the rank's next call is made.
+fn rank_1_missing(
+    h: &dyn Harness,
+    timeout: Duration,
+) -> Result<(Vec<allreduce::Communicator>, Vec<RankArgs>), String> {
     let world = 3.min(h.max_world()).max(2);
-    let config = GroupConfig::new(world).timeout(Duration::from_millis(300));
-    let comms = h.group(config).map_err(|e| e.to_string())?;
+    let comms = h
+        .group(GroupConfig::new(world).timeout(timeout))
+        .map_err(|e| e.to_string())?;
     let inputs: Vec<HostBytes> = (0..world).map(|r| gauss(100, DType::F32, 1, r)).collect();
-    // Rank 1 makes neither call. The first call is waited for, so its failure is reported
-    // before the second is made.
     let mut s = step(
         &inputs,
         DType::F32,
@@ -1032,6 +1037,11 @@ fn missing_rank_times_out(h: &dyn Harness) -> Result<(), String> {
     );
     s[1].skip = true;
     s.iter_mut().for_each(|a| a.sync_after = true);
+    Ok((comms, s))
+}
+
+fn missing_rank_times_out(h: &dyn Harness) -> Result<(), String> {
+    let (comms, s) = rank_1_missing(h, Duration::from_millis(300))?;
     let start = std::time::Instant::now();
     let results = h.run(&comms, &[s.clone(), s]);
     if start.elapsed() > Duration::from_secs(5) {
@@ -1067,18 +1077,7 @@ fn missing_rank_times_out(h: &dyn Harness) -> Result<(), String> {
 /// they leave at once with `Aborted` naming it (long before their 20 s deadline), and every
 /// later call of every rank is `Aborted` too.
 fn abort_releases_waiting_ranks(h: &dyn Harness) -> Result<(), String> {
-    let world = 3.min(h.max_world()).max(2);
-    let config = GroupConfig::new(world).timeout(Duration::from_secs(20));
-    let comms = h.group(config).map_err(|e| e.to_string())?;
-    let inputs: Vec<HostBytes> = (0..world).map(|r| gauss(100, DType::F32, 1, r)).collect();
-    let mut s = step(
-        &inputs,
-        DType::F32,
-        false,
-        opts(Strategy::OneShot, Precision::Exact),
-    );
-    s[1].skip = true;
-    s.iter_mut().for_each(|a| a.sync_after = true);
+    let (comms, s) = rank_1_missing(h, Duration::from_secs(20))?;
     let start = std::time::Instant::now();
     let (results, aborted) = std::thread::scope(|scope| {
         let aborter = scope.spawn(|| {
