@@ -125,13 +125,22 @@ def _through_torch_ops(x: Any, out: Any, precision: Any, strategy: Any, stream: 
     same kernels either way. Anything the ops' schema or autograd would refuse with torch's
     own error instead of this package's (a non-string option, a stream object, a tensor
     autograd tracks) takes the direct path too, whose refusals reach the peers."""
+    tensors = (x,) if out is None else (x, out)
+    return (stream is None and isinstance(precision, str) and isinstance(strategy, str)
+            and _traced_tensors(tensors))
+
+
+def _traced_tensors(tensors: Sequence[Any]) -> bool:
+    """While ``torch.compile`` traces (on a torch with custom ops): whether ``tensors``
+    (``None`` for an optional one left out; the first is always given) are torch tensors that
+    autograd does not track, which is what the ops' schemas take."""
     torch = torch_with_ops()
     if torch is None or not _compiling(torch):
         return False
-    tensors = (x,) if out is None else (x, out)
-    return (stream is None and isinstance(precision, str) and isinstance(strategy, str)
-            and all(isinstance(t, torch.Tensor) for t in tensors)
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+    given = [t for t in tensors if t is not None]
+    return (isinstance(tensors[0], torch.Tensor)
+            and all(isinstance(t, torch.Tensor) for t in given)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in given)))
 
 
 def _fused_through_torch_ops(ws: Any, tensors: Sequence[Any], rms_eps: Any, pattern: Any,
@@ -139,21 +148,15 @@ def _fused_through_torch_ops(ws: Any, tensors: Sequence[Any], rms_eps: Any, patt
     """As :func:`_through_torch_ops`, for ``all_reduce_fused``: while ``torch.compile``
     traces, when every array given is a torch tensor (``x`` always) and every option is of
     the op schema's type; anything else takes the direct path and its own refusals."""
-    torch = torch_with_ops()
-    if torch is None or not _compiling(torch):
-        return False
     from . import _fused
 
     real = (int, float)
     return (isinstance(ws, _fused.FusedWorkspace) and stream is None
-            and isinstance(tensors[0], torch.Tensor)
-            and all(t is None or isinstance(t, torch.Tensor) for t in tensors)
             and isinstance(rms_eps, real) and not isinstance(rms_eps, bool)
             and isinstance(weight_bias, real) and not isinstance(weight_bias, bool)
             and (pattern is None or isinstance(pattern, str))
             and (use_oneshot is None or isinstance(use_oneshot, bool))
-            and not (torch.is_grad_enabled()
-                     and any(t is not None and t.requires_grad for t in tensors)))
+            and _traced_tensors(tensors))
 
 
 def _compiling(torch: Any) -> bool:

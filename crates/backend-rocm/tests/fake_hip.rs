@@ -76,6 +76,24 @@ impl Probe {
     }
 }
 
+/// `prepare` as the facade calls it, on `c`'s limits, table and strategies.
+fn prepare_on(
+    c: &impl BackendComm,
+    input: Option<BufRef<'_>>,
+    output: &BufMut<'_>,
+    options: &AllReduceOptions,
+) -> allreduce_core::Result<allreduce_core::Call> {
+    prepare(
+        input,
+        output,
+        options,
+        &c.limits(),
+        c.world_size(),
+        c.selection(),
+        |s, d, p| c.strategy_available(s, d, p),
+    )
+}
+
 /// The stub's hand-written part; every other symbol of the function table is generated as
 /// `int name() { return 1; }` (hipErrorInvalidValue).
 const STUB: &str = include_str!("stub/hip_stub.c");
@@ -280,14 +298,11 @@ fn hip_layers_against_a_stub_runtime() {
         )
     };
     let stream = Stream::from_raw(0x5000 as *mut c_void);
-    let call = prepare(
+    let call = prepare_on(
+        c,
         Some(input),
         &output,
         &AllReduceOptions::default().stream(stream),
-        &c.limits(),
-        c.world_size(),
-        c.selection(),
-        |s, d, p| c.strategy_available(s, d, p),
     )
     .unwrap();
     assert_eq!(call.strategy, Strategy::OneShot);
@@ -331,14 +346,11 @@ fn hip_layers_against_a_stub_runtime() {
             BufMut::from_raw(0x100_0000, 2 << 20, DType::F32, dev),
         )
     };
-    let call = prepare(
+    let call = prepare_on(
+        c,
         Some(input),
         &output,
         &AllReduceOptions::default().stream(stream),
-        &c.limits(),
-        c.world_size(),
-        c.selection(),
-        |s, d, p| c.strategy_available(s, d, p),
     )
     .unwrap();
     assert_eq!(call.strategy, Strategy::Vendor);
@@ -365,16 +377,13 @@ fn hip_layers_against_a_stub_runtime() {
     assert_ne!(comms[0].vendor_window().unwrap().0, win);
     // A call outside the window: copied in, reduced in place in the window, copied out, all
     // on the call's stream.
-    let call = prepare(
+    let call = prepare_on(
+        c,
         Some(input),
         &output,
         &AllReduceOptions::default()
             .strategy(Strategy::VendorSymmetric)
             .stream(stream),
-        &c.limits(),
-        c.world_size(),
-        c.selection(),
-        |s, d, p| c.strategy_available(s, d, p),
     )
     .unwrap();
     c.all_reduce(&call).unwrap();
@@ -398,16 +407,13 @@ fn hip_layers_against_a_stub_runtime() {
     // In the window: RCCL runs on the caller's buffer with no copy.
     // SAFETY: an address inside rank 1's live window.
     let in_window = unsafe { BufMut::from_raw(win as usize + 4096, 1024, DType::BF16, dev) };
-    let call = prepare(
+    let call = prepare_on(
+        c,
         None,
         &in_window,
         &AllReduceOptions::default()
             .strategy(Strategy::VendorSymmetric)
             .stream(stream),
-        &c.limits(),
-        c.world_size(),
-        c.selection(),
-        |s, d, p| c.strategy_available(s, d, p),
     )
     .unwrap();
     c.all_reduce(&call).unwrap();
@@ -430,16 +436,13 @@ fn hip_layers_against_a_stub_runtime() {
             BufMut::from_raw(0x20_0000, 4096, DType::F16, dev),
         )
     };
-    let call = prepare(
+    let call = prepare_on(
+        c,
         Some(input),
         &output,
         &AllReduceOptions::default()
             .strategy(Strategy::TwoShot)
             .stream(s.handle()),
-        &c.limits(),
-        c.world_size(),
-        c.selection(),
-        |s, d, p| c.strategy_available(s, d, p),
     )
     .unwrap();
     let graph = GpuGraph::capture(&s, || c.all_reduce(&call)).unwrap();
