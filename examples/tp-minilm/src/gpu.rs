@@ -8,9 +8,11 @@
 
 use std::sync::{Arc, Mutex};
 
-use allreduce::{AllReduceOptions, Communicator, DType as ArDType, Precision, Strategy};
+use allreduce::{
+    AllReduceOptions, Communicator, CudarcElement, DType as ArDType, Precision, Strategy,
+};
 use candle_core::{Result, Tensor};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, PinnedHostSlice};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, PinnedHostSlice, ValidAsZeroBits};
 use half::bf16;
 
 /// Rows of 384 the buffers hold: every sentence of the corpus fits.
@@ -62,42 +64,43 @@ impl GpuSums {
     ) -> Result<Tensor> {
         let shape = partial.shape().clone();
         let host = partial.flatten_all()?.to_vec1::<f32>()?;
-        let n = host.len();
         let mut options = AllReduceOptions::default().precision(reduce.precision);
         if matches!(reduce.precision, Precision::Lossy(_)) {
             options = options.strategy(Strategy::QuantizedTwoShot);
         }
-        let s = &self.stream;
-        let out: Vec<f32> = match reduce.wire {
-            None | Some(ArDType::F32) => {
-                let mut bufs = self.f32.lock().unwrap_or_else(|e| e.into_inner());
-                let (dev, pinned) = &mut *bufs;
-                pinned.as_mut_slice().map_err(err)?[..n].copy_from_slice(&host);
-                s.memcpy_htod(&*pinned, dev).map_err(err)?;
-                comm.all_reduce_cudarc_in_place(&mut dev.slice_mut(..n), s, &options)
-                    .map_err(err)?;
-                s.memcpy_dtoh(&*dev, pinned).map_err(err)?;
-                pinned.as_slice().map_err(err)?[..n].to_vec()
-            }
-            Some(_) => {
-                let mut bufs = self.bf16.lock().unwrap_or_else(|e| e.into_inner());
-                let (dev, pinned) = &mut *bufs;
-                for (d, &v) in pinned.as_mut_slice().map_err(err)?[..n]
-                    .iter_mut()
-                    .zip(&host)
-                {
-                    *d = bf16::from_f32(v);
-                }
-                s.memcpy_htod(&*pinned, dev).map_err(err)?;
-                comm.all_reduce_cudarc_in_place(&mut dev.slice_mut(..n), s, &options)
-                    .map_err(err)?;
-                s.memcpy_dtoh(&*dev, pinned).map_err(err)?;
-                pinned.as_slice().map_err(err)?[..n]
-                    .iter()
-                    .map(|v| v.to_f32())
-                    .collect()
-            }
+        let out = match reduce.wire {
+            None | Some(ArDType::F32) => self.round_trip(&self.f32, &host, comm, &options)?,
+            Some(_) => self.round_trip(&self.bf16, &host, comm, &options)?,
         };
         Tensor::from_vec(out, shape, &candle_core::Device::Cpu)
+    }
+
+    /// `host` as `T` summed over the ranks on the GPU: into the pinned buffer, to the device,
+    /// summed in place there, and back.
+    fn round_trip<T: CudarcElement + ValidAsZeroBits>(
+        &self,
+        bufs: &Mutex<(CudaSlice<T>, PinnedHostSlice<T>)>,
+        host: &[f32],
+        comm: &Communicator,
+        options: &AllReduceOptions,
+    ) -> Result<Vec<f32>> {
+        let s = &self.stream;
+        let n = host.len();
+        let mut bufs = bufs.lock().unwrap_or_else(|e| e.into_inner());
+        let (dev, pinned) = &mut *bufs;
+        for (d, &v) in pinned.as_mut_slice().map_err(err)?[..n]
+            .iter_mut()
+            .zip(host)
+        {
+            *d = T::from_f32(v);
+        }
+        s.memcpy_htod(&*pinned, dev).map_err(err)?;
+        comm.all_reduce_cudarc_in_place(&mut dev.slice_mut(..n), s, options)
+            .map_err(err)?;
+        s.memcpy_dtoh(&*dev, pinned).map_err(err)?;
+        Ok(pinned.as_slice().map_err(err)?[..n]
+            .iter()
+            .map(|v| v.to_f32())
+            .collect())
     }
 }
