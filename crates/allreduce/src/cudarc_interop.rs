@@ -12,8 +12,8 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 
 use crate::{
-    AllReduceOptions, BackendKind, BufMut, BufRef, Communicator, Device, Element, GroupConfig,
-    Result, Strategy, Stream,
+    AllReduceOptions, BackendKind, BufMut, BufRef, Communicator, Device, Element, FusedArgs,
+    FusedPattern, FusedWorkspace, GroupConfig, Result, Strategy, Stream,
 };
 
 /// The element types both libraries carry: f32, `half::f16`, `half::bf16`.
@@ -79,5 +79,54 @@ impl Communicator {
         // SAFETY: as in all_reduce_cudarc.
         let b = unsafe { BufMut::from_raw(ptr as usize, n, T::DTYPE, device) };
         self.all_reduce_in_place(b, &options)
+    }
+
+    /// The all-reduce fused with the residual add and the RMSNorm
+    /// ([`Communicator::all_reduce_fused`], `FusedPattern::ResidualRmsNorm`) on cudarc
+    /// buffers: with `a` the sum over the ranks of `x` (`tokens` rows of `ws`'s hidden size),
+    /// `residual_out = a + residual` and `norm_out = residual_out / rms(residual_out) * gamma`,
+    /// enqueued on `stream`. `ws` is this rank's workspace (`FusedWorkspace::create_group`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_reduce_add_rms_norm_cudarc<T: CudarcElement>(
+        &self,
+        ws: &FusedWorkspace,
+        tokens: usize,
+        x: &impl DevicePtr<T>,
+        residual: &impl DevicePtr<T>,
+        gamma: &impl DevicePtr<T>,
+        eps: f32,
+        residual_out: &mut impl DevicePtrMut<T>,
+        norm_out: &mut impl DevicePtrMut<T>,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Strategy> {
+        let (device, options) = on(stream, &AllReduceOptions::default());
+        let lens = [
+            x.len(),
+            residual.len(),
+            gamma.len(),
+            residual_out.len(),
+            norm_out.len(),
+        ];
+        let (x, _x) = x.device_ptr(stream);
+        let (r, _r) = residual.device_ptr(stream);
+        let (g, _g) = gamma.device_ptr(stream);
+        let (ro, _ro) = residual_out.device_ptr_mut(stream);
+        let (no, _no) = norm_out.device_ptr_mut(stream);
+        // SAFETY: as in all_reduce_cudarc; the library checks every length against `tokens`
+        // and the workspace's hidden size before enqueuing anything.
+        let (x, r, g, ro, no) = unsafe {
+            (
+                BufRef::from_raw(x as usize, lens[0], T::DTYPE, device),
+                BufRef::from_raw(r as usize, lens[1], T::DTYPE, device),
+                BufRef::from_raw(g as usize, lens[2], T::DTYPE, device),
+                BufMut::from_raw(ro as usize, lens[3], T::DTYPE, device),
+                BufMut::from_raw(no as usize, lens[4], T::DTYPE, device),
+            )
+        };
+        let args = FusedArgs::new(FusedPattern::ResidualRmsNorm, tokens, x)
+            .residual(r, Some(ro))
+            .rms_norm(g, eps, Some(no))
+            .stream(options.stream);
+        self.all_reduce_fused(ws, args)
     }
 }

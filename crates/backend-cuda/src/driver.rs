@@ -32,12 +32,23 @@ pub fn check(r: sys::CUresult, api: &'static str) -> Result<()> {
     })
 }
 
+/// Whether libcuda can be used: probed when cudarc loads it, given when it is linked (the
+/// process would not have started without it).
+fn driver_present() -> bool {
+    #[cfg(feature = "linked")]
+    return true;
+    // SAFETY: probing only tries to open the library.
+    #[cfg(not(feature = "linked"))]
+    unsafe {
+        sys::is_culib_present()
+    }
+}
+
 /// Load libcuda and initialise the driver, once per process.
 pub fn init() -> Result<()> {
     static INIT: OnceLock<Result<()>> = OnceLock::new();
     INIT.get_or_init(|| {
-        // SAFETY: probing only tries to open the library.
-        if !unsafe { sys::is_culib_present() } {
+        if !driver_present() {
             return Err(Error::LibraryUnavailable {
                 library: "libcuda",
                 detail: "the NVIDIA driver library could not be loaded (no driver installed?)"

@@ -53,8 +53,7 @@ pub fn unavailable(ordinals: &[u32]) -> Option<String> {
         }
         seen.push(*o);
     }
-    // SAFETY: only tries to open the library.
-    if !unsafe { sys::is_culib_present() } {
+    if !nccl_present() {
         return Some(
             "libnccl could not be loaded (install NCCL or put libnccl.so.2 on LD_LIBRARY_PATH)"
                 .into(),
@@ -113,8 +112,7 @@ pub fn init(devices: &[&driver::Device]) -> Result<Vec<Comm>> {
 /// A new group id (`ncclGetUniqueId`), for rank 0 of a multi-process group to send to the
 /// others.
 pub fn unique_id() -> Result<Vec<u8>> {
-    // SAFETY: only tries to open the library.
-    if !unsafe { sys::is_culib_present() } {
+    if !nccl_present() {
         return Err(Error::LibraryUnavailable {
             library: "libnccl",
             detail: "could not be loaded (put libnccl.so.2 on LD_LIBRARY_PATH)".into(),
@@ -186,6 +184,7 @@ const NCCL_WIN_COLL_SYMMETRIC: i32 = 0x01;
 pub const SYMMETRIC_MIN_VERSION: i32 = 22_700;
 
 /// The symbols the windows call.
+#[cfg_attr(feature = "linked", allow(dead_code))]
 const WINDOW_SYMBOLS: [&str; 4] = [
     "ncclMemAlloc",
     "ncclMemFree",
@@ -224,13 +223,35 @@ pub fn symmetric_unavailable() -> Option<String> {
     if let Err(e) = check(unsafe { sys::ncclGetVersion(&mut code) }, "ncclGetVersion") {
         return Some(e.to_string());
     }
-    // SAFETY: only looks symbols up in the loaded library.
-    let lib = unsafe { sys::culib() };
-    let missing = WINDOW_SYMBOLS.into_iter().find(|name| {
-        // SAFETY: a lookup; the pointer is not called here.
-        unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err()
-    });
-    symmetric_gate(code, missing)
+    symmetric_gate(code, missing_window_symbol())
+}
+
+/// The first window symbol the loaded NCCL lacks. Looked up before any call, because cudarc
+/// panics on a missing symbol. A linked NCCL has them all: the process would not have
+/// started otherwise (symbols bind when it loads).
+fn missing_window_symbol() -> Option<&'static str> {
+    #[cfg(feature = "linked")]
+    return None;
+    #[cfg(not(feature = "linked"))]
+    {
+        // SAFETY: only looks symbols up in the loaded library.
+        let lib = unsafe { sys::culib() };
+        WINDOW_SYMBOLS.into_iter().find(|name| {
+            // SAFETY: a lookup; the pointer is not called here.
+            unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err()
+        })
+    }
+}
+
+/// Whether libnccl can be used: probed when cudarc loads it, given when it is linked.
+fn nccl_present() -> bool {
+    #[cfg(feature = "linked")]
+    return true;
+    // SAFETY: only tries to open the library.
+    #[cfg(not(feature = "linked"))]
+    unsafe {
+        sys::is_culib_present()
+    }
 }
 
 /// This process's ranks' windows: `ncclMemAlloc` memory (VMM memory NCCL can map into its

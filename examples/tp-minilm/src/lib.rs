@@ -56,14 +56,6 @@ impl Weights {
             .get(name)
             .ok_or_else(|| candle_core::Error::Msg(format!("model.safetensors lacks {name}")))
     }
-
-    fn norm(&self, prefix: &str) -> Result<LayerNorm> {
-        Ok(LayerNorm::new(
-            self.get(&format!("{prefix}.weight"))?.clone(),
-            self.get(&format!("{prefix}.bias"))?.clone(),
-            LN_EPS,
-        ))
-    }
 }
 
 /// How the row-parallel sums travel: exact in the model's f32, or through a 16-bit dtype
@@ -91,8 +83,9 @@ impl Reduce {
 
 /// Where a rank's row-parallel sums run.
 pub enum Sums {
-    /// In place on the CPU tensor: a host-backend group.
-    Host,
+    /// In place on the tensor, where the layers run: a host-backend group for CPU tensors, a
+    /// CUDA group for candle CUDA tensors (`allreduce_candle::all_reduce_`'s op either way).
+    InPlace,
     /// On the GPU through the cudarc calls (a CUDA group), the layers staying on the CPU.
     #[cfg(feature = "cuda")]
     Gpu(gpu::GpuSums),
@@ -108,8 +101,9 @@ struct Layer {
     ffn_norm: LayerNorm,
 }
 
-/// Rank `rank` of `tp`'s part of the model.
+/// Rank `rank` of `tp`'s part of the model, on the device its layers run on.
 pub struct Shard {
+    device: Device,
     rank: usize,
     tp: usize,
     word: Tensor,
@@ -125,7 +119,13 @@ fn linear(x: &Tensor, (w, b): &(Tensor, Tensor)) -> Result<Tensor> {
 }
 
 impl Shard {
+    /// On the CPU.
     pub fn new(weights: &Weights, rank: usize, tp: usize) -> Result<Self> {
+        Shard::on(weights, rank, tp, &Device::Cpu)
+    }
+
+    /// With its weights copied to `device`.
+    pub fn on(weights: &Weights, rank: usize, tp: usize, device: &Device) -> Result<Self> {
         if !TP_SIZES.contains(&tp) || rank >= tp {
             return Err(candle_core::Error::Msg(format!(
                 "rank {rank} of {tp}: the model splits over {TP_SIZES:?} ranks"
@@ -141,7 +141,7 @@ impl Shard {
             let b = weights
                 .get(&format!("{name}.bias"))?
                 .narrow(0, rank * n, n)?;
-            Ok((w.contiguous()?, b.contiguous()?))
+            Ok((w.contiguous()?.to_device(device)?, b.to_device(device)?))
         };
         // Row-parallel: this rank's columns of the weight; the bias is added after the sum.
         let rows = |name: &str, n: usize| -> Result<(Tensor, Tensor)> {
@@ -149,8 +149,16 @@ impl Shard {
                 .get(&format!("{name}.weight"))?
                 .narrow(1, rank * n, n)?;
             Ok((
-                w.contiguous()?,
-                weights.get(&format!("{name}.bias"))?.clone(),
+                w.contiguous()?.to_device(device)?,
+                weights.get(&format!("{name}.bias"))?.to_device(device)?,
+            ))
+        };
+        let whole = |name: &str| weights.get(name)?.to_device(device);
+        let norm = |prefix: &str| -> Result<LayerNorm> {
+            Ok(LayerNorm::new(
+                whole(&format!("{prefix}.weight"))?,
+                whole(&format!("{prefix}.bias"))?,
+                LN_EPS,
             ))
         };
         let layers = (0..LAYERS)
@@ -163,30 +171,39 @@ impl Shard {
                         cols(&format!("{p}.attention.self.value"), heads)?,
                     ],
                     attn_out: rows(&format!("{p}.attention.output.dense"), heads)?,
-                    attn_norm: weights.norm(&format!("{p}.attention.output.LayerNorm"))?,
+                    attn_norm: norm(&format!("{p}.attention.output.LayerNorm"))?,
                     ffn_in: cols(&format!("{p}.intermediate.dense"), ffn)?,
                     ffn_out: rows(&format!("{p}.output.dense"), ffn)?,
-                    ffn_norm: weights.norm(&format!("{p}.output.LayerNorm"))?,
+                    ffn_norm: norm(&format!("{p}.output.LayerNorm"))?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Shard {
+            device: device.clone(),
             rank,
             tp,
-            word: weights.get("embeddings.word_embeddings.weight")?.clone(),
-            position: weights
-                .get("embeddings.position_embeddings.weight")?
-                .clone(),
-            token_type: weights
-                .get("embeddings.token_type_embeddings.weight")?
-                .clone(),
-            embed_norm: weights.norm("embeddings.LayerNorm")?,
+            word: whole("embeddings.word_embeddings.weight")?,
+            position: whole("embeddings.position_embeddings.weight")?,
+            token_type: whole("embeddings.token_type_embeddings.weight")?,
+            embed_norm: norm("embeddings.LayerNorm")?,
             layers,
         })
     }
 
     pub fn rank(&self) -> usize {
         self.rank
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// One sentence's token ids and positions on this shard's device.
+    pub fn inputs(&self, ids: &[u32]) -> Result<(Tensor, Tensor)> {
+        Ok((
+            Tensor::new(ids, &self.device)?,
+            Tensor::arange(0u32, ids.len() as u32, &self.device)?,
+        ))
     }
 
     /// The sentence embedding (L2-normalised mean of the last hidden states) of one sentence's
@@ -199,13 +216,26 @@ impl Shard {
         sums: &Sums,
         reduce: Reduce,
     ) -> Result<Tensor> {
-        let t = ids.len();
-        let ids = Tensor::new(ids, &Device::Cpu)?;
-        let pos = Tensor::arange(0u32, t as u32, &Device::Cpu)?;
+        let (ids, pos) = self.inputs(ids)?;
+        self.forward(&ids, &pos, Some((comm, sums)), reduce)
+    }
+
+    /// [`Shard::embed`] on inputs already on the device ([`Shard::inputs`]). With no
+    /// communicator, the partial products are not summed: a pass that only loads the kernels
+    /// this rank runs (a kernel loaded later, while peers wait for this rank in an all-reduce,
+    /// may wait for the device).
+    pub fn forward(
+        &self,
+        ids: &Tensor,
+        pos: &Tensor,
+        group: Option<(&Communicator, &Sums)>,
+        reduce: Reduce,
+    ) -> Result<Tensor> {
+        let t = ids.dim(0)?;
         let x = self
             .word
-            .embedding(&ids)?
-            .add(&self.position.embedding(&pos)?)?
+            .embedding(ids)?
+            .add(&self.position.embedding(pos)?)?
             .broadcast_add(&self.token_type.get(0)?)?;
         let mut x = self.embed_norm.forward(&x)?;
         let local_heads = HEADS / self.tp;
@@ -226,10 +256,10 @@ impl Shard {
                 .matmul(&v)?
                 .transpose(0, 1)?
                 .reshape((t, local_heads * HEAD_DIM))?;
-            let attn = self.row_parallel(&ctx, &layer.attn_out, comm, sums, reduce)?;
+            let attn = self.row_parallel(&ctx, &layer.attn_out, group, reduce)?;
             x = layer.attn_norm.forward(&(attn + &x)?)?;
             let h = linear(&x, &layer.ffn_in)?.gelu_erf()?;
-            let out = self.row_parallel(&h, &layer.ffn_out, comm, sums, reduce)?;
+            let out = self.row_parallel(&h, &layer.ffn_out, group, reduce)?;
             x = layer.ffn_norm.forward(&(out + &x)?)?;
         }
         let mean = x.mean(0)?;
@@ -242,13 +272,15 @@ impl Shard {
         &self,
         x: &Tensor,
         (w, b): &(Tensor, Tensor),
-        comm: &Communicator,
-        sums: &Sums,
+        group: Option<(&Communicator, &Sums)>,
         reduce: Reduce,
     ) -> Result<Tensor> {
         let partial = x.matmul(&w.t()?)?;
+        let Some((comm, sums)) = group else {
+            return partial.broadcast_add(b);
+        };
         match sums {
-            Sums::Host => {}
+            Sums::InPlace => {}
             #[cfg(feature = "cuda")]
             Sums::Gpu(g) => return g.sum(&partial, comm, reduce)?.broadcast_add(b),
         }
@@ -274,41 +306,74 @@ pub fn cosine(a: &Tensor, b: &Tensor) -> Result<f32> {
     (a * b)?.sum_all()?.to_scalar::<f32>()
 }
 
-/// Every sentence's embedding at tensor-parallel size `tp` (one thread per rank over
-/// `comms`), and the mean seconds per forward pass (one sentence through every rank).
-pub fn embed_all(
-    weights: &Weights,
-    comms: &[Communicator],
-    ids: &[Vec<u32>],
-    reduce: Reduce,
-) -> Result<(Vec<Tensor>, f64)> {
-    let host: Vec<Sums> = comms.iter().map(|_| Sums::Host).collect();
-    embed_all_on(weights, comms, &host, ids, reduce)
+/// A tensor-parallel group's ranks: each rank's communicator, where its sums run, and its
+/// shard of the model (on the device its layers run on).
+pub struct Group {
+    pub comms: Vec<Communicator>,
+    pub sums: Vec<Sums>,
+    pub shards: Vec<Shard>,
 }
 
-/// [`embed_all`] with each rank's sums where `sums[r]` says.
-pub fn embed_all_on(
-    weights: &Weights,
-    comms: &[Communicator],
-    sums: &[Sums],
-    ids: &[Vec<u32>],
-    reduce: Reduce,
-) -> Result<(Vec<Tensor>, f64)> {
-    let tp = comms.len();
-    let shards = (0..tp)
-        .map(|r| Shard::new(weights, r, tp))
-        .collect::<Result<Vec<_>>>()?;
-    let start = std::time::Instant::now();
-    let per_rank: Vec<Result<Vec<Tensor>>> = std::thread::scope(|s| {
-        let hs: Vec<_> = shards
-            .iter()
-            .zip(comms)
-            .zip(sums)
+impl Group {
+    /// Rank r's layers on `devices[r]`, its sums as `sums[r]` says, over `comms[r]`.
+    pub fn new(
+        weights: &Weights,
+        comms: Vec<Communicator>,
+        sums: Vec<Sums>,
+        devices: &[Device],
+    ) -> Result<Self> {
+        let tp = comms.len();
+        if sums.len() != tp || devices.len() != tp {
+            return Err(candle_core::Error::Msg(format!(
+                "{tp} communicators, {} sums, {} devices",
+                sums.len(),
+                devices.len()
+            )));
+        }
+        let shards = (0..tp)
+            .map(|r| Shard::on(weights, r, tp, &devices[r]))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Group {
+            comms,
+            sums,
+            shards,
+        })
+    }
+
+    /// Every rank on the CPU, summing over a host-backend group.
+    pub fn host(weights: &Weights, tp: usize) -> Result<Self> {
+        let comms = Communicator::new_group(
+            allreduce::BackendKind::Host,
+            allreduce::GroupConfig::new(tp),
+        )
+        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let sums = comms.iter().map(|_| Sums::InPlace).collect();
+        Group::new(weights, comms, sums, &vec![Device::Cpu; tp])
+    }
+
+    pub fn tp(&self) -> usize {
+        self.comms.len()
+    }
+}
+
+/// Every sentence's embedding (on the CPU) through `group` (one thread per rank), and the
+/// mean seconds per forward pass (one sentence through every rank, as the slowest rank saw
+/// it). Each rank first puts every sentence's inputs on its device and runs one pass with no
+/// sums, then all start together: the time is the forward passes', not the first kernel
+/// loads'. Fails unless every rank's embeddings have the same bits.
+pub fn embed_all(group: &Group, ids: &[Vec<u32>], reduce: Reduce) -> Result<(Vec<Tensor>, f64)> {
+    let start = std::sync::Barrier::new(group.tp());
+    let per_rank: Vec<Result<(Vec<Tensor>, f64)>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (group.shards.iter().zip(&group.comms).zip(&group.sums))
             .map(|((shard, comm), sums)| {
+                let start = &start;
                 s.spawn(move || {
-                    ids.iter()
-                        .map(|sentence| shard.embed(sentence, comm, sums, reduce))
-                        .collect::<Result<Vec<_>>>()
+                    let ran = rank_embeds(shard, comm, sums, ids, reduce, start);
+                    if ran.is_err() {
+                        // Peers waiting on this rank leave at once rather than at a deadline.
+                        let _ = comm.abort();
+                    }
+                    ran
                 })
             })
             .collect();
@@ -316,11 +381,12 @@ pub fn embed_all_on(
             .map(|h| h.join().expect("rank thread"))
             .collect()
     });
-    let seconds = start.elapsed().as_secs_f64() / ids.len().max(1) as f64;
-    let mut per_rank = per_rank.into_iter().collect::<Result<Vec<_>>>()?;
+    let per_rank = per_rank.into_iter().collect::<Result<Vec<_>>>()?;
+    let seconds = per_rank.iter().map(|(_, t)| *t).fold(0.0, f64::max);
+    let mut embeddings: Vec<Vec<Tensor>> = per_rank.into_iter().map(|(e, _)| e).collect();
     // Every rank holds the same embeddings (the sums are bitwise equal across ranks).
-    let first = per_rank.swap_remove(0);
-    for (r, other) in per_rank.iter().enumerate() {
+    let first = embeddings.swap_remove(0);
+    for (r, other) in embeddings.iter().enumerate() {
         for (a, b) in first.iter().zip(other) {
             let same = (a.to_vec1::<f32>()?.iter().zip(b.to_vec1::<f32>()?))
                 .all(|(x, y)| x.to_bits() == y.to_bits());
@@ -333,6 +399,49 @@ pub fn embed_all_on(
         }
     }
     Ok((first, seconds))
+}
+
+/// One rank's part of [`embed_all`]: its embeddings, copied to the CPU once all are done, and
+/// its seconds per forward pass.
+fn rank_embeds(
+    shard: &Shard,
+    comm: &Communicator,
+    sums: &Sums,
+    ids: &[Vec<u32>],
+    reduce: Reduce,
+    start: &std::sync::Barrier,
+) -> Result<(Vec<Tensor>, f64)> {
+    // Nothing is copied between host and device while the ranks run: a copy through pageable
+    // memory may wait on the driver's staging, shared by every rank on the GPU, behind a
+    // peer's copy that waits for this rank.
+    let primed = || -> Result<Vec<(Tensor, Tensor)>> {
+        let inputs = ids
+            .iter()
+            .map(|s| shard.inputs(s))
+            .collect::<Result<Vec<_>>>()?;
+        if let Some((i, p)) = inputs.first() {
+            shard.forward(i, p, None, reduce)?;
+        }
+        shard.device().synchronize()?;
+        Ok(inputs)
+    };
+    let primed = primed();
+    // Every rank reaches the barrier, failed or not (a failure then aborts the group).
+    start.wait();
+    let inputs = primed?;
+    let t0 = std::time::Instant::now();
+    let mut out = Vec::with_capacity(inputs.len());
+    for (i, p) in &inputs {
+        out.push(shard.forward(i, p, Some((comm, sums)), reduce)?);
+        // One sentence at a time, as a latency-bound server runs it.
+        shard.device().synchronize()?;
+    }
+    let seconds = t0.elapsed().as_secs_f64() / inputs.len().max(1) as f64;
+    let out = out
+        .iter()
+        .map(|e| e.to_device(&Device::Cpu))
+        .collect::<Result<Vec<_>>>()?;
+    Ok((out, seconds))
 }
 
 /// The tokenizer of the model folder, without padding (one sentence per call).

@@ -2,9 +2,8 @@
 //! host backend: the sentence-transformers quickstart similarities to four decimals, and the
 //! same bits on every rank. Skipped, saying why, without the model (examples/tp-minilm/setup.sh).
 
-use allreduce::{BackendKind, Communicator, GroupConfig};
 use tp_minilm::{
-    cosine, embed_all, model_dir, token_ids, tokenizer, Reduce, Weights, QUICKSTART,
+    cosine, embed_all, model_dir, token_ids, tokenizer, Group, Reduce, Weights, QUICKSTART,
     QUICKSTART_COSINES, TP_SIZES,
 };
 
@@ -18,9 +17,9 @@ fn quickstart_cosines_at_every_tp_size() {
     let ids = token_ids(&tokenizer(&dir).unwrap(), &QUICKSTART).unwrap();
     let mut tp1 = None;
     for tp in TP_SIZES {
-        let comms = Communicator::new_group(BackendKind::Host, GroupConfig::new(tp)).unwrap();
+        let group = Group::host(&weights, tp).unwrap();
         // embed_all fails if any rank's embedding differs from rank 0's in a bit.
-        let (e, _) = embed_all(&weights, &comms, &ids, Reduce::EXACT).unwrap();
+        let (e, _) = embed_all(&group, &ids, Reduce::EXACT).unwrap();
         let q = [
             cosine(&e[0], &e[1]).unwrap(),
             cosine(&e[0], &e[2]).unwrap(),
