@@ -526,3 +526,76 @@ fn two_stage_snr() {
         "quality floors missed (docs/codecs.md, \"Measured accuracy\"): {misses:?}"
     );
 }
+
+/// The v1 adaptive codec a v2 integer codec replaces.
+fn v1_counterpart(codec: Codec) -> Option<Codec> {
+    match codec {
+        Codec::Int8V2 => Some(Codec::Int8Adaptive),
+        Codec::Int6V2 => Some(Codec::Int6Adaptive),
+        Codec::Int4V2 => Some(Codec::Int4Adaptive),
+        _ => None,
+    }
+}
+
+/// What format v2 promises (docs/codecs.md, "Format v2"): q4v2 at least 20 dB on N(0,1) in
+/// both dtypes and no channel of `spikes` below 10 dB; every v2 integer codec at least as
+/// good as the v1 adaptive codec it replaces, in SNR and in its worst channel, on every data
+/// set. Prints the quality table docs/codecs.md quotes (SNR / worst channel, f16).
+#[test]
+fn v2_quality() {
+    let cases = [
+        (Set::Gauss, Dt::F16),
+        (Set::Gauss, Dt::BF16),
+        (Set::Outliers, Dt::F16),
+        (Set::Channels, Dt::F16),
+        (Set::Spikes, Dt::F16),
+        (Set::Ints, Dt::F16),
+    ];
+    let tables: Vec<Table> = cases.iter().map(|&(set, dt)| measure(dt, set)).collect();
+    let mut misses = Vec::new();
+    println!();
+    print!("| codec | bits/elem |");
+    for t in &tables {
+        print!(" {} {} |", t.set.name(), t.dt.name());
+    }
+    println!();
+    print!("|-------|-----------|");
+    for _ in &tables {
+        print!("------|");
+    }
+    println!();
+    for codec in Codec::ALL {
+        print!("| {:<5} | {:>9} |", codec.name(), codec.bits_per_element());
+        for t in &tables {
+            let r = t.row(codec);
+            print!(" {:.2} / {:.2} |", r.snr, r.snr_worst);
+        }
+        println!();
+    }
+    for t in &tables {
+        let what = format!("{} {}", t.set.name(), t.dt.name());
+        let q4v2 = t.row(Codec::Int4V2);
+        if t.set == Set::Gauss && q4v2.snr < 20.0 {
+            misses.push(format!("q4v2 {what}: {:.3} dB < 20", q4v2.snr));
+        }
+        if t.set == Set::Spikes && q4v2.snr_worst < 10.0 {
+            misses.push(format!(
+                "q4v2 {what}: worst channel {:.3} dB < 10",
+                q4v2.snr_worst
+            ));
+        }
+        for r in &t.rows {
+            let Some(v1) = v1_counterpart(r.codec) else {
+                continue;
+            };
+            let v1 = t.row(v1);
+            if r.snr < v1.snr || r.snr_worst < v1.snr_worst {
+                misses.push(format!(
+                    "{} {what}: {:.3} / {:.3} dB below {} {:.3} / {:.3}",
+                    r.codec, r.snr, r.snr_worst, v1.codec, v1.snr, v1.snr_worst
+                ));
+            }
+        }
+    }
+    assert!(misses.is_empty(), "format v2 promises missed: {misses:?}");
+}
