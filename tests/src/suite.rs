@@ -36,6 +36,10 @@ pub const TESTS: &[Test] = &[
         run: crate::tolerance::lossy_peer_tolerances,
     },
     Test {
+        name: "auto_exact_never_quantizes",
+        run: crate::tolerance::auto_exact_never_quantizes,
+    },
+    Test {
         name: "hierarchical_all_shapes",
         run: hierarchical_all_shapes,
     },

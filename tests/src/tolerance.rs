@@ -198,3 +198,23 @@ pub fn lossy_peer_tolerances(h: &dyn Harness) -> Result<(), String> {
         Err(misses.join("; "))
     }
 }
+
+/// `Auto` never runs a codec the caller did not allow: with `Precision::Exact` it picks no
+/// quantizing strategy at any size, dtype or world size the backend runs.
+pub fn auto_exact_never_quantizes(h: &dyn Harness) -> Result<(), String> {
+    for world in 1..=h.max_world() {
+        let comms = crate::suite::group_of(h, world)?;
+        for dtype in DType::ALL {
+            for shift in 0..=30 {
+                let len = (1usize << shift) / dtype.size();
+                let picked = comms[0].select(len, dtype, Precision::Exact);
+                if picked.quantizes() {
+                    return Err(format!(
+                        "world {world} {dtype} {len} elements: Auto picked {picked} for an exact call"
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -10,8 +10,11 @@
 //! in rank order 0..7 and re-encodes the sum (as the host backend and the GPU kernels do). Stage 2 (all-gather): every rank decodes the owner's bytes and rounds
 //! to the output dtype. The result is compared with the exact (f64) sum of the inputs.
 //!
-//! Run `cargo test -p allreduce-core --test codec_quality -- --nocapture` for the tables that
-//! docs/codecs.md quotes. Besides the SNR, each table has the channel-equalized SNR:
+//! A fifth data set, `spikes`, is allreduce-bench's: one channel 100..300x on about 5% of the
+//! rows, three heavy-tailed ones.
+//!
+//! Run `cargo test -p allreduce-core --release --test codec_quality -- --nocapture` for the
+//! tables that docs/codecs.md quotes (`v2_quality` prints the format v2 one). Besides the SNR, each table has the channel-equalized SNR:
 //! `-10 log10(mean over the 4096 channels of (channel error energy / channel signal energy))`,
 //! which a few massive channels cannot dominate.
 
