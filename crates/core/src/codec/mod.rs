@@ -19,6 +19,10 @@
 //!   ties), the choice recorded in [`FLAG_BIT`]. Only blocks with `amax` in
 //!   [[`ADAPTIVE_MIN_AMAX`], [`ADAPTIVE_MAX_AMAX`]] can be transformed.
 //!
+//! * Format v2 (q8v2, q6v2, q4v2, fp4; `v2.rs`, `fp4.rs`): more than one side field per
+//!   block, each in its own array of the segment ([`Codec::side_widths`]); blocks go through
+//!   [`encode_block_with_side`] / [`decode_block_with_side`].
+//!
 //! Every division is the IEEE correctly rounded f32 division (`div.rn.f32` / `__fdiv_rn`,
 //! never a reciprocal multiply or fast-math division) and every product a single correctly
 //! rounded f32 multiply; subnormals are not flushed.

@@ -6,13 +6,14 @@
 //! codecs fix all three:
 //!
 //! * the block's largest element `m` (first in index order) is carried beside the codes, on
-//!   the scale's grid with a wider integer `K`, so the other 31 elements are scaled by the
-//!   second-largest, `m2` (QuickReduce's sign trick on `m2`: it maps to code `-H`);
+//!   the scale's grid with a wider integer `K`, so the other 31 set the scale, which fits both
+//!   signs into `[-H, H-1]` without clamping (`balanced_scale`);
 //! * q8v2 and q6v2 round the scale to 16 significant bits over the whole f32 range
 //!   ([`round_scale24`]); q4v2 keeps v1's 7-bit scale, which costs a 4-bit code 0.01 dB;
 //! * every block is coded both plain (with the carried element) and after v1's randomized
 //!   Hadamard transform (whole block, no carried element), both are decoded, and the one with
-//!   the smaller measured squared error ([`sq_err`]) is kept, plain on ties.
+//!   the smaller measured squared error ([`sq_err`]) is kept, plain on ties, unless the
+//!   rotated one's largest error exceeds [`MAX_ERR_GUARD`] times the plain one's.
 //!
 //! fp4 is OCP E2M1 with an E4M3 scale per 16 elements under a power-of-two scale per
 //! block, NVFP4's two-level scale with the tensor scale made per block.
