@@ -18,7 +18,10 @@ BACKENDS = {"host": 0, "cuda": 1, "rocm": 2}
 _BACKEND_NAMES = {v: k for k, v in BACKENDS.items()}
 
 # `ar_precision_t` and `ar_strategy_t`, by the names the header's comments use.
-PRECISIONS = {"exact": 0, "fp8": 1, "q8": 2, "q6": 3, "q4": 4, "q8a": 5, "q6a": 6, "q4a": 7}
+PRECISIONS = {
+    "exact": 0, "fp8": 1, "q8": 2, "q6": 3, "q4": 4, "q8a": 5, "q6a": 6, "q4a": 7,
+    "q8v2": 8, "q6v2": 9, "q4v2": 10, "fp4": 11,
+}
 STRATEGIES = {"auto": 0, "oneshot": 1, "twoshot": 2, "quantized": 3, "hierarchical": 4,
               "vendor": 5, "vendor_symmetric": 6}
 
@@ -548,8 +551,9 @@ class Communicator(Handle):
 
         ``precision``: ``"exact"`` (f32 accumulation in rank order, one rounding into the
         dtype: the same bits on every rank and every backend) or a lossy wire codec for 16-bit
-        data, ``"fp8"``, ``"q8"``, ``"q6"``, ``"q4"``, ``"q8a"``, ``"q6a"``, ``"q4a"``
-        (docs/codecs.md); with a codec, ``"auto"`` may still pick an exact path.
+        data, ``"fp8"``, ``"q8"``, ``"q6"``, ``"q4"``, ``"q8a"``, ``"q6a"``, ``"q4a"``,
+        ``"q8v2"``, ``"q6v2"``, ``"q4v2"``, ``"fp4"`` (docs/codecs.md; the v2 ones on the host
+        backend only); with a codec, ``"auto"`` may still pick an exact path.
         ``strategy``: ``"auto"``, ``"oneshot"``, ``"twoshot"``, ``"quantized"``,
         ``"hierarchical"`` or ``"vendor"`` (NCCL/RCCL).
 

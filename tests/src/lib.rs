@@ -27,6 +27,7 @@ pub mod harness;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 mod harness_gpu;
 mod suite;
+pub mod tolerance;
 
 use allreduce::{BackendKind, Communicator, Device, Error, Result};
 use allreduce_gpu::device::{GpuDevice, GpuStream};

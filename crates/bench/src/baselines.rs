@@ -225,7 +225,8 @@ pub fn codec_speed<R: GpuRuntime>(
         copy.copy(&src, &back, bytes, grid, &stream)
     })?;
     let mut codecs = Vec::new();
-    for codec in Codec::ALL {
+    // Format v2 has no GPU kernels yet.
+    for codec in Codec::V1 {
         let job = Segment {
             input: CodecInput::Bf16,
             codec,

@@ -118,7 +118,8 @@ pub struct Args {
     )]
     pub strategy: Vec<Strategy>,
 
-    /// Precisions, comma-separated: exact, fp8, q8, q6, q4, q8a, q6a, q4a (adaptive)
+    /// Precisions, comma-separated: exact, fp8, q8, q6, q4, q8a, q6a, q4a (adaptive), q8v2, q6v2,
+    /// q4v2, fp4 (format v2; host backend only)
     #[arg(
         long,
         value_delimiter = ',',

@@ -103,6 +103,14 @@ typedef enum {
   AR_Q8A = 5,
   AR_Q6A = 6,
   AR_Q4A = 7,
+  // Format v2: a 16-bit-precision scale, the block's largest element carried beside the
+  // codes, plain or Hadamard by measured error. Host backend only so far (the GPU
+  // backends refuse them).
+  AR_Q8V2 = 8,
+  AR_Q6V2 = 9,
+  AR_Q4V2 = 10,
+  // FP4 E2M1 with E4M3 scales per 16 elements under a power of two per 32.
+  AR_FP4 = 11,
 } ar_precision_t;
 
 // Which algorithm runs a call (the `strategy` argument).

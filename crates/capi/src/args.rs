@@ -44,6 +44,14 @@ pub enum ar_precision_t {
     AR_Q8A = 5,
     AR_Q6A = 6,
     AR_Q4A = 7,
+    /// Format v2: a 16-bit-precision scale, the block's largest element carried beside the
+    /// codes, plain or Hadamard by measured error. Host backend only so far (the GPU
+    /// backends refuse them).
+    AR_Q8V2 = 8,
+    AR_Q6V2 = 9,
+    AR_Q4V2 = 10,
+    /// FP4 E2M1 with E4M3 scales per 16 elements under a power of two per 32.
+    AR_FP4 = 11,
 }
 
 /// Which algorithm runs a call (the `strategy` argument).
@@ -137,10 +145,14 @@ pub fn precision(code: c_int) -> Result<Precision, Error> {
         5 => codec(Codec::Int8Adaptive),
         6 => codec(Codec::Int6Adaptive),
         7 => codec(Codec::Int4Adaptive),
+        8 => codec(Codec::Int8V2),
+        9 => codec(Codec::Int6V2),
+        10 => codec(Codec::Int4V2),
+        11 => codec(Codec::Fp4E2M1),
         _ => Err(invalid(
             "precision",
             code,
-            "the ar_precision_t values 0 to 7",
+            "the ar_precision_t values 0 to 11",
         )),
     }
 }
@@ -158,6 +170,10 @@ pub fn precision_code(precision: Precision) -> c_int {
             Codec::Int8Adaptive => 5,
             Codec::Int6Adaptive => 6,
             Codec::Int4Adaptive => 7,
+            Codec::Int8V2 => 8,
+            Codec::Int6V2 => 9,
+            Codec::Int4V2 => 10,
+            Codec::Fp4E2M1 => 11,
         },
     }
 }
@@ -307,7 +323,7 @@ mod tests {
             assert!(e.to_string().contains(&format!("dtype {bad}")), "{e}");
             assert_eq!(code(e), AR_INVALID_ARGUMENT);
         }
-        for bad in [-1, 8, c_int::MAX] {
+        for bad in [-1, 12, c_int::MAX] {
             assert_eq!(code(precision(bad).unwrap_err()), AR_INVALID_ARGUMENT);
         }
         for bad in [-1, 7, c_int::MIN] {

@@ -220,6 +220,10 @@ fn lossy_precisions_equal_the_rust_facade_bit_for_bit() {
         (ar_precision_t::AR_Q8A, Codec::Int8Adaptive),
         (ar_precision_t::AR_Q6A, Codec::Int6Adaptive),
         (ar_precision_t::AR_Q4A, Codec::Int4Adaptive),
+        (ar_precision_t::AR_Q8V2, Codec::Int8V2),
+        (ar_precision_t::AR_Q6V2, Codec::Int6V2),
+        (ar_precision_t::AR_Q4V2, Codec::Int4V2),
+        (ar_precision_t::AR_FP4, Codec::Fp4E2M1),
     ];
     for dtype in [DType::F16, DType::BF16] {
         let mut previous: Option<Vec<u8>> = None;
@@ -419,9 +423,9 @@ fn refused_arguments_have_their_code_and_message_and_leave_the_group_intact() {
         (
             "unknown precision",
             1,
-            |_, c| c.precision = 8,
+            |_, c| c.precision = 12,
             AR_INVALID_ARGUMENT,
-            "precision 8",
+            "precision 12",
         ),
         (
             "unknown strategy",

@@ -30,12 +30,40 @@ pub enum Codec {
     Int6Adaptive,
     /// Adaptive Q4 (see `Int8Adaptive`): 4.5 bits per element.
     Int4Adaptive,
+    /// Format v2, 8-bit codes: a scale with 16 significant bits, the block's largest element
+    /// carried beside the codes on the scale's grid, plain or Hadamard by measured error:
+    /// 9.25 bits per element (docs/codecs.md, "Format v2").
+    Int8V2,
+    /// Format v2, 6-bit codes (see `Int8V2`): 7.25 bits per element.
+    Int6V2,
+    /// Format v2, 4-bit codes (see `Int8V2`; a 7-bit scale, the largest element on a 7-bit
+    /// grid): 4.75 bits per element.
+    Int4V2,
+    /// OCP FP4 E2M1 codes with an E4M3 scale per 16 elements under a power-of-two scale per
+    /// 32 (NVFP4's layout with the tensor scale made per block): 4.75 bits per element.
+    Fp4E2M1,
 }
 
 impl Codec {
     /// Every codec. The plain ones come first, in their original order: the CUDA backend's
     /// call descriptor numbers codecs by their position here.
-    pub const ALL: [Codec; 7] = [
+    /// The format v2 codecs come last, so that the v1 positions never move.
+    pub const ALL: [Codec; 11] = [
+        Codec::Fp8E4M3,
+        Codec::Int8,
+        Codec::Int6,
+        Codec::Int4,
+        Codec::Int8Adaptive,
+        Codec::Int6Adaptive,
+        Codec::Int4Adaptive,
+        Codec::Int8V2,
+        Codec::Int6V2,
+        Codec::Int4V2,
+        Codec::Fp4E2M1,
+    ];
+
+    /// The format v1 codecs (the GPU kernels implement these).
+    pub const V1: [Codec; 7] = [
         Codec::Fp8E4M3,
         Codec::Int8,
         Codec::Int6,
@@ -44,6 +72,17 @@ impl Codec {
         Codec::Int6Adaptive,
         Codec::Int4Adaptive,
     ];
+
+    /// The format v2 codecs (host reference only so far).
+    pub const V2: [Codec; 4] = [Codec::Int8V2, Codec::Int6V2, Codec::Int4V2, Codec::Fp4E2M1];
+
+    /// Whether the codec belongs to format v2 (docs/codecs.md, "Format v2").
+    pub const fn is_v2(self) -> bool {
+        matches!(
+            self,
+            Codec::Int8V2 | Codec::Int6V2 | Codec::Int4V2 | Codec::Fp4E2M1
+        )
+    }
 
     pub const fn name(self) -> &'static str {
         match self {
@@ -54,6 +93,10 @@ impl Codec {
             Codec::Int8Adaptive => "q8a",
             Codec::Int6Adaptive => "q6a",
             Codec::Int4Adaptive => "q4a",
+            Codec::Int8V2 => "q8v2",
+            Codec::Int6V2 => "q6v2",
+            Codec::Int4V2 => "q4v2",
+            Codec::Fp4E2M1 => "fp4",
         }
     }
 
@@ -81,8 +124,13 @@ impl FromStr for Codec {
             "q8a" | "int8a" => Ok(Codec::Int8Adaptive),
             "q6a" | "int6a" => Ok(Codec::Int6Adaptive),
             "q4a" | "int4a" => Ok(Codec::Int4Adaptive),
+            "q8v2" | "int8v2" => Ok(Codec::Int8V2),
+            "q6v2" | "int6v2" => Ok(Codec::Int6V2),
+            "q4v2" | "int4v2" => Ok(Codec::Int4V2),
+            "fp4" | "fp4e2m1" | "e2m1" | "nvfp4" => Ok(Codec::Fp4E2M1),
             _ => Err(format!(
-                "unknown codec `{s}` (expected fp8, q8, q6, q4, q8a, q6a or q4a)"
+                "unknown codec `{s}` (expected fp8, q8, q6, q4, q8a, q6a, q4a, q8v2, q6v2, q4v2 \
+                 or fp4)"
             )),
         }
     }

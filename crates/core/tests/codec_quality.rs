@@ -10,8 +10,11 @@
 //! in rank order 0..7 and re-encodes the sum (as the host backend and the GPU kernels do). Stage 2 (all-gather): every rank decodes the owner's bytes and rounds
 //! to the output dtype. The result is compared with the exact (f64) sum of the inputs.
 //!
-//! Run `cargo test -p allreduce-core --test codec_quality -- --nocapture` for the tables that
-//! docs/codecs.md quotes. Besides the SNR, each table has the channel-equalized SNR:
+//! A fifth data set, `spikes`, is allreduce-bench's: one channel 100..300x on about 5% of the
+//! rows, three heavy-tailed ones.
+//!
+//! Run `cargo test -p allreduce-core --release --test codec_quality -- --nocapture` for the
+//! tables that docs/codecs.md quotes (`v2_quality` prints the format v2 one). Besides the SNR, each table has the channel-equalized SNR:
 //! `-10 log10(mean over the 4096 channels of (channel error energy / channel signal energy))`,
 //! which a few massive channels cannot dominate.
 
@@ -41,6 +44,8 @@ fn floor_db(codec: Codec) -> f64 {
         Codec::Int8Adaptive => 43.1,
         Codec::Int6Adaptive => 31.0,
         Codec::Int4Adaptive => 18.5,
+        // Format v2: `v2_quality` checks its own figures.
+        _ => f64::NEG_INFINITY,
     }
 }
 
@@ -70,6 +75,7 @@ fn bf16_floor_db(codec: Codec) -> f64 {
         Codec::Int8Adaptive => 42.9,
         Codec::Int6Adaptive => 31.3,
         Codec::Int4Adaptive => 19.2,
+        _ => f64::NEG_INFINITY,
     }
 }
 
@@ -85,6 +91,16 @@ const MASSIVE_CHANNELS: [usize; 4] = [611, 1415, 2533, 3701];
 /// Rows `0, 8, 16, ...` of the `channels` data set carry the massive values.
 const MASSIVE_ROW_EVERY: usize = 8;
 
+/// `spikes`: the spike channel and the heavy-tailed ones (allreduce-bench's for 4096).
+const SPIKE_CHANNEL: usize = 1415;
+const HEAVY_CHANNELS: [usize; 3] = [611, 2533, 3701];
+
+/// `spikes`: whether row `row` carries the spike (about one in 20, the same on every rank).
+fn spike_row(row: usize) -> bool {
+    let mut h = SplitMix64(0x0005_914E ^ (row as u64).wrapping_mul(0x9E37_79B9));
+    h.next_u64() % 20 == 0
+}
+
 #[derive(Clone, Copy, PartialEq)]
 enum Set {
     Gauss,
@@ -92,6 +108,12 @@ enum Set {
     Channels,
     /// allreduce-bench's integer pattern `((rank*7 + i*3) % 23) - 11`.
     Ints,
+    /// allreduce-bench's `spikes`, rebuilt on this test's N(0, 1) values: channel 1415 is
+    /// 100..300x (per rank and row) on about 5% of the rows, the same rows on every rank (the
+    /// tokens that carry a massive activation), and channels 611, 2533 and 3701 are
+    /// heavy-tailed, N(0,1) / sqrt(u) with u uniform in [0.01, 1]: what FFN-output partial
+    /// sums look like.
+    Spikes,
 }
 
 impl Set {
@@ -101,6 +123,7 @@ impl Set {
             Set::Outliers => "outliers",
             Set::Channels => "channels",
             Set::Ints => "ints",
+            Set::Spikes => "spikes",
         }
     }
     fn describe(self) -> &'static str {
@@ -111,6 +134,10 @@ impl Set {
                 "~ N(0,1) in rows of 4096, channels 611/1415/2533/3701 x50 on every 8th row"
             }
             Set::Ints => "((rank*7 + i*3) % 23) - 11",
+            Set::Spikes => {
+                "~ N(0,1) in rows of 4096, channel 1415 x100..300 on ~5% of rows, 611/2533/3701 \
+                 heavy-tailed"
+            }
         }
     }
 }
@@ -205,7 +232,13 @@ fn inputs(dt: Dt, set: Set) -> (Vec<Vec<f32>>, Vec<f64>) {
                         {
                             50.0
                         }
-                        Set::Channels | Set::Ints => 1.0,
+                        Set::Spikes if i % HIDDEN == SPIKE_CHANNEL && spike_row(i / HIDDEN) => {
+                            100.0 + (pick.next_u64() % 201) as f64
+                        }
+                        Set::Spikes if HEAVY_CHANNELS.contains(&(i % HIDDEN)) => {
+                            1.0 / (0.01 + 0.99 * pick.uniform()).sqrt()
+                        }
+                        Set::Channels | Set::Ints | Set::Spikes => 1.0,
                     };
                     dt.round_f64(g * factor)
                 })
@@ -316,11 +349,26 @@ fn channel_snr_db(out: &[f32], exact: &[f64]) -> f64 {
     -10.0 * mean.log10()
 }
 
+/// The worst channel's SNR in dB (each channel's energies summed over its rows).
+fn worst_channel_snr_db(out: &[f32], exact: &[f64]) -> f64 {
+    let mut sig = vec![0.0f64; HIDDEN];
+    let mut noise = vec![0.0f64; HIDDEN];
+    for (i, (&o, &e)) in out.iter().zip(exact).enumerate() {
+        sig[i % HIDDEN] += e * e;
+        noise[i % HIDDEN] += (f64::from(o) - e).powi(2);
+    }
+    sig.iter()
+        .zip(&noise)
+        .map(|(s, n)| 10.0 * (s / n).log10())
+        .fold(f64::INFINITY, f64::min)
+}
+
 struct Row {
     codec: Codec,
     snr: f64,
     snr_f32: f64,
     snr_eq: f64,
+    snr_worst: f64,
     worst_bound_use: f64,
 }
 
@@ -372,6 +420,7 @@ fn measure(dt: Dt, set: Set) -> Table {
                         snr: snr_db(&out, exact),
                         snr_f32: snr_db(&out_f32, exact),
                         snr_eq: channel_snr_db(&out, exact),
+                        snr_worst: worst_channel_snr_db(&out, exact),
                         worst_bound_use: worst,
                     }
                 })
@@ -399,10 +448,10 @@ fn print_table(t: &Table, floors: fn(Codec) -> f64) {
         t.set.name()
     );
     println!(
-        "| codec | bits/elem | SNR {dt} out (dB) | SNR f32 out (dB) | channel-eq. SNR (dB) | floor (dB) | max err / bound |"
+        "| codec | bits/elem | SNR {dt} out (dB) | SNR f32 out (dB) | channel-eq. SNR (dB) | worst channel (dB) | floor (dB) | max err / bound |"
     );
     println!(
-        "|-------|-----------|-----------------|------------------|----------------------|------------|-----------------|"
+        "|-------|-----------|-----------------|------------------|----------------------|--------------------|------------|-----------------|"
     );
     for r in &t.rows {
         let floor = floors(r.codec);
@@ -412,18 +461,19 @@ fn print_table(t: &Table, floors: fn(Codec) -> f64) {
             "-".into()
         };
         println!(
-            "| {:<5} | {:>9} | {:>15.3} | {:>16.3} | {:>20.3} | {:>10} | {:>15.3} |",
+            "| {:<5} | {:>9} | {:>15.3} | {:>16.3} | {:>20.3} | {:>18.3} | {:>10} | {:>15.3} |",
             r.codec.name(),
             r.codec.bits_per_element(),
             r.snr,
             r.snr_f32,
             r.snr_eq,
+            r.snr_worst,
             floor,
             r.worst_bound_use
         );
     }
     println!(
-        "| exact |        16 | {:>15.3} |                  |                      |            |                 |",
+        "| exact |        16 | {:>15.3} |                  |                      |                    |            |                 |",
         t.exact_snr
     );
 }
@@ -432,12 +482,13 @@ fn print_table(t: &Table, floors: fn(Codec) -> f64) {
 fn two_stage_snr() {
     // (data set, dtype, floors): gauss in both dtypes, the others in f16.
     type Floors = fn(Codec) -> f64;
-    let cases: [(Set, Dt, Floors); 5] = [
+    let cases: [(Set, Dt, Floors); 6] = [
         (Set::Gauss, Dt::F16, floor_db),
         (Set::Gauss, Dt::BF16, bf16_floor_db),
         (Set::Outliers, Dt::F16, outliers_floor_db),
         (Set::Channels, Dt::F16, no_floor),
         (Set::Ints, Dt::F16, no_floor),
+        (Set::Spikes, Dt::F16, no_floor),
     ];
     let mut misses = Vec::new();
     for (set, dt, floors) in cases {
@@ -477,4 +528,77 @@ fn two_stage_snr() {
         misses.is_empty(),
         "quality floors missed (docs/codecs.md, \"Measured accuracy\"): {misses:?}"
     );
+}
+
+/// The v1 adaptive codec a v2 integer codec replaces.
+fn v1_counterpart(codec: Codec) -> Option<Codec> {
+    match codec {
+        Codec::Int8V2 => Some(Codec::Int8Adaptive),
+        Codec::Int6V2 => Some(Codec::Int6Adaptive),
+        Codec::Int4V2 => Some(Codec::Int4Adaptive),
+        _ => None,
+    }
+}
+
+/// What format v2 promises (docs/codecs.md, "Format v2"): q4v2 at least 20 dB on N(0,1) in
+/// both dtypes and no channel of `spikes` below 10 dB; every v2 integer codec at least as
+/// good as the v1 adaptive codec it replaces, in SNR and in its worst channel, on every data
+/// set. Prints the quality table docs/codecs.md quotes (SNR / worst channel, f16).
+#[test]
+fn v2_quality() {
+    let cases = [
+        (Set::Gauss, Dt::F16),
+        (Set::Gauss, Dt::BF16),
+        (Set::Outliers, Dt::F16),
+        (Set::Channels, Dt::F16),
+        (Set::Spikes, Dt::F16),
+        (Set::Ints, Dt::F16),
+    ];
+    let tables: Vec<Table> = cases.iter().map(|&(set, dt)| measure(dt, set)).collect();
+    let mut misses = Vec::new();
+    println!();
+    print!("| codec | bits/elem |");
+    for t in &tables {
+        print!(" {} {} |", t.set.name(), t.dt.name());
+    }
+    println!();
+    print!("|-------|-----------|");
+    for _ in &tables {
+        print!("------|");
+    }
+    println!();
+    for codec in Codec::ALL {
+        print!("| {:<5} | {:>9} |", codec.name(), codec.bits_per_element());
+        for t in &tables {
+            let r = t.row(codec);
+            print!(" {:.2} / {:.2} |", r.snr, r.snr_worst);
+        }
+        println!();
+    }
+    for t in &tables {
+        let what = format!("{} {}", t.set.name(), t.dt.name());
+        let q4v2 = t.row(Codec::Int4V2);
+        if t.set == Set::Gauss && q4v2.snr < 20.0 {
+            misses.push(format!("q4v2 {what}: {:.3} dB < 20", q4v2.snr));
+        }
+        if t.set == Set::Spikes && q4v2.snr_worst < 10.0 {
+            misses.push(format!(
+                "q4v2 {what}: worst channel {:.3} dB < 10",
+                q4v2.snr_worst
+            ));
+        }
+        for r in &t.rows {
+            let Some(v1) = v1_counterpart(r.codec) else {
+                continue;
+            };
+            let v1 = t.row(v1);
+            if r.snr < v1.snr || r.snr_worst < v1.snr_worst {
+                misses.push(format!(
+                    "{} {what}: {:.3} / {:.3} dB below {} {:.3} / {:.3}",
+                    r.codec, r.snr, r.snr_worst, v1.codec, v1.snr, v1.snr_worst
+                ));
+            }
+        }
+    }
+    assert!(misses.is_empty(), "format v2 promises missed: {misses:?}");
 }

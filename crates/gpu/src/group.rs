@@ -131,11 +131,11 @@ struct Kernels<R: GpuRuntime> {
     /// The same two reading registered inputs in place ([`RegisteredArgs`]).
     oneshot_registered: [R::Function; 3],
     twoshot_registered: [R::Function; 3],
-    /// `[f16, bf16][codec index in Codec::ALL]`; `None` where the runtime has no codec
+    /// `[f16, bf16][codec index in Codec::V1]`; `None` where the runtime has no codec
     /// kernels ([`GpuRuntime::quantized_unavailable`]).
-    quantized: Option<[[R::Function; Codec::ALL.len()]; 2]>,
+    quantized: Option<[[R::Function; Codec::V1.len()]; 2]>,
     /// The hierarchical kernels, indexed and present like `quantized`.
-    hierarchical: Option<[[R::Function; Codec::ALL.len()]; 2]>,
+    hierarchical: Option<[[R::Function; Codec::V1.len()]; 2]>,
     _module: R::Module,
 }
 
@@ -163,9 +163,9 @@ impl<R: GpuRuntime> Kernels<R> {
         // [f16, bf16][codec], as `Kernels::quantized` is indexed.
         let per_codec = |kernel: fn(DType, Codec) -> Kernel| -> Result<_> {
             let codecs = |d| {
-                kernels::functions::<R, { Codec::ALL.len() }>(
+                kernels::functions::<R, { Codec::V1.len() }>(
                     &module,
-                    Codec::ALL.map(|c| kernel(d, c)),
+                    Codec::V1.map(|c| kernel(d, c)),
                 )
             };
             Ok([codecs(DType::F16)?, codecs(DType::BF16)?])
@@ -1404,6 +1404,9 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
         let codec_kernels = || match (R::quantized_unavailable(), dtype, precision) {
             (Some(why), _, _) => Err(why),
             (None, _, Precision::Exact) => Err("it needs Precision::Lossy(codec)".into()),
+            (None, _, Precision::Lossy(c)) if c.is_v2() => {
+                Err(format!("{c}: {}", kernels::V2_NO_KERNELS))
+            }
             (None, DType::F16 | DType::BF16, Precision::Lossy(_)) => Ok(()),
             (None, d, _) => Err(format!("the codecs carry f16 and bf16, not {d}")),
         };
@@ -1511,7 +1514,18 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
                     self.reject(&e, call.stream);
                     return Err(e);
                 }
-                table[d][Codec::ALL.iter().position(|&x| x == codec).expect("listed")]
+                // `strategy_available` refused v2 codecs before the call got here; checked
+                // again rather than index out of the table.
+                let Some(c) = Codec::V1.iter().position(|&x| x == codec) else {
+                    let e = Error::StrategyUnavailable {
+                        strategy: s,
+                        reason: format!("{codec}: {}", kernels::V2_NO_KERNELS),
+                    };
+                    self.calls.fetch_sub(1, Ordering::Relaxed);
+                    self.reject(&e, call.stream);
+                    return Err(e);
+                };
+                table[d][c]
             }
             Strategy::Vendor => {
                 let comms = g

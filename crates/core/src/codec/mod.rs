@@ -19,15 +19,25 @@
 //!   ties), the choice recorded in [`FLAG_BIT`]. Only blocks with `amax` in
 //!   [[`ADAPTIVE_MIN_AMAX`], [`ADAPTIVE_MAX_AMAX`]] can be transformed.
 //!
+//! * Format v2 (q8v2, q6v2, q4v2, fp4; `v2.rs`, `fp4.rs`): more than one side field per
+//!   block, each in its own array of the segment ([`Codec::side_widths`]); blocks go through
+//!   [`encode_block_with_side`] / [`decode_block_with_side`].
+//!
 //! Every division is the IEEE correctly rounded f32 division (`div.rn.f32` / `__fdiv_rn`,
 //! never a reciprocal multiply or fast-math division) and every product a single correctly
 //! rounded f32 multiply; subnormals are not flushed.
 
+mod fp4;
 mod fp8;
 #[cfg(test)]
 mod tests;
+pub(crate) mod v2;
+#[cfg(test)]
+mod v2_tests;
 
+pub use fp4::{e2m1_to_f32, f32_to_e2m1, E2M1_MAX};
 pub use fp8::{e4m3_to_f32, f32_to_e4m3, E4M3_MAX};
+pub use v2::{round_scale24, scale24_value, POISON_SCALE24};
 
 use crate::Codec;
 
@@ -65,7 +75,7 @@ pub const POISON_SCALE: u16 = 0x7FC0;
 const SCALE_HALF_GRID_MIN: f64 = 1.0 / (1u128 << 100) as f64 / (1u64 << 33) as f64;
 /// 2^-149: the smallest f32 subnormal, an upper bound on any single f32 rounding error that
 /// happens in the subnormal range.
-const F32_TINY: f64 = 1.0 / (1u128 << 100) as f64 / (1u64 << 49) as f64;
+pub(crate) const F32_TINY: f64 = 1.0 / (1u128 << 100) as f64 / (1u64 << 49) as f64;
 
 #[inline]
 const fn align16(n: usize) -> usize {
@@ -91,45 +101,75 @@ impl Codec {
         )
     }
 
-    /// Bytes of codes per 32-element block (the scale travels separately).
-    pub const fn code_bytes(self) -> usize {
-        match self.plain() {
-            Codec::Fp8E4M3 | Codec::Int8 => 32,
-            Codec::Int6 => 24,
-            _ => 16,
+    /// Bits of one element's code: 8, 6 or 4.
+    pub const fn code_bits(self) -> u32 {
+        match self {
+            Codec::Fp8E4M3 | Codec::Int8 | Codec::Int8Adaptive | Codec::Int8V2 => 8,
+            Codec::Int6 | Codec::Int6Adaptive | Codec::Int6V2 => 6,
+            Codec::Int4 | Codec::Int4Adaptive | Codec::Int4V2 | Codec::Fp4E2M1 => 4,
         }
     }
 
-    /// Wire bits per element, the 16-bit block scale included.
-    pub const fn bits_per_element(self) -> f64 {
-        match self.plain() {
-            Codec::Fp8E4M3 | Codec::Int8 => 8.5,
-            Codec::Int6 => 6.5,
-            _ => 4.5,
+    /// Bytes of codes per 32-element block (the side fields travel separately).
+    pub const fn code_bytes(self) -> usize {
+        self.code_bits() as usize * BLOCK / 8
+    }
+
+    /// Bytes of each of a block's side fields, one array per field in the segment after the
+    /// codes (docs/codecs.md, "Segment layout"): v1 codecs have one, the 16-bit scale.
+    pub const fn side_widths(self) -> &'static [usize] {
+        match self {
+            Codec::Int8V2 | Codec::Int6V2 => &[4, 1],
+            Codec::Int4V2 => &[2, 1],
+            Codec::Fp4E2M1 => &[1, 2],
+            _ => &[2],
         }
+    }
+
+    /// Bytes of side fields per block (the sum of [`Codec::side_widths`]).
+    pub const fn side_bytes(self) -> usize {
+        let w = self.side_widths();
+        let mut i = 0;
+        let mut sum = 0;
+        while i < w.len() {
+            sum += w[i];
+            i += 1;
+        }
+        sum
+    }
+
+    /// Wire bits per element, codes and side fields, without the segment's alignment
+    /// padding.
+    pub const fn bits_per_element(self) -> f64 {
+        ((self.code_bytes() + self.side_bytes()) * 8) as f64 / BLOCK as f64
     }
 
     /// `H = 2^(bits-1)` of an integer codec: codes span `[-H, H-1]`, stored biased by `H`.
-    /// `None` for FP8.
+    /// `None` for FP8 and FP4.
     pub const fn half_range(self) -> Option<u32> {
-        match self.plain() {
-            Codec::Int8 => Some(128),
-            Codec::Int6 => Some(32),
-            Codec::Int4 => Some(8),
-            _ => None,
+        match self {
+            Codec::Fp8E4M3 | Codec::Fp4E2M1 => None,
+            c => Some(1 << (c.code_bits() - 1)),
         }
     }
 
-    /// Byte offset of the scales region in an encoded segment of `n` elements:
-    /// `align16(ceil(n / 32) * code_bytes)`.
+    /// Byte offset of the first side-field array (v1: the scales) in an encoded segment of
+    /// `n` elements: `align16(ceil(n / 32) * code_bytes)`.
     pub fn scales_offset(self, n: usize) -> usize {
         align16(n.div_ceil(BLOCK) * self.code_bytes())
     }
 
-    /// Bytes of an encoded segment of `n` elements:
-    /// `align16(nb * code_bytes) + align16(2 * nb)` with `nb = ceil(n / 32)`.
+    /// Bytes of an encoded segment of `n` elements: `align16(nb * code_bytes)` plus
+    /// `align16(nb * w)` for each side-field width `w`, with `nb = ceil(n / 32)` (v1:
+    /// `align16(nb * code_bytes) + align16(2 * nb)`).
     pub fn encoded_len(self, n: usize) -> usize {
-        self.scales_offset(n) + align16(2 * n.div_ceil(BLOCK))
+        let nb = n.div_ceil(BLOCK);
+        self.scales_offset(n)
+            + self
+                .side_widths()
+                .iter()
+                .map(|w| align16(nb * w))
+                .sum::<usize>()
     }
 
     /// Bound on the error of one encode/decode round trip: `|x̂ - x| <= step_bound(amax)`
@@ -168,6 +208,9 @@ impl Codec {
     /// Valid for `amax <= 2^127`; above that the decode (`-H * S` or `448 * S`) may overflow
     /// to ±Inf. Returns NaN/Inf for a NaN/Inf `amax`.
     pub fn step_bound(self, amax: f32) -> f32 {
+        if self.is_v2() {
+            return v2::step_bound(self, amax);
+        }
         let a = f64::from(amax.abs());
         // Bound on |S - s0|; F32_TINY also covers an inexact (subnormal) `amax / levels`.
         let scale_err = |s0: f64| (s0 / 128.0).max(SCALE_HALF_GRID_MIN) + F32_TINY;
@@ -227,13 +270,13 @@ fn rne_small(y: f32) -> f32 {
 /// Packs 32 biased integer codes (each `< 2^bits`) into `codes`.
 #[inline]
 fn pack(codec: Codec, u: &[u8; BLOCK], codes: &mut [u8]) {
-    match codec.plain() {
-        Codec::Int4 => {
+    match codec.code_bits() {
+        4 => {
             for (c, p) in codes.iter_mut().zip(u.chunks_exact(2)) {
                 *c = p[0] | (p[1] << 4);
             }
         }
-        Codec::Int6 => {
+        6 => {
             let (lo, hi) = codes.split_at_mut(16);
             for (c, p) in lo.iter_mut().zip(u.chunks_exact(2)) {
                 *c = (p[0] & 0xF) | ((p[1] & 0xF) << 4);
@@ -249,14 +292,14 @@ fn pack(codec: Codec, u: &[u8; BLOCK], codes: &mut [u8]) {
 /// Inverse of [`pack`].
 #[inline]
 fn unpack(codec: Codec, codes: &[u8], u: &mut [u8; BLOCK]) {
-    match codec.plain() {
-        Codec::Int4 => {
+    match codec.code_bits() {
+        4 => {
             for (c, p) in codes.iter().zip(u.chunks_exact_mut(2)) {
                 p[0] = c & 0xF;
                 p[1] = c >> 4;
             }
         }
-        Codec::Int6 => {
+        6 => {
             let (lo, hi) = codes.split_at(16);
             for (c, p) in lo.iter().zip(u.chunks_exact_mut(2)) {
                 p[0] = c & 0xF;
@@ -513,6 +556,10 @@ fn choose_adaptive(
 /// predicts the smaller error (`choose_adaptive`; docs/codecs.md). Every other block is coded
 /// plain.
 pub fn encode_block(codec: Codec, x: &[f32; BLOCK], codes: &mut [u8], scale: &mut u16) {
+    assert!(
+        !codec.is_v2(),
+        "{codec} has side fields: use encode_block_with_side"
+    );
     assert_eq!(
         codes.len(),
         codec.code_bytes(),
@@ -535,6 +582,10 @@ pub fn encode_block(codec: Codec, x: &[f32; BLOCK], codes: &mut [u8], scale: &mu
 /// block) decodes to 32 NaNs. Adaptive codecs decode a block whose scale has [`FLAG_BIT`]
 /// set with the inverse transform (`decode_hadamard`); plain codecs ignore the bit.
 pub fn decode_block(codec: Codec, codes: &[u8], scale: u16, out: &mut [f32; BLOCK]) {
+    assert!(
+        !codec.is_v2(),
+        "{codec} has side fields: use decode_block_with_side"
+    );
     assert_eq!(
         codes.len(),
         codec.code_bytes(),
@@ -559,10 +610,59 @@ pub fn decode_block(codec: Codec, codes: &[u8], scale: u16, out: &mut [f32; BLOC
     }
 }
 
+/// Encodes one block of any codec: its codes, and its side fields concatenated in the order
+/// of [`Codec::side_widths`], each little-endian (`side.len()` must be `codec.side_bytes()`;
+/// for a v1 codec the two bytes of its scale).
+pub fn encode_block_with_side(codec: Codec, x: &[f32; BLOCK], codes: &mut [u8], side: &mut [u8]) {
+    assert_eq!(
+        side.len(),
+        codec.side_bytes(),
+        "side must hold one {codec} block's fields"
+    );
+    if codec.is_v2() {
+        v2::encode_block(codec, x, codes, side);
+    } else {
+        let mut field = 0;
+        encode_block(codec, x, codes, &mut field);
+        side.copy_from_slice(&field.to_le_bytes());
+    }
+}
+
+/// Decodes one block of any codec from its codes and side fields (as
+/// [`encode_block_with_side`] writes them).
+pub fn decode_block_with_side(codec: Codec, codes: &[u8], side: &[u8], out: &mut [f32; BLOCK]) {
+    assert_eq!(
+        side.len(),
+        codec.side_bytes(),
+        "side must hold one {codec} block's fields"
+    );
+    if codec.is_v2() {
+        v2::decode_block(codec, codes, side, out);
+    } else {
+        decode_block(codec, codes, u16::from_le_bytes([side[0], side[1]]), out);
+    }
+}
+
+/// The side-field arrays of a segment of `nb` blocks, in order, each without its padding;
+/// the padding is zeroed when `zero_padding`.
+fn side_arrays(codec: Codec, nb: usize, mut rest: &mut [u8], zero_padding: bool) -> Vec<&mut [u8]> {
+    let mut arrays = Vec::with_capacity(codec.side_widths().len());
+    for &w in codec.side_widths() {
+        let (region, tail) = rest.split_at_mut(align16(nb * w));
+        let (array, pad) = region.split_at_mut(nb * w);
+        if zero_padding {
+            pad.fill(0);
+        }
+        arrays.push(array);
+        rest = tail;
+    }
+    arrays
+}
+
 /// Encodes a segment of `src.len()` elements into `dst` (`codec.encoded_len(src.len())`
-/// bytes): the codes of all blocks from offset 0, the little-endian scales from
-/// `codec.scales_offset(n)`. The last block is padded with zeros; alignment padding bytes
-/// are written as zero.
+/// bytes): the codes of all blocks from offset 0, then one array per side field (v1: the
+/// little-endian scales) from `codec.scales_offset(n)`, each 16-aligned. The last block is
+/// padded with zeros; alignment padding bytes are written as zero.
 pub fn encode(codec: Codec, src: &[f32], dst: &mut [u8]) {
     let n = src.len();
     assert_eq!(
@@ -572,16 +672,18 @@ pub fn encode(codec: Codec, src: &[f32], dst: &mut [u8]) {
     );
     let cb = codec.code_bytes();
     let nb = n.div_ceil(BLOCK);
-    let (codes, scales) = dst.split_at_mut(codec.scales_offset(n));
+    let (codes, sides) = dst.split_at_mut(codec.scales_offset(n));
     let (codes, codes_pad) = codes.split_at_mut(nb * cb);
     codes_pad.fill(0);
-    let (scales, scales_pad) = scales.split_at_mut(2 * nb);
-    scales_pad.fill(0);
+    let mut arrays = side_arrays(codec, nb, sides, true);
+    let widths = codec.side_widths();
+    let mut side = [0u8; 8];
+    let side = &mut side[..codec.side_bytes()];
     let mut tail = [0.0f32; BLOCK];
-    for ((x, c), sc) in src
+    for (b, (x, c)) in src
         .chunks(BLOCK)
         .zip(codes.chunks_exact_mut(cb))
-        .zip(scales.chunks_exact_mut(2))
+        .enumerate()
     {
         let block: &[f32; BLOCK] = match x.try_into() {
             Ok(full) => full,
@@ -590,9 +692,12 @@ pub fn encode(codec: Codec, src: &[f32], dst: &mut [u8]) {
                 &tail
             }
         };
-        let mut field = 0;
-        encode_block(codec, block, c, &mut field);
-        sc.copy_from_slice(&field.to_le_bytes());
+        encode_block_with_side(codec, block, c, side);
+        let mut at = 0;
+        for (array, &w) in arrays.iter_mut().zip(widths) {
+            array[b * w..(b + 1) * w].copy_from_slice(&side[at..at + w]);
+            at += w;
+        }
     }
 }
 
@@ -606,17 +711,32 @@ pub fn decode(codec: Codec, src: &[u8], dst: &mut [f32]) {
         "src must be encoded_len({n}) bytes"
     );
     let cb = codec.code_bytes();
-    let (codes, scales) = src.split_at(codec.scales_offset(n));
+    let nb = n.div_ceil(BLOCK);
+    let (codes, mut rest) = src.split_at(codec.scales_offset(n));
+    let widths = codec.side_widths();
+    let mut arrays = Vec::with_capacity(widths.len());
+    for &w in widths {
+        let (region, tail) = rest.split_at(align16(nb * w));
+        arrays.push(&region[..nb * w]);
+        rest = tail;
+    }
+    let mut side = [0u8; 8];
+    let side = &mut side[..codec.side_bytes()];
     let mut block = [0.0f32; BLOCK];
-    for ((y, c), sc) in dst
+    for (b, (y, c)) in dst
         .chunks_mut(BLOCK)
         .zip(codes.chunks_exact(cb))
-        .zip(scales.chunks_exact(2))
+        .enumerate()
     {
+        let mut at = 0;
+        for (array, &w) in arrays.iter().zip(widths) {
+            side[at..at + w].copy_from_slice(&array[b * w..(b + 1) * w]);
+            at += w;
+        }
         match <&mut [f32; BLOCK]>::try_from(&mut *y) {
-            Ok(full) => decode_block(codec, c, u16::from_le_bytes([sc[0], sc[1]]), full),
+            Ok(full) => decode_block_with_side(codec, c, side, full),
             Err(_) => {
-                decode_block(codec, c, u16::from_le_bytes([sc[0], sc[1]]), &mut block);
+                decode_block_with_side(codec, c, side, &mut block);
                 y.copy_from_slice(&block[..y.len()]);
             }
         }

@@ -1,0 +1,469 @@
+//! Format v2: q8v2, q6v2, q4v2 and fp4 (docs/codecs.md, "Format v2").
+//!
+//! The v1 integer codecs lose the rest of a block to its largest element (a massive
+//! activation sets the step of all 32), round the scale to 7 significant bits (which costs
+//! q8 0.23 dB), and predict the plain/Hadamard choice instead of measuring it. The v2 integer
+//! codecs fix all three:
+//!
+//! * the block's largest element `m` (first in index order) is carried beside the codes, on
+//!   the scale's grid with a wider integer `K`, so the other 31 set the scale, which fits both
+//!   signs into `[-H, H-1]` without clamping (`balanced_scale`);
+//! * q8v2 and q6v2 round the scale to 16 significant bits over the whole f32 range
+//!   ([`round_scale24`]); q4v2 keeps v1's 7-bit scale, which costs a 4-bit code 0.01 dB;
+//! * every block is coded both plain (with the carried element) and after v1's randomized
+//!   Hadamard transform (whole block, no carried element), both are decoded, and the one with
+//!   the smaller measured squared error ([`sq_err`]) is kept, plain on ties, unless the
+//!   rotated one's largest error exceeds [`MAX_ERR_GUARD`] times the plain one's.
+//!
+//! fp4 is OCP E2M1 with an E4M3 scale per 16 elements under a power-of-two scale per
+//! block, NVFP4's two-level scale with the tensor scale made per block.
+
+use super::fp4::{e2m1_to_f32, f32_to_e2m1, E2M1_MAX};
+use super::fp8::{e4m3_to_f32, f32_to_e4m3, E4M3_MAX};
+use super::{
+    hadamard_forward, pack, rne_small, round_scale, scale_value, unpack, wht32, ADAPTIVE_MAX_AMAX,
+    ADAPTIVE_MIN_AMAX, BLOCK, F32_TINY, FLAG_BIT, HADAMARD_SIGNS, POISON_SCALE,
+};
+use crate::Codec;
+
+/// The q8v2/q6v2 scale word of a block that held an Inf or a NaN: an f32 quiet NaN with the
+/// low byte (index, flag) clear.
+pub const POISON_SCALE24: u32 = 0x7FC0_0000;
+
+/// fp4: the group exponent byte of a poisoned block.
+const FP4_POISON: u8 = 0xFF;
+
+/// Rounds a scale to 24 bits, returned in place in an f32 bit pattern whose low 8 bits are
+/// clear: sign, 8 exponent bits, 15 explicit mantissa bits (16 significant bits over the
+/// whole f32 range, subnormals on a grid of 2^-141), round-to-nearest-even at bit 8; a
+/// mantissa carry moves into the exponent. NaN gives [`POISON_SCALE24`].
+#[inline]
+pub fn round_scale24(s: f32) -> u32 {
+    if s.is_nan() {
+        return POISON_SCALE24;
+    }
+    let b = s.to_bits();
+    // No overflow: the largest non-NaN pattern is 0xFF80_0000.
+    (b + 0x7F + ((b >> 8) & 1)) & 0xFFFF_FF00
+}
+
+/// The value of a q8v2/q6v2 scale word (its low byte masked off).
+#[inline]
+pub fn scale24_value(word: u32) -> f32 {
+    f32::from_bits(word & 0xFFFF_FF00)
+}
+
+/// Bits of the carried element's integer `K` (two's complement): its low `code_bits` ride in
+/// the element's own code slot, the rest in a side byte.
+const fn spike_bits(codec: Codec) -> u32 {
+    match codec {
+        Codec::Int4V2 => 7,
+        c => c.code_bits() + 8,
+    }
+}
+
+/// `codec`'s scale rounding, as the rounded value.
+#[inline]
+fn round_to_scale(codec: Codec, s: f32) -> f32 {
+    match codec {
+        Codec::Int4V2 => scale_value(round_scale(s)),
+        _ => scale24_value(round_scale24(s)),
+    }
+}
+
+/// The squared error `sum (x_i - y_i)^2` in f32 in a fixed order: `d = x - y`, `p = d * d`
+/// (two roundings, never fused), then the 32 products summed pairwise, `p[i] += p[i + h]`
+/// for `h = 16, 8, 4, 2, 1`, `i < h`: the order of a warp's `shfl_xor` butterfly, whose
+/// lanes all end up with `p[0]` bit for bit (f32 addition is commutative).
+#[inline]
+pub fn sq_err(x: &[f32; BLOCK], y: &[f32; BLOCK]) -> f32 {
+    let mut p: [f32; BLOCK] = std::array::from_fn(|i| {
+        let d = x[i] - y[i];
+        d * d
+    });
+    let mut h = BLOCK / 2;
+    while h >= 1 {
+        for i in 0..h {
+            p[i] += p[i + h];
+        }
+        h /= 2;
+    }
+    p[0]
+}
+
+/// A Hadamard block is kept only if its largest error is at most this many times the plain
+/// candidate's (besides a smaller squared error). Identical inputs on every rank (the
+/// peers' tests; replicated activations) make every rank's stage-1 error the same, so they
+/// add up coherently; the plain grid then lines up with the stage-2 one (the sums' scale is
+/// the world size times the pieces'), the rotated one does not. Without the guard q6v2's
+/// largest error at 8 ranks is 0.106-0.125 against QuickReduce's 0.1; with it 0.075-0.078,
+/// at a cost of 0.1 dB of SNR on N(0,1) (docs/codecs.md, "Format v2").
+pub const MAX_ERR_GUARD: f32 = 1.25;
+
+/// The largest `|x_i - y_i|` (each difference one f32 subtraction; the maximum is exact in
+/// any order).
+#[inline]
+pub fn max_err(x: &[f32; BLOCK], y: &[f32; BLOCK]) -> f32 {
+    x.iter()
+        .zip(y)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
+}
+
+/// The first element of largest magnitude among those not excluded, and its index
+/// (0 and 0.0 when there is none, or all are zero).
+#[inline]
+fn first_max(x: &[f32; BLOCK], skip: Option<usize>) -> (usize, f32) {
+    let (mut k, mut m, mut a) = (0, 0.0f32, 0.0f32);
+    for (i, &v) in x.iter().enumerate() {
+        if Some(i) != skip && v.abs() > a {
+            (k, m, a) = (i, v, v.abs());
+        }
+    }
+    (k, m)
+}
+
+/// The signed scale that fits every element (but `skip`) into the codes `[-H, H-1]` without
+/// clamping: with `p` the largest positive element and `n` the largest magnitude of a
+/// negative one, a negative scale maps the positives onto `[-H, 0]` and needs
+/// `max(p / H, n / (H-1))`, a positive one `max(n / H, p / (H-1))`; the smaller wins, the
+/// negative one on ties. (v1's sign trick maps the largest magnitude to `-H` and clamps the
+/// other side at `H-1`, up to a whole step off; with identical inputs on every rank those
+/// errors add up coherently, and q6 missed QuickReduce's tolerance by 40%.) Exact for
+/// one-sided blocks and for the side that maps to `-H` (a division by a power of two); the
+/// `H-1` side's quotient is correctly rounded. `-0.0` for a block of zeros.
+#[inline]
+fn balanced_scale(x: &[f32; BLOCK], skip: Option<usize>, h: f32) -> f32 {
+    let (mut p, mut n) = (0.0f32, 0.0f32);
+    for (i, &v) in x.iter().enumerate() {
+        if Some(i) != skip {
+            p = p.max(v);
+            n = n.max(-v);
+        }
+    }
+    let s_neg = (p / h).max(n / (h - 1.0));
+    let s_pos = (n / h).max(p / (h - 1.0));
+    if s_neg <= s_pos {
+        -s_neg
+    } else {
+        s_pos
+    }
+}
+
+/// One coded integer block: biased codes (the carried element's slot holds `K`'s low bits),
+/// the scale value, and the carried element (`k`, `K`) or the Hadamard flag.
+pub(super) struct IntBlock {
+    u: [u8; BLOCK],
+    s: f32,
+    k: usize,
+    kq: i32,
+    pub(super) hadamard: bool,
+}
+
+impl IntBlock {
+    /// A zero block (`s == 0`) or a poisoned one (`s` NaN): codes `H`, `K = 0` at slot 0.
+    fn empty(codec: Codec, s: f32) -> Self {
+        let h = codec.half_range().expect("integer codec") as u8;
+        let mut u = [h; BLOCK];
+        u[0] = 0;
+        IntBlock {
+            u,
+            s,
+            k: 0,
+            kq: 0,
+            hadamard: false,
+        }
+    }
+
+    pub(super) fn decode(&self, codec: Codec, out: &mut [f32; BLOCK]) {
+        let h = codec.half_range().expect("integer codec") as i32;
+        if self.hadamard {
+            let mut w: [f32; BLOCK] = std::array::from_fn(|i| (i32::from(self.u[i]) - h) as f32);
+            wht32(&mut w);
+            let g = self.s * 0.031_25;
+            for (i, (o, &w)) in out.iter_mut().zip(&w).enumerate() {
+                *o = if (HADAMARD_SIGNS >> i) & 1 != 0 {
+                    -w
+                } else {
+                    w
+                } * g;
+            }
+        } else {
+            for (o, &c) in out.iter_mut().zip(&self.u) {
+                *o = (i32::from(c) - h) as f32 * self.s;
+            }
+            out[self.k] = self.kq as f32 * self.s;
+        }
+    }
+}
+
+/// The plain candidate: the largest element `m = x[k]` on the scale's grid as `K`, the rest
+/// with the second-largest `m2` at code `-H`, unless `m` would not fit `K`'s range, in which
+/// case `m` takes `K = -2^(w-1)` and sets the scale.
+pub(super) fn plain_candidate(codec: Codec, x: &[f32; BLOCK], k: usize, m: f32) -> IntBlock {
+    let h = codec.half_range().expect("integer codec") as f32;
+    let kh = (1u32 << (spike_bits(codec) - 1)) as f32;
+    let rest = balanced_scale(x, Some(k), h);
+    // `m / KH` is exact unless subnormal (then correctly rounded).
+    let s0 = if m.abs() / kh <= rest.abs() {
+        rest
+    } else {
+        -m / kh
+    };
+    let s = round_to_scale(codec, s0);
+    if s == 0.0 {
+        return IntBlock::empty(codec, 0.0);
+    }
+    let mut u = [0u8; BLOCK];
+    for (c, &v) in u.iter_mut().zip(x) {
+        *c = (rne_small(v / s).clamp(-h, h - 1.0) + h) as u8;
+    }
+    let kq = rne_small(m / s).clamp(-kh, kh - 1.0) as i32;
+    u[k] = (kq & ((1 << codec.code_bits()) - 1)) as u8;
+    IntBlock {
+        u,
+        s,
+        k,
+        kq,
+        hadamard: false,
+    }
+}
+
+/// The Hadamard candidate: v1's transform of the whole block, coded like a v1 plain block
+/// (largest magnitude of `y` at code `-H`) with `codec`'s scale rounding.
+pub(super) fn hadamard_candidate(codec: Codec, x: &[f32; BLOCK]) -> IntBlock {
+    let h = codec.half_range().expect("integer codec") as f32;
+    let mut y = *x;
+    hadamard_forward(&mut y);
+    // In the adaptive range |y|max >= amax >= 2^-48: the scale is normal, never zero.
+    let s = round_to_scale(codec, balanced_scale(&y, None, h));
+    let mut u = [0u8; BLOCK];
+    for (c, &v) in u.iter_mut().zip(&y) {
+        *c = (rne_small(v / s).clamp(-h, h - 1.0) + h) as u8;
+    }
+    IntBlock {
+        u,
+        s,
+        k: 0,
+        kq: 0,
+        hadamard: true,
+    }
+}
+
+fn encode_int(codec: Codec, x: &[f32; BLOCK]) -> IntBlock {
+    if x.iter().any(|v| !v.is_finite()) {
+        return IntBlock::empty(codec, f32::NAN);
+    }
+    let (k, m) = first_max(x, None);
+    let amax = m.abs();
+    if amax == 0.0 {
+        return IntBlock::empty(codec, 0.0);
+    }
+    let plain = plain_candidate(codec, x, k, m);
+    if !(ADAPTIVE_MIN_AMAX..=ADAPTIVE_MAX_AMAX).contains(&amax) {
+        return plain;
+    }
+    let rotated = hadamard_candidate(codec, x);
+    let (mut xp, mut xh) = ([0.0f32; BLOCK], [0.0f32; BLOCK]);
+    plain.decode(codec, &mut xp);
+    rotated.decode(codec, &mut xh);
+    if sq_err(x, &xh) < sq_err(x, &xp) && max_err(x, &xh) <= MAX_ERR_GUARD * max_err(x, &xp) {
+        rotated
+    } else {
+        plain
+    }
+}
+
+/// Writes an integer block's side fields: q8v2/q6v2 `[scale word (4, LE), K high byte]`,
+/// q4v2 `[scale field (2, LE), index | K high bits << 5]`.
+fn int_side(codec: Codec, b: &IntBlock, side: &mut [u8]) {
+    let cb = codec.code_bits();
+    let k_hi = ((b.kq >> cb) as u32 & ((1u32 << (spike_bits(codec) - cb)) - 1)) as u8;
+    let flag = u32::from(b.hadamard);
+    match codec {
+        Codec::Int4V2 => {
+            let field = if b.s.is_nan() {
+                POISON_SCALE
+            } else {
+                (b.s.to_bits() >> 16) as u16 | if b.hadamard { FLAG_BIT } else { 0 }
+            };
+            side[..2].copy_from_slice(&field.to_le_bytes());
+            side[2] = b.k as u8 | (k_hi << 5);
+        }
+        _ => {
+            let word = if b.s.is_nan() {
+                POISON_SCALE24
+            } else {
+                b.s.to_bits() | ((b.k as u32) << 3) | flag
+            };
+            side[..4].copy_from_slice(&word.to_le_bytes());
+            side[4] = k_hi;
+        }
+    }
+}
+
+/// Reads an integer block's side fields and codes back.
+fn int_read(codec: Codec, codes: &[u8], side: &[u8]) -> IntBlock {
+    let cb = codec.code_bits();
+    let w = spike_bits(codec);
+    let (s, hadamard, k, k_hi) = match codec {
+        Codec::Int4V2 => {
+            let field = u16::from_le_bytes([side[0], side[1]]);
+            (
+                scale_value(field),
+                field & FLAG_BIT != 0,
+                usize::from(side[2] & 31),
+                u32::from(side[2] >> 5),
+            )
+        }
+        _ => {
+            let word = u32::from_le_bytes([side[0], side[1], side[2], side[3]]);
+            (
+                scale24_value(word),
+                word & 1 != 0,
+                ((word >> 3) & 31) as usize,
+                u32::from(side[4]),
+            )
+        }
+    };
+    let mut u = [0u8; BLOCK];
+    unpack(codec, codes, &mut u);
+    // Sign-extend the w-bit two's complement K.
+    let raw = (k_hi << cb) | u32::from(u[k]);
+    let kq = ((raw << (32 - w)) as i32) >> (32 - w);
+    IntBlock {
+        u,
+        s,
+        k,
+        kq,
+        hadamard,
+    }
+}
+
+/// fp4: the group exponent `e` of a block whose largest magnitude is `a > 0`: the smallest
+/// power of two `G = 2^e >= a / 2688` (`2688 = 6 * 448`, so every half's scale
+/// `amax_h / 6 / G` is at most 448), clamped to `[-126, 127]` so that `G` is an f32 normal.
+fn fp4_exponent(a: f32) -> i32 {
+    let t = a / (E2M1_MAX * E4M3_MAX);
+    let b = t.to_bits();
+    let biased = (b >> 23) as i32;
+    if biased == 0 {
+        return -126; // t < 2^-126 (subnormal or zero)
+    }
+    let e = biased - 127 + i32::from(b & 0x7F_FFFF != 0);
+    e.clamp(-126, 127)
+}
+
+/// `2^e` for `e` in [-126, 127].
+fn pow2(e: i32) -> f32 {
+    f32::from_bits(((e + 127) as u32) << 23)
+}
+
+fn encode_fp4(x: &[f32; BLOCK], codes: &mut [u8], side: &mut [u8]) {
+    let mut c = [0u8; BLOCK];
+    if x.iter().any(|v| !v.is_finite()) {
+        side.copy_from_slice(&[FP4_POISON, 0, 0]);
+        pack(Codec::Fp4E2M1, &c, codes);
+        return;
+    }
+    let a = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    if a == 0.0 {
+        side.copy_from_slice(&[0, 0, 0]);
+        pack(Codec::Fp4E2M1, &c, codes);
+        return;
+    }
+    let e = fp4_exponent(a);
+    let g = pow2(e);
+    side[0] = (e + 127) as u8;
+    for (half, (xs, cs)) in x.chunks_exact(16).zip(c.chunks_exact_mut(16)).enumerate() {
+        let ah = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let sc = f32_to_e4m3((ah / E2M1_MAX) / g);
+        side[1 + half] = sc;
+        let s = e4m3_to_f32(sc) * g;
+        if s != 0.0 {
+            for (q, &v) in cs.iter_mut().zip(xs) {
+                *q = f32_to_e2m1(v / s);
+            }
+        }
+    }
+    pack(Codec::Fp4E2M1, &c, codes);
+}
+
+fn decode_fp4(codes: &[u8], side: &[u8], out: &mut [f32; BLOCK]) {
+    let mut c = [0u8; BLOCK];
+    unpack(Codec::Fp4E2M1, codes, &mut c);
+    let g = if side[0] == FP4_POISON {
+        f32::NAN
+    } else {
+        f32::from_bits(u32::from(side[0]) << 23)
+    };
+    for (half, (os, cs)) in out.chunks_exact_mut(16).zip(c.chunks_exact(16)).enumerate() {
+        let s = e4m3_to_f32(side[1 + half]) * g;
+        for (o, &q) in os.iter_mut().zip(cs) {
+            *o = e2m1_to_f32(q) * s;
+        }
+    }
+}
+
+/// Encodes one v2 block: codes and the concatenated side fields.
+pub(super) fn encode_block(codec: Codec, x: &[f32; BLOCK], codes: &mut [u8], side: &mut [u8]) {
+    assert_eq!(
+        codes.len(),
+        codec.code_bytes(),
+        "codes must hold one {codec} block"
+    );
+    if codec == Codec::Fp4E2M1 {
+        return encode_fp4(x, codes, side);
+    }
+    let b = encode_int(codec, x);
+    pack(codec, &b.u, codes);
+    int_side(codec, &b, side);
+}
+
+/// Decodes one v2 block.
+pub(super) fn decode_block(codec: Codec, codes: &[u8], side: &[u8], out: &mut [f32; BLOCK]) {
+    assert_eq!(
+        codes.len(),
+        codec.code_bytes(),
+        "codes must hold one {codec} block"
+    );
+    if codec == Codec::Fp4E2M1 {
+        return decode_fp4(codes, side, out);
+    }
+    int_read(codec, codes, side).decode(codec, out);
+}
+
+/// `Codec::step_bound` of the v2 codecs (docs/codecs.md, "Format v2", "Error bound").
+///
+/// Integer codecs, plain coding, with `s0 = amax / H` and `r` the scale's rounding error
+/// (`2^-16 s0` for the 24-bit scale, `2^-7 s0` for q4v2's, plus half the subnormal grid): the
+/// 31 others are within v1's `max(s0 + (H-1) r, H r)` (their step is at most `s0`); the
+/// carried element is within `S / 2` unless `K` clamps, and then within `s0 + KH r <= 1.5 s0`.
+/// A Hadamard block is kept only when its measured squared error is not larger than the
+/// plain one's, so each of its elements is within `sqrt(32)` times the plain bound (plus the
+/// measurement's rounding, covered by 2^-10, and an absolute 2^-60 where the squares
+/// underflow).
+///
+/// fp4: a half's scale `S = e4m3(amax_h / 6 / G) G` is within 2^-4 of `amax_h / 6` (E4M3's
+/// 3 mantissa bits) plus `2^-10 G` (its subnormals), `G < amax / 1344`; E2M1's coarsest
+/// rounding is `S` (half the spacing 2 of [4, 6]) and saturation at 6 costs less. So
+/// `amax / 6 * 17/16 + 2^-10 amax / 1344`, plus 2^-130 for blocks at the bottom of the
+/// range.
+pub(super) fn step_bound(codec: Codec, amax: f32) -> f32 {
+    let a = f64::from(amax.abs());
+    let b = if codec == Codec::Fp4E2M1 {
+        a / 6.0 * (17.0 / 16.0) + a / 1344.0 / 1024.0 + 2f64.powi(-130)
+    } else {
+        let h = f64::from(codec.half_range().expect("integer codec"));
+        let kh = f64::from(1u32 << (spike_bits(codec) - 1));
+        let (rel, half_grid) = match codec {
+            Codec::Int4V2 => (2f64.powi(-7), 2f64.powi(-133)),
+            _ => (2f64.powi(-16), 2f64.powi(-142)),
+        };
+        let s0 = a / h;
+        let r = (s0 * rel).max(half_grid) + F32_TINY;
+        let rest = (s0 + (h - 1.0) * r).max(h * r);
+        let spike = s0 + r + kh * r;
+        rest.max(spike) * 32f64.sqrt() * (1.0 + 1.0 / 1024.0) + 2f64.powi(-60)
+    };
+    (b * (1.0 + 1.0 / 65536.0) + F32_TINY) as f32
+}
