@@ -75,11 +75,19 @@ fn cuda_tensors_sum_as_the_host_backend_does() {
                     allreduce_candle::all_reduce_(&y, &host[r]).unwrap();
                     y
                 });
-                let got = per_rank(world, |r| {
-                    let y = xs[r].to_device(&devices[r]).unwrap();
-                    allreduce_candle::all_reduce_(&y, &comms[r]).unwrap();
-                    y.to_device(&Device::Cpu).unwrap()
+                // Copies between host and device happen outside the ranks' calls: a pageable
+                // copy may wait in the driver's staging behind a peer's copy that waits for
+                // the all-reduce.
+                let on: Vec<Tensor> = (0..world)
+                    .map(|r| xs[r].to_device(&devices[r]).unwrap())
+                    .collect();
+                per_rank(world, |r| {
+                    allreduce_candle::all_reduce_(&on[r], &comms[r]).unwrap()
                 });
+                let got: Vec<Tensor> = on
+                    .iter()
+                    .map(|y| y.to_device(&Device::Cpu).unwrap())
+                    .collect();
                 for r in 0..world {
                     assert_eq!(
                         bits(&got[r]),
@@ -130,22 +138,23 @@ fn cuda_fused_add_rms_norm_matches_the_host() {
         )
         .unwrap()
     });
-    let got = per_rank(world, |r| {
-        let on = |t: &Tensor| t.to_device(&devices[r]).unwrap();
-        let (res, norm) = allreduce_candle::all_reduce_add_rms_norm(
-            &on(&xs[r]),
-            &on(&residual),
-            &on(&gamma),
-            eps,
-            &comms[r],
-            &gpu_ws[r],
-        )
-        .unwrap();
-        (
-            res.to_device(&Device::Cpu).unwrap(),
-            norm.to_device(&Device::Cpu).unwrap(),
-        )
+    // Inputs copied in before the ranks' calls and outputs copied out after (see above).
+    let inputs: Vec<[Tensor; 3]> = (0..world)
+        .map(|r| [&xs[r], &residual, &gamma].map(|t| t.to_device(&devices[r]).unwrap()))
+        .collect();
+    let outs = per_rank(world, |r| {
+        let [x, res, g] = &inputs[r];
+        allreduce_candle::all_reduce_add_rms_norm(x, res, g, eps, &comms[r], &gpu_ws[r]).unwrap()
     });
+    let got: Vec<(Tensor, Tensor)> = outs
+        .iter()
+        .map(|(res, norm)| {
+            (
+                res.to_device(&Device::Cpu).unwrap(),
+                norm.to_device(&Device::Cpu).unwrap(),
+            )
+        })
+        .collect();
     let v = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     for r in 0..world {
         assert_eq!(bits(&got[r].0), bits(&want[r].0), "rank {r}: residual_out");
