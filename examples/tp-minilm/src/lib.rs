@@ -381,6 +381,17 @@ pub fn embed_all(group: &Group, ids: &[Vec<u32>], reduce: Reduce) -> Result<(Vec
             .map(|h| h.join().expect("rank thread"))
             .collect()
     });
+    // A failing rank aborts the group, so its peers fail too, with `Aborted`: report the
+    // rank whose failure started it.
+    if per_rank.iter().any(|r| r.is_err()) {
+        let failed = per_rank
+            .iter()
+            .enumerate()
+            .filter_map(|(r, res)| res.as_ref().err().map(|e| (r, e.to_string())));
+        let (first, rest): (Vec<_>, Vec<_>) = failed.partition(|(_, e)| !e.contains("aborted"));
+        let (r, e) = first.into_iter().chain(rest).next().expect("an error");
+        return Err(candle_core::Error::Msg(format!("rank {r}: {e}")));
+    }
     let per_rank = per_rank.into_iter().collect::<Result<Vec<_>>>()?;
     let seconds = per_rank.iter().map(|(_, t)| *t).fold(0.0, f64::max);
     let mut embeddings: Vec<Vec<Tensor>> = per_rank.into_iter().map(|(e, _)| e).collect();
