@@ -276,27 +276,27 @@ impl Shard {
         reduce: Reduce,
     ) -> Result<Tensor> {
         let partial = x.matmul(&w.t()?)?;
-        let Some((comm, sums)) = group else {
-            return partial.broadcast_add(b);
-        };
-        match sums {
-            Sums::InPlace => {}
-            #[cfg(feature = "cuda")]
-            Sums::Gpu(g) => return g.sum(&partial, comm, reduce)?.broadcast_add(b),
+        #[cfg(feature = "cuda")]
+        if let Some((comm, Sums::Gpu(g))) = group {
+            return g.sum(&partial, comm, reduce)?.broadcast_add(b);
         }
+        // The casts to and from the wire dtype run in the pass with no sums too, so that it
+        // loads their kernels.
         let partial = match reduce.wire {
             None => partial,
             Some(ArDType::F16) => partial.to_dtype(DType::F16)?,
             Some(ArDType::BF16) => partial.to_dtype(DType::BF16)?,
             Some(ArDType::F32) => partial,
         };
-        let mut op = allreduce_candle::AllReduce::new(comm).precision(reduce.precision);
-        if matches!(reduce.precision, Precision::Lossy(_)) {
-            // The calls here are a few KiB, where Auto takes an exact path; the codec is what
-            // is being measured.
-            op = op.strategy(Strategy::QuantizedTwoShot);
+        if let Some((comm, _)) = group {
+            let mut op = allreduce_candle::AllReduce::new(comm).precision(reduce.precision);
+            if matches!(reduce.precision, Precision::Lossy(_)) {
+                // The calls here are a few KiB, where Auto takes an exact path; the codec is
+                // what is being measured.
+                op = op.strategy(Strategy::QuantizedTwoShot);
+            }
+            partial.inplace_op1(&op)?;
         }
-        partial.inplace_op1(&op)?;
         partial.to_dtype(DType::F32)?.broadcast_add(b)
     }
 }
@@ -389,8 +389,10 @@ pub fn embed_all(group: &Group, ids: &[Vec<u32>], reduce: Reduce) -> Result<(Vec
             .enumerate()
             .filter_map(|(r, res)| res.as_ref().err().map(|e| (r, e.to_string())));
         let (first, rest): (Vec<_>, Vec<_>) = failed.partition(|(_, e)| !e.contains("aborted"));
-        let (r, e) = first.into_iter().chain(rest).next().expect("an error");
-        return Err(candle_core::Error::Msg(format!("rank {r}: {e}")));
+        let all: Vec<String> = (first.iter().chain(&rest))
+            .map(|(r, e)| format!("rank {r}: {e}"))
+            .collect();
+        return Err(candle_core::Error::Msg(all.join("; ")));
     }
     let per_rank = per_rank.into_iter().collect::<Result<Vec<_>>>()?;
     let seconds = per_rank.iter().map(|(_, t)| *t).fold(0.0, f64::max);
