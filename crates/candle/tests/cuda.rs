@@ -10,8 +10,18 @@ use allreduce_gpu::device::GpuDevice;
 use candle_core::{DType, Device, Tensor};
 
 /// `world` candle devices on GPU 0, each with its own stream, and a CUDA group over them; or
-/// why not.
-fn gpu_group(world: usize) -> Result<(Vec<Device>, Vec<Communicator>), String> {
+/// `None`, having said why the test skips.
+fn gpu_group(world: usize) -> Option<(Vec<Device>, Vec<Communicator>)> {
+    match try_gpu_group(world) {
+        Ok(g) => Some(g),
+        Err(why) => {
+            println!("skipped: no CUDA group on GPU 0 ({why})");
+            None
+        }
+    }
+}
+
+fn try_gpu_group(world: usize) -> Result<(Vec<Device>, Vec<Communicator>), String> {
     // Before any context exists: the hardware queues and the memory pool virtual ranks need.
     GpuDevice::<allreduce::cuda::CudaRuntime>::open(0)
         .and_then(|d| d.prepare_virtual_ranks())
@@ -53,12 +63,8 @@ fn per_rank<T: Send>(world: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
 #[test]
 fn cuda_tensors_sum_as_the_host_backend_does() {
     for world in [1usize, 2, 4] {
-        let (devices, comms) = match gpu_group(world) {
-            Ok(g) => g,
-            Err(why) => {
-                println!("skipped: no CUDA group on GPU 0 ({why})");
-                return;
-            }
+        let Some((devices, comms)) = gpu_group(world) else {
+            return;
         };
         let host = Communicator::new_group(BackendKind::Host, GroupConfig::new(world)).unwrap();
         for dtype in [DType::F32, DType::BF16] {
@@ -110,12 +116,8 @@ fn cuda_tensors_sum_as_the_host_backend_does() {
 #[test]
 fn cuda_fused_add_rms_norm_matches_the_host() {
     let (world, tokens, hidden) = (2usize, 3usize, 384usize);
-    let (devices, comms) = match gpu_group(world) {
-        Ok(g) => g,
-        Err(why) => {
-            println!("skipped: no CUDA group on GPU 0 ({why})");
-            return;
-        }
+    let Some((devices, comms)) = gpu_group(world) else {
+        return;
     };
     let host = Communicator::new_group(BackendKind::Host, GroupConfig::new(world)).unwrap();
     let config = FusedConfig::new(8, hidden, allreduce::DType::F32);

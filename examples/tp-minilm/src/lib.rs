@@ -119,11 +119,6 @@ fn linear(x: &Tensor, (w, b): &(Tensor, Tensor)) -> Result<Tensor> {
 }
 
 impl Shard {
-    /// On the CPU.
-    pub fn new(weights: &Weights, rank: usize, tp: usize) -> Result<Self> {
-        Shard::on(weights, rank, tp, &Device::Cpu)
-    }
-
     /// With its weights copied to `device`.
     pub fn on(weights: &Weights, rank: usize, tp: usize, device: &Device) -> Result<Self> {
         if !TP_SIZES.contains(&tp) || rank >= tp {
@@ -207,20 +202,9 @@ impl Shard {
     }
 
     /// The sentence embedding (L2-normalised mean of the last hidden states) of one sentence's
-    /// token ids, every rank calling it with the same ids. `comm` is this rank's (a group of
-    /// `tp`); `reduce` how the row-parallel sums travel.
-    pub fn embed(
-        &self,
-        ids: &[u32],
-        comm: &Communicator,
-        sums: &Sums,
-        reduce: Reduce,
-    ) -> Result<Tensor> {
-        let (ids, pos) = self.inputs(ids)?;
-        self.forward(&ids, &pos, Some((comm, sums)), reduce)
-    }
-
-    /// [`Shard::embed`] on inputs already on the device ([`Shard::inputs`]). With no
+    /// token ids and positions on this shard's device ([`Shard::inputs`]), every rank calling
+    /// it with the same ids; `group` is this rank's communicator (a group of `tp`) and where
+    /// its sums run, `reduce` how the row-parallel sums travel. With no
     /// communicator, the partial products are not summed: a pass that only loads the kernels
     /// this rank runs (a kernel loaded later, while peers wait for this rank in an all-reduce,
     /// may wait for the device).
