@@ -84,6 +84,16 @@ impl Codec {
         )
     }
 
+    /// The format version the codec belongs to: 1 or 2. Processes of one group exchange the
+    /// formats their builds encode, and a call whose format some rank lacks is refused.
+    pub const fn format(self) -> u8 {
+        if self.is_v2() {
+            2
+        } else {
+            1
+        }
+    }
+
     pub const fn name(self) -> &'static str {
         match self {
             Codec::Fp8E4M3 => "fp8",

@@ -4,6 +4,12 @@
 
 use std::ffi::c_void;
 
+/// The version of everything ranks of other processes read of each other: the workspace
+/// layout below, `Args`, the call descriptor and the numbering of kernels and codecs. The
+/// processes of a group exchange it and refuse to form a group if it differs (they write into
+/// each other's workspaces). Bump it with any such change.
+pub const LAYOUT_VERSION: u32 = 1;
+
 pub const MAX_WORLD: usize = 8;
 pub const MAX_BLOCKS: usize = 64;
 pub const THREADS: u32 = 512;

@@ -109,7 +109,9 @@ fn pack(fields: &[&[u8]]) -> Vec<u8> {
 
 fn unpack(msg: &[u8], fields: usize, from: usize) -> Result<Vec<&[u8]>> {
     let bad = || Error::Bootstrap {
-        detail: format!("rank {from} sent a malformed group message"),
+        detail: format!(
+            "rank {from} sent a malformed group message (does it run another allreduce release?)"
+        ),
     };
     let mut out = Vec::with_capacity(fields);
     let mut rest = msg;
@@ -145,6 +147,22 @@ struct Kernels<R: GpuRuntime> {
 pub(crate) fn stage_bytes(max_bytes: usize) -> usize {
     abi::round_max_bytes(max_bytes + QUANT_SLACK)
 }
+/// "v1, v2" for the formats of a `kernels::CODEC_FORMATS` mask.
+fn format_list(mask: u32) -> String {
+    let list: Vec<String> = (0..32)
+        .filter(|v| mask & (1 << v) != 0)
+        .map(|v| format!("v{v}"))
+        .collect();
+    if list.is_empty() {
+        "no format".into()
+    } else {
+        list.join(", ")
+    }
+}
+
+/// This build's release, told to the other processes of a group when the versions differ.
+const RELEASE: &str = env!("CARGO_PKG_VERSION");
+
 const QUANT_SLACK: usize = 64 * MAX_WORLD + 256;
 
 /// Whether the quantized kernel's slots for `n` elements fit a staging buffer:
@@ -205,6 +223,8 @@ struct Group<R: GpuRuntime> {
     workspaces: Vec<Option<R::Memory>>,
     controls: Vec<Option<R::HostMapped>>,
     peers: [u64; MAX_WORLD],
+    /// The codec formats each rank's kernels encode (`kernels::CODEC_FORMATS` of its build).
+    formats: [u32; MAX_WORLD],
     /// One vendor communicator per local rank (in `local`'s order), or why there is none.
     vendor: std::result::Result<Vec<R::Vendor>, String>,
     /// The local ranks' symmetric windows of `max_bytes` (`Strategy::VendorSymmetric`), or
@@ -338,8 +358,9 @@ impl<R: GpuRuntime> Group<R> {
     }
 
     /// This process's rank of a group with one process per rank. Three exchanges over the
-    /// bootstrap: (device id, compute units, max_bytes) so every rank derives the same grid and
-    /// checks the others' limits; workspace IPC handles, which each rank maps; the vendor
+    /// bootstrap: (device id, compute units, max_bytes, timeout, layout version, codec formats,
+    /// release) so every rank derives the same grid and checks the others' limits and
+    /// builds; workspace IPC handles, which each rank maps; the vendor
     /// library's id from rank 0. Then every rank warms its kernels and a last exchange makes
     /// sure no rank launches before every peer has mapped its workspace.
     fn new_rank(
@@ -363,12 +384,32 @@ impl<R: GpuRuntime> Group<R> {
                 .as_nanos()
                 .min(u64::MAX as u128)
                 .to_le_bytes()[..8],
+            &abi::LAYOUT_VERSION.to_le_bytes(),
+            &kernels::CODEC_FORMATS.to_le_bytes(),
+            RELEASE.as_bytes(),
         ]))?;
         let mut ids: Vec<&[u8]> = Vec::new();
         let mut unit_list = Vec::new();
         let mut rank_device = Vec::with_capacity(world);
+        let mut formats = [0u32; MAX_WORLD];
         for (r, msg) in shape.iter().enumerate() {
-            let f = unpack(msg, 4, r)?;
+            let f = unpack(msg, 7, r)?;
+            let word = |i: usize| u32::from_le_bytes(f[i].try_into().unwrap_or([0; 4]));
+            if word(4) != abi::LAYOUT_VERSION {
+                // Their kernels would read our workspace with another layout.
+                return Err(Error::RankMismatch {
+                    what: "workspace layout",
+                    call: 0,
+                    detail: format!(
+                        "rank {r} runs allreduce {} (layout version {}), rank {rank} runs {RELEASE} \
+                         (layout version {}): every process of a group needs the same release",
+                        String::from_utf8_lossy(f[6]),
+                        word(4),
+                        abi::LAYOUT_VERSION
+                    ),
+                });
+            }
+            formats[r] = word(5);
             if f[2] != (max_bytes as u64).to_le_bytes() {
                 return Err(Error::RankMismatch {
                     what: "max_bytes",
@@ -425,6 +466,7 @@ impl<R: GpuRuntime> Group<R> {
             grid,
             config,
         )?;
+        group.formats = formats;
         let dev = &group.devices[0];
         let handle = R::export_memory(group.workspaces[rank].as_ref().expect("ours"))?;
         let handles = boot.all_gather(&handle)?;
@@ -509,6 +551,25 @@ impl<R: GpuRuntime> Group<R> {
         Ok(group)
     }
 
+    /// Whether this build's kernels and every rank's encode `codec`'s format: a process of
+    /// an older release may lack a newer format, and would misread its bytes.
+    fn codec_spoken(&self, codec: Codec) -> std::result::Result<(), String> {
+        let bit = 1u32 << codec.format();
+        if kernels::CODEC_FORMATS & bit == 0 {
+            return Err(format!("{codec}: {}", kernels::V2_NO_KERNELS));
+        }
+        match (0..self.world).find(|&r| self.formats[r] & bit == 0) {
+            Some(r) => Err(format!(
+                "{codec} is codec format v{}, which rank {r}'s allreduce release does not \
+                 encode (its kernels speak {}): every process of the group needs a release \
+                 with it",
+                codec.format(),
+                format_list(self.formats[r])
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// The construction both constructors share once they know where every rank runs: the
     /// kernels loaded on each device this process drives, a workspace and a Control for each
     /// of its ranks (their addresses in `peers`), and the group's fixed launch parameters.
@@ -537,6 +598,7 @@ impl<R: GpuRuntime> Group<R> {
             workspaces: (0..world).map(|_| None).collect(),
             controls: (0..world).map(|_| None).collect(),
             peers: [0; MAX_WORLD],
+            formats: [kernels::CODEC_FORMATS; MAX_WORLD],
             vendor: Err("the vendor library is not initialised yet".into()),
             windows: Err("the vendor library is not initialised yet".into()),
             caller_abort: Mutex::new(None),
@@ -1404,10 +1466,7 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
         let codec_kernels = || match (R::quantized_unavailable(), dtype, precision) {
             (Some(why), _, _) => Err(why),
             (None, _, Precision::Exact) => Err("it needs Precision::Lossy(codec)".into()),
-            (None, _, Precision::Lossy(c)) if c.is_v2() => {
-                Err(format!("{c}: {}", kernels::V2_NO_KERNELS))
-            }
-            (None, DType::F16 | DType::BF16, Precision::Lossy(_)) => Ok(()),
+            (None, DType::F16 | DType::BF16, Precision::Lossy(c)) => self.group.codec_spoken(c),
             (None, d, _) => Err(format!("the codecs carry f16 and bf16, not {d}")),
         };
         match strategy {
@@ -1514,16 +1573,23 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
                     self.reject(&e, call.stream);
                     return Err(e);
                 }
-                // `strategy_available` refused v2 codecs before the call got here; checked
-                // again rather than index out of the table.
-                let Some(c) = Codec::V1.iter().position(|&x| x == codec) else {
-                    let e = Error::StrategyUnavailable {
-                        strategy: s,
-                        reason: format!("{codec}: {}", kernels::V2_NO_KERNELS),
-                    };
-                    self.calls.fetch_sub(1, Ordering::Relaxed);
-                    self.reject(&e, call.stream);
-                    return Err(e);
+                // `strategy_available` refused these before the call got here; checked again
+                // rather than index out of the table or send a format a peer cannot decode.
+                let c = self.group.codec_spoken(codec).and_then(|()| {
+                    (Codec::V1.iter().position(|&x| x == codec))
+                        .ok_or_else(|| format!("{codec}: {}", kernels::V2_NO_KERNELS))
+                });
+                let c = match c {
+                    Ok(c) => c,
+                    Err(reason) => {
+                        let e = Error::StrategyUnavailable {
+                            strategy: s,
+                            reason,
+                        };
+                        self.calls.fetch_sub(1, Ordering::Relaxed);
+                        self.reject(&e, call.stream);
+                        return Err(e);
+                    }
                 };
                 table[d][c]
             }

@@ -238,6 +238,9 @@ fn cxx_type(d: DType) -> &'static str {
 pub const V2_NO_KERNELS: &str = "v2 codecs have no GPU kernels yet (the host backend runs \
                                  them through the Rust reference)";
 
+/// The codec formats these kernels encode, bit `v` for format `v` (see `Codec::format`).
+pub const CODEC_FORMATS: u32 = 1 << 1;
+
 /// The codec description type of codec.h.
 fn cxx_codec(c: Codec) -> &'static str {
     match c {

@@ -1145,6 +1145,9 @@ struct ThreadBootstrap {
     world: usize,
     shared: Rounds,
     round: usize,
+    /// Rewrites this rank's message of a round (rank, round, message) before it is sent:
+    /// a process of another build.
+    tamper: Option<fn(usize, usize, &mut Vec<u8>)>,
 }
 
 impl Bootstrap for ThreadBootstrap {
@@ -1161,7 +1164,11 @@ impl Bootstrap for ThreadBootstrap {
             if s.len() <= self.round {
                 s.push(vec![Vec::new(); self.world]);
             }
-            s[self.round][self.rank] = data.to_vec();
+            let mut data = data.to_vec();
+            if let Some(tamper) = self.tamper {
+                tamper(self.rank, self.round, &mut data);
+            }
+            s[self.round][self.rank] = data;
         }
         barrier.wait();
         let out = store.lock().unwrap()[self.round].clone();
@@ -1191,6 +1198,7 @@ fn ranks_built_one_per_process_map_each_other() {
                         world,
                         shared,
                         round: 0,
+                        tamper: None,
                     };
                     // Ranks 0 and 1 share device 0; rank 2 has device 1.
                     let config = GroupConfig::new(world).devices(vec![[0, 0, 1][rank]]);
@@ -1235,6 +1243,161 @@ fn ranks_built_one_per_process_map_each_other() {
             Ok(())
         );
     }
+}
+
+/// Forms a group of `world` processes (threads over an in-process bootstrap, each on its own
+/// device) where `tamper` rewrites messages as a process of another build would send them.
+fn form_processes(
+    world: usize,
+    tamper: fn(usize, usize, &mut Vec<u8>),
+) -> Vec<Result<GpuComm<Mock>>> {
+    let shared: Rounds = std::sync::Arc::new((
+        std::sync::Mutex::new(Vec::new()),
+        std::sync::Barrier::new(world),
+    ));
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..world)
+            .map(|rank| {
+                let shared = shared.clone();
+                s.spawn(move || {
+                    let mut boot = ThreadBootstrap {
+                        rank,
+                        world,
+                        shared,
+                        round: 0,
+                        tamper: Some(tamper),
+                    };
+                    let config = GroupConfig::new(world).devices(vec![rank as u32]);
+                    GpuBackend::<Mock>::create_rank(&config, &mut boot)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Rewrites field `field` of the first (shape) message of `rank` to `value`.
+fn set_shape_field(msg: &mut Vec<u8>, field: usize, value: &[u8]) {
+    let mut fields: Vec<Vec<u8>> = unpack(msg, 7, 0)
+        .expect("the shape message")
+        .iter()
+        .map(|f| f.to_vec())
+        .collect();
+    fields[field] = value.to_vec();
+    let refs: Vec<&[u8]> = fields.iter().map(|f| f.as_slice()).collect();
+    *msg = pack(&refs);
+}
+
+/// A process whose workspace layout differs (another release) is refused by every rank,
+/// itself included, before anything is mapped, with both releases named; no rank hangs.
+#[test]
+fn a_process_of_another_layout_is_refused_by_every_rank() {
+    let results = form_processes(3, |rank, round, msg| {
+        if rank == 1 && round == 0 {
+            set_shape_field(msg, 4, &(abi::LAYOUT_VERSION + 1).to_le_bytes());
+            set_shape_field(msg, 6, b"9.9.9");
+        }
+    });
+    for (r, res) in results.into_iter().enumerate() {
+        match res {
+            Err(Error::RankMismatch { what, detail, .. }) => {
+                assert_eq!(what, "workspace layout", "rank {r}");
+                assert!(detail.contains("rank 1 runs allreduce 9.9.9"), "{detail}");
+                assert!(detail.contains(RELEASE), "{detail}");
+            }
+            Err(e) => panic!("rank {r}: {e}"),
+            Ok(_) => panic!("rank {r} formed a group with a process of another layout"),
+        }
+    }
+}
+
+/// A message of an older release's shape (fewer fields) is a clear error, not a misread.
+#[test]
+fn a_group_message_of_another_shape_is_refused() {
+    let results = form_processes(2, |rank, round, msg| {
+        if rank == 0 && round == 0 {
+            let fields = unpack(msg, 7, 0).expect("the shape message");
+            *msg = pack(&fields[..4]);
+        }
+    });
+    for (r, res) in results.into_iter().enumerate() {
+        let e = res
+            .err()
+            .unwrap_or_else(|| panic!("rank {r} formed a group"));
+        assert!(
+            e.to_string().contains("another allreduce release"),
+            "rank {r}: {e}"
+        );
+    }
+}
+
+/// A rank whose kernels lack a codec format (a release without it) joins the group, and
+/// every rank refuses, on every path, the codecs of that format, naming the rank; the other
+/// formats and the exact strategies stay available, and no launch is made for the refusal.
+#[test]
+fn codecs_of_a_format_a_peer_lacks_are_refused_by_every_rank() {
+    // Rank 2 speaks every format of this build but v1.
+    let results = form_processes(3, |rank, round, msg| {
+        if rank == 2 && round == 0 {
+            let mask = kernels::CODEC_FORMATS & !(1 << 1);
+            set_shape_field(msg, 5, &mask.to_le_bytes());
+        }
+    });
+    let comms: Vec<GpuComm<Mock>> = results.into_iter().map(|r| r.unwrap()).collect();
+    for (r, comm) in comms.iter().enumerate() {
+        for codec in Codec::ALL {
+            let got = comm.strategy_available(
+                Strategy::QuantizedTwoShot,
+                DType::BF16,
+                Precision::Lossy(codec),
+            );
+            let spoken = kernels::CODEC_FORMATS & (1 << codec.format()) != 0;
+            match (codec.format(), got) {
+                (1, Err(why)) => {
+                    assert!(
+                        why.contains("rank 2's allreduce release"),
+                        "rank {r}: {why}"
+                    )
+                }
+                (1, Ok(())) => panic!("rank {r}: {codec} allowed with rank 2 lacking v1"),
+                (_, got) => assert_eq!(got.is_ok(), spoken, "rank {r}: {codec}: {got:?}"),
+            }
+        }
+        assert_eq!(
+            comm.strategy_available(Strategy::TwoShot, DType::BF16, Precision::Exact),
+            Ok(())
+        );
+    }
+    // A call prepared past that check (as a caller of the backend directly might) is refused
+    // by the backend itself, before any launch.
+    let c = &comms[0];
+    let mut buf = vec![0u16; 1024];
+    let dev = c.limits().device;
+    // SAFETY: only addresses are used; the refused call never reaches the mock's kernels.
+    let out = unsafe { BufMut::from_raw(buf.as_mut_ptr() as usize, 1024, DType::BF16, dev) };
+    let opts = AllReduceOptions::default()
+        .strategy(Strategy::QuantizedTwoShot)
+        .precision(Precision::Lossy(Codec::Int8));
+    let call = allreduce_core::prepare(
+        None,
+        &out,
+        &opts,
+        &c.limits(),
+        c.world_size(),
+        c.selection(),
+        |_, _, _| Ok(()),
+    )
+    .unwrap();
+    take_launches();
+    match c.all_reduce(&call) {
+        Err(Error::StrategyUnavailable { reason, .. }) => {
+            assert!(reason.contains("rank 2's allreduce release"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(take_launches()
+        .iter()
+        .all(|l| !l.kernel.starts_with("ar_quant")));
 }
 
 // ---- The fused all-reduce + RMSNorm through the generic host side (gpu/fused.rs) ----------
