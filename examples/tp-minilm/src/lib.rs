@@ -342,9 +342,9 @@ impl Group {
 
 /// Every sentence's embedding (on the CPU) through `group` (one thread per rank), and the
 /// mean seconds per forward pass (one sentence through every rank, as the slowest rank saw
-/// it). Each rank first puts every sentence's inputs on its device and runs one pass with no
-/// sums, then all start together: the time is the forward passes', not the first kernel
-/// loads'. Fails unless every rank's embeddings have the same bits.
+/// it). Each rank first puts every sentence's inputs on its device and runs each sentence
+/// (one, on the CPU) with no sums, then all start together: the time is the forward passes',
+/// not the first kernel loads' or parameter uploads'. Fails unless every rank's embeddings have the same bits.
 pub fn embed_all(group: &Group, ids: &[Vec<u32>], reduce: Reduce) -> Result<(Vec<Tensor>, f64)> {
     let start = std::sync::Barrier::new(group.tp());
     let per_rank: Vec<Result<(Vec<Tensor>, f64)>> = std::thread::scope(|s| {
@@ -408,15 +408,32 @@ fn rank_embeds(
     reduce: Reduce,
     start: &std::sync::Barrier,
 ) -> Result<(Vec<Tensor>, f64)> {
-    // Nothing is copied between host and device while the ranks run: a copy through pageable
-    // memory may wait on the driver's staging, shared by every rank on the GPU, behind a
-    // peer's copy that waits for this rank.
+    // Nothing is copied between host and device while the ranks run: a copy from pageable
+    // memory syncs its stream first and goes through the driver's staging buffer, which every
+    // rank on the GPU shares, so a rank whose stream waits in an all-reduce for a peer can hold
+    // up the peer's copy before that peer's all-reduce: both wait until the deadline. candle
+    // uploads the shapes and strides of every non-contiguous operand (the broadcast bias adds,
+    // the transposes) from the host before its kernel; with its parameter cache on (a
+    // guard of this thread), each distinct upload is made once and kept on the device. The
+    // pass with no sums over every sentence makes each of them (and loads every kernel)
+    // before the ranks meet.
+    #[cfg(feature = "candle-cuda")]
+    let _cached = match shard.device() {
+        Device::Cuda(d) => Some(d.enable_cuda_graph_htod_cache()),
+        _ => None,
+    };
     let primed = || -> Result<Vec<(Tensor, Tensor)>> {
         let inputs = ids
             .iter()
             .map(|s| shard.inputs(s))
             .collect::<Result<Vec<_>>>()?;
-        if let Some((i, p)) = inputs.first() {
+        // On the CPU there is nothing to load or upload: one pass warms the caches.
+        let prime = if shard.device().is_cpu() {
+            1
+        } else {
+            inputs.len()
+        };
+        for (i, p) in inputs.iter().take(prime) {
             shard.forward(i, p, None, reduce)?;
         }
         shard.device().synchronize()?;
