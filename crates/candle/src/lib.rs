@@ -13,6 +13,14 @@
 //! tensor-parallel model then runs, and is tested, on a machine with no GPU. CUDA tensors
 //! (the `cuda` feature) go through a CUDA group (`Communicator::new_group_cudarc`), the call
 //! enqueued on the tensor's device stream.
+//!
+//! Several ranks on one GPU (virtual ranks, as in the tests) wait in each other's all-reduce,
+//! so no rank may block its host thread on the device meanwhile. candle uploads the shapes and
+//! strides of non-contiguous operands from pageable memory before their kernels, and such a
+//! copy waits for its stream and for the driver's staging buffer, shared by every rank of the
+//! GPU. Hold `CudaDevice::enable_cuda_graph_htod_cache()` in each rank's thread and run every
+//! shape once before the ranks meet (`examples/tp-minilm` does): the uploads are then made
+//! once and kept on the device. One GPU per rank has no such coupling.
 
 use allreduce::{
     AllReduceOptions, BufMut, BufRef, Communicator, FusedArgs, FusedPattern, FusedWorkspace,
