@@ -1183,41 +1183,17 @@ impl Bootstrap for ThreadBootstrap {
 /// warms only its own kernels, and reports the vendor library unavailable on every rank.
 #[test]
 fn ranks_built_one_per_process_map_each_other() {
-    let world = 3;
-    let shared: Rounds = std::sync::Arc::new((
-        std::sync::Mutex::new(Vec::new()),
-        std::sync::Barrier::new(world),
-    ));
-    let comms: Vec<GpuComm<Mock>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..world)
-            .map(|rank| {
-                let shared = shared.clone();
-                s.spawn(move || {
-                    let mut boot = ThreadBootstrap {
-                        rank,
-                        world,
-                        shared,
-                        round: 0,
-                        tamper: None,
-                    };
-                    // Ranks 0 and 1 share device 0; rank 2 has device 1.
-                    let config = GroupConfig::new(world).devices(vec![[0, 0, 1][rank]]);
-                    let comm = GpuBackend::<Mock>::create_rank(&config, &mut boot).unwrap();
-                    let warm: Vec<u32> = take_launches().iter().map(|l| l.args.world).collect();
-                    (comm, warm)
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| {
-                let (comm, warm) = h.join().unwrap();
-                // Only this rank's kernels, alone (world 1).
-                assert_eq!(warm.len(), engine_kernels().len());
-                assert!(warm.iter().all(|&w| w == 1));
-                comm
-            })
-            .collect()
-    });
+    // Ranks 0 and 1 share device 0; rank 2 has device 1.
+    let comms: Vec<GpuComm<Mock>> = form_processes(&[0, 0, 1], None)
+        .into_iter()
+        .map(|(comm, warm)| {
+            let comm = comm.unwrap();
+            // Only this rank's kernels, alone (world 1).
+            assert_eq!(warm.len(), engine_kernels().len());
+            assert!(warm.iter().all(|&w| w == 1));
+            comm
+        })
+        .collect();
     // Two ranks on device 0 split its 20 units: 10 blocks on every rank.
     assert!(comms.iter().all(|c| c.grid() == 10));
     for (r, c) in comms.iter().enumerate() {
@@ -1245,12 +1221,14 @@ fn ranks_built_one_per_process_map_each_other() {
     }
 }
 
-/// Forms a group of `world` processes (threads over an in-process bootstrap, each on its own
-/// device) where `tamper` rewrites messages as a process of another build would send them.
+/// Forms a group of one process per rank (threads over an in-process bootstrap), rank `r` on
+/// device `devices[r]`, where `tamper` rewrites messages as a process of another build would
+/// send them: each rank's result and the world size of each launch its construction made.
 fn form_processes(
-    world: usize,
-    tamper: fn(usize, usize, &mut Vec<u8>),
-) -> Vec<Result<GpuComm<Mock>>> {
+    devices: &[u32],
+    tamper: Option<fn(usize, usize, &mut Vec<u8>)>,
+) -> Vec<(Result<GpuComm<Mock>>, Vec<u32>)> {
+    let world = devices.len();
     let shared: Rounds = std::sync::Arc::new((
         std::sync::Mutex::new(Vec::new()),
         std::sync::Barrier::new(world),
@@ -1265,10 +1243,12 @@ fn form_processes(
                         world,
                         shared,
                         round: 0,
-                        tamper: Some(tamper),
+                        tamper,
                     };
-                    let config = GroupConfig::new(world).devices(vec![rank as u32]);
-                    GpuBackend::<Mock>::create_rank(&config, &mut boot)
+                    let config = GroupConfig::new(world).devices(vec![devices[rank]]);
+                    let comm = GpuBackend::<Mock>::create_rank(&config, &mut boot);
+                    let worlds = take_launches().iter().map(|l| l.args.world).collect();
+                    (comm, worlds)
                 })
             })
             .collect();
@@ -1292,13 +1272,16 @@ fn set_shape_field(msg: &mut Vec<u8>, field: usize, value: &[u8]) {
 /// itself included, before anything is mapped, with both releases named; no rank hangs.
 #[test]
 fn a_process_of_another_layout_is_refused_by_every_rank() {
-    let results = form_processes(3, |rank, round, msg| {
-        if rank == 1 && round == 0 {
-            set_shape_field(msg, 4, &(abi::LAYOUT_VERSION + 1).to_le_bytes());
-            set_shape_field(msg, 6, b"9.9.9");
-        }
-    });
-    for (r, res) in results.into_iter().enumerate() {
+    let results = form_processes(
+        &[0, 1, 2],
+        Some(|rank, round, msg| {
+            if rank == 1 && round == 0 {
+                set_shape_field(msg, 4, &(abi::LAYOUT_VERSION + 1).to_le_bytes());
+                set_shape_field(msg, 6, b"9.9.9");
+            }
+        }),
+    );
+    for (r, (res, _)) in results.into_iter().enumerate() {
         match res {
             Err(Error::RankMismatch { what, detail, .. }) => {
                 assert_eq!(what, "workspace layout", "rank {r}");
@@ -1314,13 +1297,16 @@ fn a_process_of_another_layout_is_refused_by_every_rank() {
 /// A message of an older release's shape (fewer fields) is a clear error, not a misread.
 #[test]
 fn a_group_message_of_another_shape_is_refused() {
-    let results = form_processes(2, |rank, round, msg| {
-        if rank == 0 && round == 0 {
-            let fields = unpack(msg, 7, 0).expect("the shape message");
-            *msg = pack(&fields[..4]);
-        }
-    });
-    for (r, res) in results.into_iter().enumerate() {
+    let results = form_processes(
+        &[0, 1],
+        Some(|rank, round, msg| {
+            if rank == 0 && round == 0 {
+                let fields = unpack(msg, 7, 0).expect("the shape message");
+                *msg = pack(&fields[..4]);
+            }
+        }),
+    );
+    for (r, (res, _)) in results.into_iter().enumerate() {
         let e = res
             .err()
             .unwrap_or_else(|| panic!("rank {r} formed a group"));
@@ -1337,13 +1323,16 @@ fn a_group_message_of_another_shape_is_refused() {
 #[test]
 fn codecs_of_a_format_a_peer_lacks_are_refused_by_every_rank() {
     // Rank 2 speaks every format of this build but v1.
-    let results = form_processes(3, |rank, round, msg| {
-        if rank == 2 && round == 0 {
-            let mask = kernels::CODEC_FORMATS & !(1 << 1);
-            set_shape_field(msg, 5, &mask.to_le_bytes());
-        }
-    });
-    let comms: Vec<GpuComm<Mock>> = results.into_iter().map(|r| r.unwrap()).collect();
+    let results = form_processes(
+        &[0, 1, 2],
+        Some(|rank, round, msg| {
+            if rank == 2 && round == 0 {
+                let mask = kernels::CODEC_FORMATS & !(1 << 1);
+                set_shape_field(msg, 5, &mask.to_le_bytes());
+            }
+        }),
+    );
+    let comms: Vec<GpuComm<Mock>> = results.into_iter().map(|(r, _)| r.unwrap()).collect();
     for (r, comm) in comms.iter().enumerate() {
         for codec in Codec::ALL {
             let got = comm.strategy_available(
