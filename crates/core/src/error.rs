@@ -186,13 +186,12 @@ impl Error {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Every variant, once: the match in `aftermath` is exhaustive, so a new variant must be
-    /// classified there; this list must grow with it (its length is checked).
-    fn one_of_each() -> Vec<Error> {
+impl Error {
+    /// Every variant, once, for tests (here and in the C ABI's, which gives each its own code):
+    /// the match in `aftermath` is exhaustive, so a new variant must be classified there, and this
+    /// list must grow with it (its length is checked).
+    #[doc(hidden)]
+    pub fn one_of_each() -> Vec<Error> {
         let s = || String::from("x");
         vec![
             Error::LengthMismatch {
@@ -254,10 +253,15 @@ mod tests {
             Error::Bootstrap { detail: s() },
         ]
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
 
     #[test]
     fn every_rejection_leaves_the_communicator_intact_and_only_failures_need_a_rebuild() {
-        let all = one_of_each();
+        let all = Error::one_of_each();
         assert_eq!(all.len(), 19, "one_of_each must name every variant");
         for e in &all {
             if e.is_rejection() {
