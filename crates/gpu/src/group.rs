@@ -147,6 +147,7 @@ struct Kernels<R: GpuRuntime> {
 pub(crate) fn stage_bytes(max_bytes: usize) -> usize {
     abi::round_max_bytes(max_bytes + QUANT_SLACK)
 }
+
 /// "v1, v2" for the formats of a `kernels::CODEC_FORMATS` mask.
 fn format_list(mask: u32) -> String {
     let list: Vec<String> = (0..32)
