@@ -164,6 +164,10 @@ fn format_list(mask: u32) -> String {
 /// This build's release, told to the other processes of a group when the versions differ.
 const RELEASE: &str = env!("CARGO_PKG_VERSION");
 
+/// Fields of the first message of `Group::new_rank`: device id, compute units, max_bytes,
+/// timeout, layout version, codec formats, release.
+const SHAPE_FIELDS: usize = 7;
+
 const QUANT_SLACK: usize = 64 * MAX_WORLD + 256;
 
 /// Whether the quantized kernel's slots for `n` elements fit a staging buffer:
@@ -394,7 +398,7 @@ impl<R: GpuRuntime> Group<R> {
         let mut rank_device = Vec::with_capacity(world);
         let mut formats = [0u32; MAX_WORLD];
         for (r, msg) in shape.iter().enumerate() {
-            let f = unpack(msg, 7, r)?;
+            let f = unpack(msg, SHAPE_FIELDS, r)?;
             let word = |i: usize| u32::from_le_bytes(f[i].try_into().unwrap_or([0; 4]));
             if word(4) != abi::LAYOUT_VERSION {
                 // Their kernels would read our workspace with another layout.

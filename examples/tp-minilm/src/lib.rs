@@ -344,7 +344,8 @@ impl Group {
 /// mean seconds per forward pass (one sentence through every rank, as the slowest rank saw
 /// it). Each rank first puts every sentence's inputs on its device and runs each sentence
 /// (one, on the CPU) with no sums, then all start together: the time is the forward passes',
-/// not the first kernel loads' or parameter uploads'. Fails unless every rank's embeddings have the same bits.
+/// not the first kernel loads' or parameter uploads'. Fails unless every rank's embeddings
+/// have the same bits.
 pub fn embed_all(group: &Group, ids: &[Vec<u32>], reduce: Reduce) -> Result<(Vec<Tensor>, f64)> {
     let start = std::sync::Barrier::new(group.tp());
     let per_rank: Vec<Result<(Vec<Tensor>, f64)>> = std::thread::scope(|s| {

@@ -1256,9 +1256,9 @@ fn form_processes(
     })
 }
 
-/// Rewrites field `field` of the first (shape) message of `rank` to `value`.
+/// Rewrites field `field` of a rank's first (shape) message to `value`.
 fn set_shape_field(msg: &mut Vec<u8>, field: usize, value: &[u8]) {
-    let mut fields: Vec<Vec<u8>> = unpack(msg, 7, 0)
+    let mut fields: Vec<Vec<u8>> = unpack(msg, SHAPE_FIELDS, 0)
         .expect("the shape message")
         .iter()
         .map(|f| f.to_vec())
@@ -1301,7 +1301,7 @@ fn a_group_message_of_another_shape_is_refused() {
         &[0, 1],
         Some(|rank, round, msg| {
             if rank == 0 && round == 0 {
-                let fields = unpack(msg, 7, 0).expect("the shape message");
+                let fields = unpack(msg, SHAPE_FIELDS, 0).expect("the shape message");
                 *msg = pack(&fields[..4]);
             }
         }),
