@@ -30,14 +30,14 @@ using namespace ar;
 
 // The codec segment kernels: resident 512-thread blocks per SM the encoders / decoders are
 // built for (the codec bench and tests launch 4 per SM, grid-stride). Encoders code a block
-// per lane (quantized.h, EncodeShape): plain ones fit 64 registers (2 per SM), adaptive ones
-// need 128 (1 per SM; at 64 they spilled). Decoders work in quads: plain ones at 4 per SM
-// (<= 32 registers; at 33-40 only 3 fit and every SM ran its fourth block in a second wave),
-// adaptive ones at 2.
+// per lane (quantized.h, EncodeShape): plain ones fit 64 registers (2 per SM), those with a
+// Hadamard candidate (v1 adaptive, v2 integer: kHadamardCodec) need 128 (1 per SM; at 64 they
+// spilled). Decoders work in quads: plain ones at 4 per SM (<= 32 registers; at 33-40 only 3
+// fit and every SM ran its fourth block in a second wave), Hadamard ones at 2.
 template <typename C>
-constexpr int kEncodeBlocksPerSm = C::kAdaptiveCodec ? 1 : 2;
+constexpr int kEncodeBlocksPerSm = kHadamardCodec<C> ? 1 : 2;
 template <typename C>
-constexpr int kDecodeBlocksPerSm = C::kAdaptiveCodec ? 2 : 4;
+constexpr int kDecodeBlocksPerSm = kHadamardCodec<C> ? 2 : 4;
 #define AR_ENCODE_KERNEL(NAME, C, ...)                                                  \
   extern "C" __global__ void __launch_bounds__(kThreads, kEncodeBlocksPerSm<C>) NAME( \
       const CodecArgs a) {                                                              \

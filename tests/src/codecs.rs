@@ -36,6 +36,29 @@ fn data() -> Vec<f32> {
     block(&|_| 5.0); // constant
     block(&|i| if i == 9 { 100.0 } else { 0.01 * i as f32 }); // spike
     block(&|i| (i as f32 * 0.7).sin()); // smooth
+                                        // v2's carried element: a negative spike, a spike beside a runner-up, and spikes so far
+                                        // above the rest that K clamps (q4v2's 7 bits first).
+    block(&|i| {
+        if i == 20 {
+            -300.0
+        } else {
+            (i as f32 * 0.3).cos()
+        }
+    });
+    block(&|i| match i {
+        4 => 250.0,
+        5 => -249.0,
+        _ => (i as f32) * 0.1 - 1.0,
+    });
+    for big in [70.0f32, 5e3, 3e6] {
+        block(&|i| {
+            if i == 17 {
+                big
+            } else {
+                1.0 - (i % 5) as f32 * 0.5
+            }
+        });
+    }
     block(&|i| if i == 5 { 448.0 * 3.0 } else { 1.0 / 64.0 }); // fp8 subnormal codes
     block(&|i| if i == 0 { 2f32.powi(-48) } else { 0.0 }); // adaptive range's lower edge
     block(&|i| {
@@ -88,6 +111,32 @@ fn data() -> Vec<f32> {
     v
 }
 
+/// What byte `i` of a segment of `n` elements holds, and its block.
+fn byte_place(codec: Codec, n: usize, i: usize) -> (String, usize) {
+    let so = codec.scales_offset(n);
+    if i < so {
+        let b = i / codec.code_bytes();
+        return (
+            format!("code byte {} of block {b}", i % codec.code_bytes()),
+            b,
+        );
+    }
+    let nb = n.div_ceil(BLOCK);
+    let mut at = so;
+    for (f, &w) in codec.side_widths().iter().enumerate() {
+        let len = (nb * w).div_ceil(16) * 16;
+        if i < at + len {
+            let b = (i - at) / w;
+            return (
+                format!("byte {} of side field {f} of block {b}", (i - at) % w),
+                b,
+            );
+        }
+        at += len;
+    }
+    ("past the segment".into(), nb)
+}
+
 fn same(a: f32, b: f32) -> bool {
     a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
 }
@@ -129,26 +178,12 @@ fn check_codec<R: GpuTestRuntime>(
     let mut got = vec![0u8; want.len()];
     enc.download(&mut got, stream).map_err(e)?;
     if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
-        let so = codec.scales_offset(n);
-        let place = if i < so {
-            format!(
-                "code byte {} of block {}",
-                i % codec.code_bytes(),
-                i / codec.code_bytes()
-            )
-        } else {
-            format!("scale of block {}", (i - so) / 2)
-        };
-        let blk = if i < so {
-            i / codec.code_bytes()
-        } else {
-            (i - so) / 2
-        };
+        let (place, blk) = byte_place(codec, n, i);
         return Err(format!(
             "{codec} {input:?} encode: byte {i} ({place}) is {:#04x}, reference {:#04x}; block input {:?}",
             got[i],
             want[i],
-            &xs[blk * BLOCK..((blk + 1) * BLOCK).min(n)]
+            &xs[(blk * BLOCK).min(n)..((blk + 1) * BLOCK).min(n)]
         ));
     }
 
@@ -193,8 +228,7 @@ pub fn run<R: GpuTestRuntime>() {
     let k = CodecKernels::load(&dev).expect("codec kernels");
     let x = data();
     let mut failures = Vec::new();
-    // Format v2 has no kernels yet.
-    for codec in Codec::V1 {
+    for codec in Codec::ALL {
         for input in [CodecInput::F32, CodecInput::Bf16] {
             // The whole set, and a short prefix (a single partial block).
             for len in [x.len(), 19] {

@@ -15,6 +15,7 @@ macro_rules! say {
 }
 
 pub mod check;
+pub mod codec_data;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub mod codecs;
 pub mod data;

@@ -481,7 +481,7 @@ fn lossy_all_shapes(h: &dyn Harness) -> Result<(), String> {
         // Without codec kernels every codec is expected to fail; with them, the codecs the
         // backend refuses (v2 on the GPU backends) are left out, and said so.
         let codecs = if quantized {
-            codecs_run(&comms, Strategy::QuantizedTwoShot, world == 1)?
+            codecs_run(&comms, Strategy::QuantizedTwoShot)?
         } else {
             Codec::ALL.to_vec()
         };
@@ -632,7 +632,7 @@ fn hierarchical_all_shapes(h: &dyn Harness) -> Result<(), String> {
             }
             continue;
         }
-        let run = codecs_run(&comms, Strategy::HierarchicalQuantized, true)?;
+        let run = codecs_run(&comms, Strategy::HierarchicalQuantized)?;
         let auto_len = (2 << 20) / 2 + 33; // just over 2 MiB of 16-bit elements
         let mut lengths = LENGTHS.to_vec();
         if world == 8 {
@@ -771,23 +771,15 @@ fn hierarchical_refuses_what_it_cannot_run(h: &dyn Harness) -> Result<(), String
     Ok(())
 }
 
-/// The codecs the backend runs `strategy` with. Only the format v2 codecs may be refused (the
-/// GPU backends have no kernels for them yet): each refused one is printed with the reason
-/// when `say`, and a refused v1 codec is an error.
+/// The codecs the backend runs `strategy` with: every one (a refused codec is an error).
 pub(crate) fn codecs_run(
     comms: &[allreduce::Communicator],
     strategy: Strategy,
-    say: bool,
 ) -> Result<Vec<Codec>, String> {
     let mut run = Vec::new();
     for codec in Codec::ALL {
         match comms[0].strategy_available(strategy, DType::BF16, Precision::Lossy(codec)) {
             Ok(()) => run.push(codec),
-            Err(e) if codec.is_v2() => {
-                if say {
-                    println!("    {strategy} {codec} skipped: {e}");
-                }
-            }
             Err(e) => return Err(format!("{strategy} refuses {codec}: {e}")),
         }
     }
@@ -814,7 +806,7 @@ fn thousand_calls_changing_sizes(h: &dyn Harness) -> Result<(), String> {
     let (quantized, codecs) = if quantized_available(&comms) {
         (
             Strategy::QuantizedTwoShot,
-            codecs_run(&comms, Strategy::QuantizedTwoShot, true)?,
+            codecs_run(&comms, Strategy::QuantizedTwoShot)?,
         )
     } else {
         (Strategy::Auto, Codec::ALL.to_vec())

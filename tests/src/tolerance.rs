@@ -123,7 +123,7 @@ pub fn lossy_peer_tolerances(h: &dyn Harness) -> Result<(), String> {
             println!("    world {world} skipped: no quantized two-shot on this backend");
             continue;
         }
-        let codecs = crate::suite::codecs_run(&comms, Strategy::QuantizedTwoShot, world == 2)?;
+        let codecs = crate::suite::codecs_run(&comms, Strategy::QuantizedTwoShot)?;
         for dtype in [DType::F16, DType::BF16] {
             // vLLM: randint(1, 23) on each rank.
             let vllm: Vec<HostBytes> = (0..world)

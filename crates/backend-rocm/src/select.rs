@@ -74,7 +74,8 @@ pub fn default_table(cast_bf16_to_f16: bool) -> SelectionTable {
     let mut rules = vec![any((1, 1), usize::MAX, Strategy::OneShot)];
     for dtype in [DType::F16, DType::BF16] {
         for &(world, _) in &QR_MIN_MIB_F16 {
-            // The v2 codecs have no GPU kernels: no rule, so Auto runs them exact.
+            // The v2 codecs have kernels but no thresholds measured on AMD: no rule, so Auto
+            // runs them exact.
             for codec in Codec::V1 {
                 let min = quantized_min_bytes(world, dtype, codec, cast_bf16_to_f16)
                     .expect("listed world");

@@ -225,8 +225,7 @@ pub fn codec_speed<R: GpuRuntime>(
         copy.copy(&src, &back, bytes, grid, &stream)
     })?;
     let mut codecs = Vec::new();
-    // Format v2 has no GPU kernels yet.
-    for codec in Codec::V1 {
+    for codec in Codec::ALL {
         let job = Segment {
             input: CodecInput::Bf16,
             codec,

@@ -133,11 +133,11 @@ struct Kernels<R: GpuRuntime> {
     /// The same two reading registered inputs in place ([`RegisteredArgs`]).
     oneshot_registered: [R::Function; 3],
     twoshot_registered: [R::Function; 3],
-    /// `[f16, bf16][codec index in Codec::V1]`; `None` where the runtime has no codec
+    /// `[f16, bf16][codec index in Codec::ALL]`; `None` where the runtime has no codec
     /// kernels ([`GpuRuntime::quantized_unavailable`]).
-    quantized: Option<[[R::Function; Codec::V1.len()]; 2]>,
+    quantized: Option<[[R::Function; Codec::ALL.len()]; 2]>,
     /// The hierarchical kernels, indexed and present like `quantized`.
-    hierarchical: Option<[[R::Function; Codec::V1.len()]; 2]>,
+    hierarchical: Option<[[R::Function; Codec::ALL.len()]; 2]>,
     _module: R::Module,
 }
 
@@ -186,9 +186,9 @@ impl<R: GpuRuntime> Kernels<R> {
         // [f16, bf16][codec], as `Kernels::quantized` is indexed.
         let per_codec = |kernel: fn(DType, Codec) -> Kernel| -> Result<_> {
             let codecs = |d| {
-                kernels::functions::<R, { Codec::V1.len() }>(
+                kernels::functions::<R, { Codec::ALL.len() }>(
                     &module,
-                    Codec::V1.map(|c| kernel(d, c)),
+                    Codec::ALL.map(|c| kernel(d, c)),
                 )
             };
             Ok([codecs(DType::F16)?, codecs(DType::BF16)?])
@@ -561,7 +561,10 @@ impl<R: GpuRuntime> Group<R> {
     fn codec_spoken(&self, codec: Codec) -> std::result::Result<(), String> {
         let bit = 1u32 << codec.format();
         if kernels::CODEC_FORMATS & bit == 0 {
-            return Err(format!("{codec}: {}", kernels::V2_NO_KERNELS));
+            return Err(format!(
+                "{codec} is codec format v{}, which this build's kernels do not encode",
+                codec.format()
+            ));
         }
         match (0..self.world).find(|&r| self.formats[r] & bit == 0) {
             Some(r) => Err(format!(
@@ -1580,9 +1583,8 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
                 }
                 // `strategy_available` refused these before the call got here; checked again
                 // rather than index out of the table or send a format a peer cannot decode.
-                let c = self.group.codec_spoken(codec).and_then(|()| {
-                    (Codec::V1.iter().position(|&x| x == codec))
-                        .ok_or_else(|| format!("{codec}: {}", kernels::V2_NO_KERNELS))
+                let c = self.group.codec_spoken(codec).map(|()| {
+                    (Codec::ALL.iter().position(|&x| x == codec)).expect("every codec is listed")
                 });
                 let c = match c {
                     Ok(c) => c,

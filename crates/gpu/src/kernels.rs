@@ -162,7 +162,6 @@ pub fn kernels(vendor: Vendor, module: Module) -> Vec<Kernel> {
                 out.push(Kernel::TwoShot(d));
             }
             out.push(Kernel::Copy);
-            // Format v2 has no kernels yet (the backends refuse it): v1 codecs only.
             for c in Codec::V1 {
                 out.extend(CODEC_DTYPES.map(|d| Kernel::Quantized(d, c)));
                 for d in SEGMENT_DTYPES {
@@ -177,6 +176,14 @@ pub fn kernels(vendor: Vendor, module: Module) -> Vec<Kernel> {
             for d in DType::ALL {
                 out.push(Kernel::OneShotRegistered(d));
                 out.push(Kernel::TwoShotRegistered(d));
+            }
+            for c in Codec::V2 {
+                out.extend(CODEC_DTYPES.map(|d| Kernel::Quantized(d, c)));
+                for d in SEGMENT_DTYPES {
+                    out.push(Kernel::Encode(d, c));
+                    out.push(Kernel::Decode(d, c));
+                }
+                out.extend(CODEC_DTYPES.map(|d| Kernel::Hierarchical(d, c)));
             }
         }
         Module::Fused => {
@@ -233,13 +240,8 @@ fn cxx_type(d: DType) -> &'static str {
     }
 }
 
-/// Why the GPU backends refuse the format v2 codecs: the host backend runs them through the
-/// Rust reference; kernels-common has no encoder or decoder for them yet.
-pub const V2_NO_KERNELS: &str = "v2 codecs have no GPU kernels yet (the host backend runs \
-                                 them through the Rust reference)";
-
 /// The codec formats these kernels encode, bit `v` for format `v` (see `Codec::format`).
-pub const CODEC_FORMATS: u32 = 1 << 1;
+pub const CODEC_FORMATS: u32 = 1 << 1 | 1 << 2;
 
 /// The codec description type of codec.h.
 fn cxx_codec(c: Codec) -> &'static str {
@@ -251,9 +253,10 @@ fn cxx_codec(c: Codec) -> &'static str {
         Codec::Int8Adaptive => "CodecQ8a",
         Codec::Int6Adaptive => "CodecQ6a",
         Codec::Int4Adaptive => "CodecQ4a",
-        Codec::Int8V2 | Codec::Int6V2 | Codec::Int4V2 | Codec::Fp4E2M1 => {
-            unreachable!("{c}: {V2_NO_KERNELS}")
-        }
+        Codec::Int8V2 => "CodecQ8v2",
+        Codec::Int6V2 => "CodecQ6v2",
+        Codec::Int4V2 => "CodecQ4v2",
+        Codec::Fp4E2M1 => "CodecFp4",
     }
 }
 

@@ -202,12 +202,20 @@ AR_DEVICE float quad_xor(float v) {
 // Integer codec of kBits bits: codes in [-H, H-1], stored biased by H.
 template <int kBits, bool kAdaptive>
 struct IntCodec {
+  using Side = uint16_t;  // the block's scale field
+  static constexpr int kSide0 = 2, kSide1 = 0;  // bytes per block of each side-field array
+  static constexpr bool kV2 = false;
+  static constexpr bool kFp4 = false;
   static constexpr bool kFp8 = false;
   static constexpr bool kAdaptiveCodec = kAdaptive;
   static constexpr int kH = 1 << (kBits - 1);
   static constexpr int kCodeBytes = kBits * kBlock / 8;  // 32, 24, 16
 };
 struct Fp8Codec {
+  using Side = uint16_t;
+  static constexpr int kSide0 = 2, kSide1 = 0;
+  static constexpr bool kV2 = false;
+  static constexpr bool kFp4 = false;
   static constexpr bool kFp8 = true;
   static constexpr bool kAdaptiveCodec = false;
   static constexpr int kH = 0;
@@ -230,8 +238,9 @@ constexpr bool kPackSat = AR_PACK_SAT && !C::kFp8 && (C::kCodeBytes != 32 || C::
 template <typename C, int kN>
 constexpr bool kPackSatN = kPackSat<C> && (C::kCodeBytes != 24 || kN % 16 == 0);
 
-// Segment layout (codec::encode): codes of every block from 0, then the u16 scales from
-// align16(nb * kCodeBytes); each region padded to 16 bytes.
+// Segment layout (codec::encode): codes of every block from 0, then one array per side field
+// (v1: the u16 scales) from align16(nb * kCodeBytes), kSide0 and kSide1 bytes per block; each
+// region padded to 16 bytes.
 AR_DEVICE u64 align16(u64 x) { return (x + 15) & ~u64(15); }
 AR_DEVICE u64 blocks_of(u64 n) { return (n + kBlock - 1) / kBlock; }
 template <typename C>
@@ -240,7 +249,7 @@ AR_DEVICE u64 scales_offset(u64 n) {
 }
 template <typename C>
 AR_DEVICE u64 encoded_len(u64 n) {
-  return scales_offset<C>(n) + align16(2 * blocks_of(n));
+  return scales_offset<C>(n) + align16(C::kSide0 * blocks_of(n)) + align16(C::kSide1 * blocks_of(n));
 }
 
 // ---- Block-wide steps ----------------------------------------------------------------------
@@ -626,9 +635,9 @@ AR_DEVICE void store_codes(char* block, int q, const Codes<C, kN>& c) {
   }
 }
 
-// codec::encode_block: the block's N codes of this lane, packed, and its field.
+// codec::encode_block (v1 codecs): the block's N codes of this lane, packed, and its field.
 template <typename C, int kN>
-AR_DEVICE uint16_t encode_quad(const float (&x)[kN], int q, Codes<C, kN>& out) {
+AR_DEVICE uint16_t encode_v1(const float (&x)[kN], int q, Codes<C, kN>& out) {
   uint32_t u[kN];
   if constexpr (!C::kAdaptiveCodec) {
     const Scan sc = C::kFp8 ? scan_amax_quad(x, q) : scan_quad(x, q);
@@ -677,7 +686,7 @@ AR_DEVICE uint16_t encode_quad(const float (&x)[kN], int q, Codes<C, kN>& out) {
 // result share the conversion, and the 1/32 and the signs of D fold into one multiplier per
 // element that depends only on the lane (hoisted out of the caller's loop).
 template <typename C, int kN>
-AR_DEVICE void decode_quad(const uint32_t (&u)[kN], uint16_t field, int q, float (&out)[kN]) {
+AR_DEVICE void decode_v1(const uint32_t (&u)[kN], uint16_t field, int q, float (&out)[kN]) {
   const float s = scale_value(field);
   if constexpr (!C::kAdaptiveCodec) {
     decode_plain<C>(u, s, out);

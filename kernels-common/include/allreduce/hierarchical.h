@@ -100,7 +100,7 @@ __device__ void hierarchical_quantized(const Args& a) {
       }
       zero_past(acc, e0, hi);
       Codes<C, kPerLane> u;
-      const uint16_t field = encode_quad<C>(acc, q, u);
+      const auto field = encode_quad<C>(acc, q, u);
       if (live) {
         mine.store(to_partner, k, q, u, field);
         mine.store(stash, k, q, u, field);
@@ -128,7 +128,7 @@ __device__ void hierarchical_quantized(const Args& a) {
       }
       zero_past(acc, e0, hi);
       Codes<C, kPerLane> u;
-      const uint16_t field = encode_quad<C>(acc, q, u);
+      const auto field = encode_quad<C>(acc, q, u);
       if (live)
         for (unsigned p = 0; p < G.g; ++p)
           mine.store(reduced_of(a.peers[G.base + p], a) + u64(G.local) * slot_bytes, k, q, u,

@@ -29,7 +29,7 @@
 // rank passes before every rank finished phase 3 of call c-1.
 #pragma once
 
-#include "allreduce/codec.h"
+#include "allreduce/segment.h"
 #include "allreduce/exact.h"
 
 namespace ar {
@@ -75,26 +75,6 @@ AR_DEVICE void store8(void* base, u64 e0, u64 end, const float (&x)[kN]) {
   }
 }
 
-// One segment of a codec: `n` elements, the layout of codec::encode.
-template <typename C>
-struct Segment {
-  u64 nb, scales;
-  AR_DEVICE explicit Segment(u64 n) : nb(blocks_of(n)), scales(scales_offset<C>(n)) {}
-  template <int kN>
-  AR_DEVICE void store(char* base, u64 k, int q, const Codes<C, kN>& u, uint16_t field) const {
-    store_codes<C>(base + k * C::kCodeBytes, q, u);
-    if (q == 0) *reinterpret_cast<uint16_t*>(base + scales + 2 * k) = field;
-  }
-  // Block k (k < nb) of a segment that may live on a peer.
-  template <int kN>
-  AR_DEVICE uint16_t load(const char* base, u64 k, int q, uint32_t (&u)[kN]) const {
-    Codes<C, kN> c;
-    load_codes<C>(base + k * C::kCodeBytes, q, c);
-    unpack_codes(c, u);
-    return load_peer(reinterpret_cast<const uint16_t*>(base + scales + 2 * k));
-  }
-};
-
 // Loop over codec blocks [0, nb) by lane groups of kLanes (a quad by default), grid-stride.
 // The bound is tested on the warp's first group so whole warps iterate together (the codec
 // functions may shuffle); `k` may be past nb for trailing groups, which then compute on zeros
@@ -124,7 +104,7 @@ AR_DEVICE void encode_range(const QuadLoop& L, const void* input, u64 lo, u64 hi
     float x[kPerLane];
     load8<T>(input, lo + k * kBlock + L.q * kPerLane, hi, x);
     Codes<C, kPerLane> u;
-    const uint16_t field = encode_quad<C>(x, L.q, u);
+    const auto field = encode_quad<C>(x, L.q, u);
     if (k < seg.nb) seg.store(dst, k, L.q, u, field);
   }
 }
@@ -135,7 +115,7 @@ template <typename C>
 AR_DEVICE void decode_block_at(const Segment<C>& seg, const char* src, u64 k, int q,
                                float (&x)[kPerLane]) {
   uint32_t u[kPerLane] = {0, 0, 0, 0, 0, 0, 0, 0};
-  uint16_t field = 0;
+  typename C::Side field{};
   if (k < seg.nb) field = seg.load(src, k, q, u);
   decode_quad<C>(u, field, q, x);
 }
@@ -202,7 +182,7 @@ __device__ void quantized_twoshot(const Args& a) {
       }
       zero_past(acc, lo + k * kBlock + q * kPerLane, hi);
       Codes<C, kPerLane> u;
-      const uint16_t field = encode_quad<C>(acc, q, u);
+      const auto field = encode_quad<C>(acc, q, u);
       if (live)
         for (unsigned p = 0; p < a.world; ++p)
           seg.store(reduced_of(a.peers[p], a) + u64(a.rank) * slot_bytes, k, q, u, field);
@@ -251,7 +231,7 @@ static_assert(sizeof(CodecArgs) == 24, "CodecArgs");
 template <typename C>
 struct EncodeShape {
   static constexpr int kN = AR_ENCODE_LANE_ELEMS;
-  static constexpr int kUnroll = kN == 8 ? (C::kAdaptiveCodec ? 1 : 2) : 1;
+  static constexpr int kUnroll = kN == 8 ? (kHadamardCodec<C> ? 1 : 2) : 1;
 };
 
 // Loads of one 16-byte vector per step without bounds (the whole-pass fast path below).
@@ -300,7 +280,7 @@ AR_DEVICE void encode_pass(const CodecArgs& a, const GroupLoop<kBlock / kN>& L,
     if (!kWhole && k0 + u * L.stride >= seg.nb) break;  // warp-uniform
     const u64 k = k0 + u * L.stride + lane_k;
     Codes<C, kN> codes;
-    const uint16_t field = encode_quad<C>(x[u], L.q, codes);
+    const auto field = encode_quad<C>(x[u], L.q, codes);
     if (kWhole || k < seg.nb) seg.store(static_cast<char*>(a.dst), k, L.q, codes, field);
   }
 }
@@ -320,7 +300,7 @@ __device__ void encode_segment(const CodecArgs& a) {
   // keeps only its own values in registers.
   u64 k0 = L.warp_quad;
   auto whole = [&](u64 k) { return (k + (kUnroll - 1) * L.stride + kWarpGroups) * kBlock <= a.n; };
-  if constexpr (C::kAdaptiveCodec && kUnroll == 1) {
+  if constexpr (kHadamardCodec<C> && kUnroll == 1) {
     // Software-pipelined: the next pass's loads go out before this pass's arithmetic. The
     // adaptive encoders run one block per SM (registers), too few warps to hide a load's
     // latency behind other warps' work.
@@ -346,7 +326,7 @@ __device__ void encode_segment(const CodecArgs& a) {
       }
       if (whole(k0 + L.stride)) load_raw(k0 + L.stride, raw);
       Codes<C, kN> codes;
-      const uint16_t field = encode_quad<C>(x, L.q, codes);
+      const auto field = encode_quad<C>(x, L.q, codes);
       seg.store(static_cast<char*>(a.dst), k0 + lane_k, L.q, codes, field);
     }
   } else {
@@ -366,7 +346,7 @@ __device__ void encode_segment(const CodecArgs& a) {
 #endif
 template <typename C>
 struct DecodeShape {
-  static constexpr int kN = AR_DECODE_PAIRS && C::kAdaptiveCodec ? 2 * kPerLane : kPerLane;
+  static constexpr int kN = AR_DECODE_PAIRS && kHadamardCodec<C> ? 2 * kPerLane : kPerLane;
   static constexpr int kUnroll = kN == kPerLane ? 2 : 1;
 };
 
@@ -376,13 +356,13 @@ AR_DEVICE void decode_pass(const CodecArgs& a, const GroupLoop<kBlock / kN>& L,
                            const Segment<C>& seg, u64 k0) {
   const u64 lane_k = L.quad - L.warp_quad;
   uint32_t codes[kUnroll][kN];
-  uint16_t field[kUnroll];
+  typename C::Side field[kUnroll];
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const u64 k = k0 + u * L.stride + lane_k;
 #pragma unroll
     for (int j = 0; j < kN; ++j) codes[u][j] = 0;
-    field[u] = 0;
+    field[u] = typename C::Side{};
     if (kWhole || k < seg.nb) field[u] = seg.load(static_cast<const char*>(a.src), k, L.q, codes[u]);
   }
 #pragma unroll
@@ -410,26 +390,26 @@ __device__ void decode_segment(const CodecArgs& a) {
   // keeps only its own values in registers.
   u64 k0 = L.warp_quad;
   auto whole = [&](u64 k) { return (k + (kUnroll - 1) * L.stride + kWarpGroups) * kBlock <= a.n; };
-  if constexpr (C::kAdaptiveCodec) {
+  if constexpr (kHadamardCodec<C>) {
     // Software-pipelined like the adaptive encoders: the next pass's codes and scales are
     // loaded before this pass's inverse transforms (the adaptive decoders run at 2 blocks
     // per SM, where the plain ones run at 4).
     const u64 lane_k = L.quad - L.warp_quad;
     const char* src = static_cast<const char*>(a.src);
     Codes<C, kN> raw[kUnroll];
-    uint16_t raw_field[kUnroll];
+    typename C::Side raw_field[kUnroll];
     auto load_raw = [&](u64 kk) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const u64 k = kk + u * L.stride + lane_k;
         load_codes<C>(src + k * C::kCodeBytes, L.q, raw[u]);
-        raw_field[u] = load_peer(reinterpret_cast<const uint16_t*>(src + seg.scales + 2 * k));
+        raw_field[u] = seg.load_side_of(src, k);
       }
     };
     if (whole(k0)) load_raw(k0);
     for (; whole(k0); k0 += kUnroll * L.stride) {
       uint32_t codes[kUnroll][kN];
-      uint16_t field[kUnroll];
+      typename C::Side field[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         unpack_codes(raw[u], codes[u]);

@@ -412,6 +412,7 @@ AR_DEVICE uint4 load_peer(const uint4* p) { return __ldcg(p); }
 AR_DEVICE uint2 load_peer(const uint2* p) { return __ldcg(p); }
 AR_DEVICE uint32_t load_peer(const uint32_t* p) { return __ldcg(p); }
 AR_DEVICE uint16_t load_peer(const uint16_t* p) { return __ldcg(p); }
+AR_DEVICE uint8_t load_peer(const uint8_t* p) { return __ldcg(p); }
 #endif
 
 }  // namespace ar

@@ -74,7 +74,7 @@ pub struct Segment {
 
 /// One buffer encoded into one segment of the codec format (docs/codecs.md) and back.
 pub struct CodecKernels<R: GpuRuntime> {
-    /// `[f32, bf16][codec index in Codec::V1][encode, decode]`.
+    /// `[f32, bf16][codec index in Codec::ALL][encode, decode]`.
     f: Vec<[[R::Function; 2]; 2]>,
     _module: R::Module,
 }
@@ -91,8 +91,8 @@ impl<R: GpuRuntime> CodecKernels<R> {
     /// Load on `dev`.
     pub fn load(dev: &GpuDevice<R>) -> Result<Self> {
         let module = R::load_module(dev.raw())?;
-        let mut f = Vec::with_capacity(Codec::V1.len());
-        for codec in Codec::V1 {
+        let mut f = Vec::with_capacity(Codec::ALL.len());
+        for codec in Codec::ALL {
             let [ef, df, eb, db] = kernels::functions::<R, 4>(
                 &module,
                 [
@@ -115,16 +115,10 @@ impl<R: GpuRuntime> CodecKernels<R> {
         dst: usize,
         stream: &GpuStream<R>,
     ) -> Result<()> {
-        let c = Codec::V1
+        let c = Codec::ALL
             .iter()
             .position(|&x| x == job.codec)
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "no segment kernels for {}: {}",
-                    job.codec,
-                    kernels::V2_NO_KERNELS
-                ))
-            })?;
+            .expect("every codec is listed");
         let t = match job.input {
             CodecInput::F32 => 0,
             CodecInput::Bf16 => 1,

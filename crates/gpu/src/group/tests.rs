@@ -77,7 +77,7 @@ fn engine_kernels() -> &'static [&'static str] {
         let codec_kernels = |k: fn(DType, Codec) -> Kernel| {
             [DType::F16, DType::BF16]
                 .into_iter()
-                .flat_map(move |d| Codec::V1.map(|c| k(d, c)))
+                .flat_map(move |d| Codec::ALL.map(|c| k(d, c)))
         };
         let all = (DType::ALL.map(Kernel::OneShot).into_iter())
             .chain(DType::ALL.map(Kernel::TwoShot))
@@ -602,18 +602,9 @@ fn quantized_takes_16_bit_lossy_calls_and_vendor_says_why_it_is_unavailable() {
     assert!(q(DType::F32, Precision::Lossy(Codec::Int4))
         .unwrap_err()
         .contains("f16 and bf16"));
-    // Format v2 has no kernels: refused with the reason, the hierarchical path too.
+    // Format v2 runs like v1, the hierarchical path too.
     for c in Codec::V2 {
-        assert!(q(DType::BF16, Precision::Lossy(c))
-            .unwrap_err()
-            .contains("v2 codecs have no GPU kernels yet"));
-        assert!(comms[0]
-            .strategy_available(
-                Strategy::HierarchicalQuantized,
-                DType::F16,
-                Precision::Lossy(c)
-            )
-            .is_err());
+        assert_eq!(q(DType::BF16, Precision::Lossy(c)), Ok(()));
     }
     assert!(q(DType::F16, Precision::Exact)
         .unwrap_err()

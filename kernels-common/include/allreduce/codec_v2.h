@@ -1,0 +1,425 @@
+// The format v2 codecs on the GPU: q8v2, q6v2, q4v2 and fp4 (docs/codecs.md, "Format v2").
+// The specification is crates/core/src/codec/v2.rs; every function here says which reference
+// function it matches bit for bit. Work shape, lane groups and the shuffle rule as in codec.h:
+// a group of 32 / N lanes codes one block, lane q holding elements Nq..Nq+N-1, N = 8, 16 or 32.
+//
+// The integer encoder codes every block twice, plain with the carried largest element and
+// after the Hadamard transform, decodes both and keeps the one with the smaller measured error
+// (v2.rs, encode_int). Both candidates are packed before the choice, so only the chosen words
+// survive it: the choice is a select per word, and lanes that choose differently never diverge
+// around a shuffle.
+#pragma once
+
+#include "allreduce/codec.h"
+
+namespace ar {
+
+// A v2 block's side fields, one value per side-field array: array 0's (`a`) and array 1's
+// (`b`), each stored little-endian in kSide0 / kSide1 bytes.
+struct Side2 {
+  uint32_t a, b;
+};
+
+// Integer v2 codec of kBits bits: codes in [-H, H-1] biased by H; the carried element's
+// integer K has kSpikeBits bits (v2.rs, spike_bits), its low kBits in its own code slot.
+template <int kBits>
+struct IntV2Codec {
+  using Side = Side2;
+  static constexpr bool kV2 = true;
+  static constexpr bool kFp8 = false;
+  static constexpr bool kFp4 = false;
+  static constexpr bool kAdaptiveCodec = false;
+  static constexpr int kH = 1 << (kBits - 1);
+  static constexpr int kCodeBits = kBits;
+  static constexpr int kCodeBytes = kBits * kBlock / 8;
+  static constexpr int kSpikeBits = kBits == 4 ? 7 : kBits + 8;
+  // q8v2/q6v2: a 24-bit scale word plus index and flag; q4v2: v1's 16-bit field.
+  static constexpr bool kScale24 = kBits != 4;
+  static constexpr int kSide0 = kScale24 ? 4 : 2, kSide1 = 1;
+};
+// OCP E2M1 codes (unbiased, bit 3 the sign), a power-of-two group exponent byte and two E4M3
+// half scales.
+struct Fp4Codec {
+  using Side = Side2;
+  static constexpr bool kV2 = true;
+  static constexpr bool kFp8 = false;
+  static constexpr bool kFp4 = true;
+  static constexpr bool kAdaptiveCodec = false;
+  static constexpr int kH = 0;
+  static constexpr int kCodeBits = 4;
+  static constexpr int kCodeBytes = 16;
+  static constexpr int kSide0 = 1, kSide1 = 2;
+};
+using CodecQ8v2 = IntV2Codec<8>;
+using CodecQ6v2 = IntV2Codec<6>;
+using CodecQ4v2 = IntV2Codec<4>;
+using CodecFp4 = Fp4Codec;
+
+constexpr uint32_t kPoisonScale24 = 0x7FC00000u;  // v2::POISON_SCALE24
+constexpr uint32_t kFp4Poison = 0xFFu;            // v2::FP4_POISON
+constexpr float kMaxErrGuard = 1.25f;             // v2::MAX_ERR_GUARD
+
+// max of two non-NaN values (which of two equal zeros is returned never matters here).
+AR_DEVICE float max_f(float a, float b) { return a > b ? a : b; }
+
+// The maximum over the lane group, in every lane: max is exact in any order.
+template <int kN>
+AR_DEVICE float group_max(float v) {
+  if constexpr (kN <= 16) v = max_f(v, quad_xor<1>(v));
+  if constexpr (kN <= 8) v = max_f(v, quad_xor<2>(v));
+  return v;
+}
+
+// v2::round_scale24 of a value known not to be NaN, as an f32 bit pattern, low byte clear.
+AR_DEVICE uint32_t round_scale24_bits(float s) {
+  const uint32_t b = as_uint(s);
+  return (b + 0x7Fu + ((b >> 8) & 1u)) & 0xFFFFFF00u;
+}
+
+// v2::round_to_scale.
+template <typename C>
+AR_DEVICE float round_to_scale(float s) {
+  return as_float(C::kScale24 ? round_scale24_bits(s) : round_scale_bits(s));
+}
+
+// v2::first_max (no exclusion) and the finiteness test of v2::encode_int: the first element
+// of largest magnitude, its block index, and whether every element is finite.
+struct ScanK {
+  bool finite;
+  float m;
+  int k;
+};
+template <int kN>
+AR_DEVICE ScanK scan_k(const float (&x)[kN], int q) {
+  float m = 0.0f, probe = 0.0f;
+  int k = 0;
+#pragma unroll
+  for (int j = 0; j < kN; ++j) {
+    probe = x[j] * 0.0f + probe;  // NaN once any element is Inf or NaN
+    if (abs_f(x[j]) > abs_f(m)) {  // strict: the first of equal magnitudes wins
+      m = x[j];
+      k = q * kN + j;
+    }
+  }
+  if (probe != 0.0f) m = as_float(0x7FC00000u);
+  // As scan_quad: a NaN m wins every merge; otherwise the larger magnitude, and on a tie the
+  // lower lane (its elements come first). A lane of zeros offers k = 0, which only an
+  // all-zero block keeps, where the reference's index is 0 too.
+  auto merge = [&](float pm, int pk, bool partner_lower) {
+    const float a = abs_f(m), pa = abs_f(pm);
+    if (pm != pm || pa > a || (pa == a && partner_lower)) {
+      m = pm;
+      k = pk;
+    }
+  };
+  if constexpr (kN <= 16) {
+    const float pm = quad_xor<1>(m);
+    const int pk = int(quad_xor<1>(uint32_t(k)));
+    merge(pm, pk, (q & 1) != 0);
+  }
+  if constexpr (kN <= 8) {
+    const float pm = quad_xor<2>(m);
+    const int pk = int(quad_xor<2>(uint32_t(k)));
+    merge(pm, pk, (q & 2) != 0);
+  }
+  const bool finite = m == m;
+  return ScanK{finite, finite ? m : 0.0f, finite ? k : 0};
+}
+
+// v2::balanced_scale: the signed scale that fits every element but block index `skip` (-1:
+// none) into [-H, H-1] without clamping. The four quotients are correctly rounded divisions,
+// as the reference's (by H, a power of two, they are exact products anyway).
+template <int kN>
+AR_DEVICE float balanced_scale(const float (&x)[kN], int q, int skip, float h) {
+  float p = 0.0f, n = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kN; ++j) {
+    if (q * kN + j != skip) {
+      p = max_f(p, x[j]);
+      n = max_f(n, -x[j]);
+    }
+  }
+  p = group_max<kN>(p);
+  n = group_max<kN>(n);
+  const float s_neg = max_f(div_rn(p, h), div_rn(n, h - 1.0f));
+  const float s_pos = max_f(div_rn(n, h), div_rn(p, h - 1.0f));
+  return s_neg <= s_pos ? -s_neg : s_pos;
+}
+
+// clamp(RNE(v), lo, hi) as an integer, for |v| <= 2^22 (rne_small) and integer bounds.
+AR_DEVICE int32_t code_of(float v, float lo, float hi) {
+  float r = rne_small(v);
+  r = r < lo ? lo : (r > hi ? hi : r);
+  return static_cast<int32_t>(r);
+}
+
+// v2::sq_err: d = x - y, d * d (two roundings), then the pairwise sums p[i] += p[i + h] for
+// h = 16, 8, 4, 2, 1: across lanes where h >= N (the partner computes the same sum, f32
+// addition being commutative), inside the lane below. Every lane ends with the block's value.
+template <int kN>
+AR_DEVICE float sq_err(const float (&x)[kN], const float (&y)[kN]) {
+  float p[kN];
+#pragma unroll
+  for (int j = 0; j < kN; ++j) {
+    const float d = sub_rn(x[j], y[j]);
+    p[j] = mul_rn(d, d);
+  }
+  if constexpr (kN <= 8) {  // h = 16: lane q and q ^ 2
+#pragma unroll
+    for (int j = 0; j < kN; ++j) p[j] = add_rn(p[j], quad_xor<2>(p[j]));
+  }
+  if constexpr (kN <= 16) {  // h = 16 for pairs, h = 8 for quads: lane q and q ^ 1
+#pragma unroll
+    for (int j = 0; j < kN; ++j) p[j] = add_rn(p[j], quad_xor<1>(p[j]));
+  }
+#pragma unroll
+  for (int h = kN / 2; h >= 1; h /= 2) {
+#pragma unroll
+    for (int j = 0; j < h; ++j) p[j] = add_rn(p[j], p[j + h]);
+  }
+  return p[0];
+}
+
+// v2::max_err.
+template <int kN>
+AR_DEVICE float max_err(const float (&x)[kN], const float (&y)[kN]) {
+  float m = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kN; ++j) m = max_f(m, abs_f(sub_rn(x[j], y[j])));
+  return group_max<kN>(m);
+}
+
+// ---- Integer v2 codecs -------------------------------------------------------------------
+
+// The side fields of an integer block (v2::int_side) from its rounded scale, carried index
+// and integer, and flag.
+template <typename C>
+AR_DEVICE Side2 int_side(float s, int k, int32_t kq, bool hadamard) {
+  const uint32_t k_hi = uint32_t(kq >> C::kCodeBits) & ((1u << (C::kSpikeBits - C::kCodeBits)) - 1u);
+  if constexpr (C::kScale24) {
+    return Side2{as_uint(s) | (uint32_t(k) << 3) | uint32_t(hadamard), k_hi};
+  } else {
+    return Side2{(as_uint(s) >> 16) | uint32_t(hadamard ? kFlagBit : 0), uint32_t(k) | (k_hi << 5)};
+  }
+}
+
+// v2::plain_candidate, coded and decoded: this lane's biased codes (the carried element's
+// slot holding K's low bits) in `u`, the decoded values in `xd`; returns the side fields.
+// `empty` (a block of zeros or a poisoned one), or a scale that rounded to zero, gives v2's
+// empty block (IntBlock::empty: codes H, K = 0 in slot 0, side fields zero).
+template <typename C, int kN>
+AR_DEVICE Side2 plain_v2(const float (&x)[kN], int q, const ScanK& sc, bool empty,
+                         uint32_t (&u)[kN], float (&xd)[kN]) {
+  constexpr float h = float(C::kH);
+  constexpr float kh = float(1 << (C::kSpikeBits - 1));
+  const float rest = balanced_scale(x, q, sc.k, h);
+  const float s0 = div_rn(abs_f(sc.m), kh) <= abs_f(rest) ? rest : div_rn(-sc.m, kh);
+  const float s = round_to_scale<C>(s0);
+  empty = empty || s == 0.0f;
+  const int32_t kq = empty ? 0 : code_of(div_rn(sc.m, s), -kh, kh - 1.0f);
+  const int k = empty ? 0 : sc.k;
+#pragma unroll
+  for (int j = 0; j < kN; ++j) {
+    int32_t c = empty ? 0 : code_of(div_rn(x[j], s), -h, h - 1.0f);
+    xd[j] = mul_rn(float(c), s);
+    if (q * kN + j == k) {
+      c = (kq & ((1 << C::kCodeBits) - 1)) - C::kH;
+      xd[j] = mul_rn(float(kq), s);
+    }
+    u[j] = uint32_t(c + C::kH);
+  }
+  return int_side<C>(empty ? 0.0f : s, k, kq, false);
+}
+
+// v2::hadamard_candidate, coded and decoded (IntBlock::decode of a flagged block: the codes'
+// transform, the signs, then times S / 32). For blocks in the adaptive range only.
+template <typename C, int kN>
+AR_DEVICE Side2 hadamard_v2(const float (&x)[kN], int q, uint32_t (&u)[kN], float (&xd)[kN]) {
+  constexpr float h = float(C::kH);
+  float y[kN];
+#pragma unroll
+  for (int j = 0; j < kN; ++j) y[j] = x[j];
+  hadamard_forward(y, q);
+  const float s = round_to_scale<C>(balanced_scale(y, q, -1, h));
+#pragma unroll
+  for (int j = 0; j < kN; ++j) {
+    const int32_t c = code_of(div_rn(y[j], s), -h, h - 1.0f);
+    u[j] = uint32_t(c + C::kH);
+    xd[j] = float(c);
+  }
+  wht_quad(xd, q);
+  const float g = mul_rn(s, 0.03125f);
+#pragma unroll
+  for (int j = 0; j < kN; ++j) xd[j] = mul_rn(sign_of<kN>(q, j, xd[j]), g);
+  return int_side<C>(s, 0, 0, true);
+}
+
+// v2::encode_int, packed: this lane's code words and the block's side fields. Every block
+// computes both candidates (they shuffle inside the lane group, and every lane of a warp must
+// shuffle together); out-of-range, zero and poisoned blocks then keep the plain one.
+template <typename C, int kN>
+AR_DEVICE Side2 encode_int_v2(const float (&x)[kN], int q, Codes<C, kN>& out) {
+  const ScanK sc = scan_k(x, q);
+  const bool empty = !sc.finite || sc.m == 0.0f;
+  uint32_t u[kN];
+  float xd[kN];
+  // Each candidate's errors are measured as soon as it is decoded, so only one decoded block
+  // is alive at a time (registers: a lane per block holds 32 values of each).
+  Side2 side = plain_v2<C>(x, q, sc, empty, u, xd);
+  pack_codes(u, out);
+  const float sq_p = sq_err(x, xd), me_p = max_err(x, xd);
+  Codes<C, kN> rot;
+  const Side2 rotated = hadamard_v2<C>(x, q, u, xd);
+  pack_codes(u, rot);
+  const float sq_h = sq_err(x, xd), me_h = max_err(x, xd);
+  const float amax = abs_f(sc.m);
+  const bool tried = !empty && amax >= 0x1p-48f && amax <= 0x1p48f;
+  if (tried && sq_h < sq_p && me_h <= mul_rn(kMaxErrGuard, me_p)) {
+#pragma unroll
+    for (int i = 0; i < Codes<C, kN>::kWords; ++i) out.w[i] = rot.w[i];
+    side = rotated;
+  }
+  if (!sc.finite) side.a = C::kScale24 ? kPoisonScale24 : uint32_t(kPoisonScale);
+  return side;
+}
+
+// v2 IntBlock::decode after int_read: codes as unpack_codes gives them (the f32 bits of
+// 2^23 + code).
+template <typename C, int kN>
+AR_DEVICE void decode_int_v2(const uint32_t (&u)[kN], Side2 side, int q, float (&out)[kN]) {
+  float s;
+  bool flagged;
+  int k;
+  uint32_t k_hi;
+  if constexpr (C::kScale24) {
+    s = as_float(side.a & 0xFFFFFF00u);
+    flagged = (side.a & 1u) != 0;
+    k = int((side.a >> 3) & 31u);
+    k_hi = side.b & 0xFFu;
+  } else {
+    s = scale_value(uint16_t(side.a));
+    flagged = (side.a & kFlagBit) != 0;
+    k = int(side.b & 31u);
+    k_hi = (side.b >> 5) & 7u;
+  }
+  const float kBase = 8388608.0f + float(C::kH);
+  // The carried K (plain blocks): its slot's low bits under k_hi, sign-extended from
+  // kSpikeBits; picked out with a select per element (a run-time register index would go
+  // through local memory), converted once.
+  uint32_t low = 0;
+#pragma unroll
+  for (int j = 0; j < kN; ++j) low = q * kN + j == k ? u[j] : low;
+  const uint32_t raw = (k_hi << C::kCodeBits) | (low & ((1u << C::kCodeBits) - 1u));
+  const float kv = float(int32_t(raw << (32 - C::kSpikeBits)) >> (32 - C::kSpikeBits));
+  float t[kN];
+#pragma unroll
+  for (int j = 0; j < kN; ++j) t[j] = sub_rn(as_float(u[j]), kBase);  // code - H, exact
+  float c[kN];
+#pragma unroll
+  for (int j = 0; j < kN; ++j) c[j] = !flagged && q * kN + j == k ? kv : t[j];
+  wht_quad(t, q);  // every lane shuffles; only flagged blocks keep the result
+  const uint32_t lane_signs = kHadamardSigns >> (q * kN);
+  const float m = flagged ? mul_rn(s, 0.03125f) : s;
+#pragma unroll
+  for (int j = 0; j < kN; ++j) {
+    const uint32_t sign = (lane_signs << (31 - j)) & 0x80000000u;
+    out[j] = mul_rn(flagged ? as_float(as_uint(t[j]) ^ sign) : c[j], m);
+  }
+}
+
+// ---- fp4 ---------------------------------------------------------------------------------
+
+// fp4::f32_to_e2m1: nearest, ties to the even code, saturating at 6; zero (and NaN) -> 0.
+AR_DEVICE uint32_t f32_to_e2m1(float x) {
+  const float a = abs_f(x);
+  const uint32_t mag = uint32_t(a > 0.25f) + uint32_t(a >= 0.75f) + uint32_t(a > 1.25f) +
+                       uint32_t(a >= 1.75f) + uint32_t(a > 2.5f) + uint32_t(a >= 3.5f) +
+                       uint32_t(a > 5.0f);
+  return mag != 0 && (as_uint(x) >> 31) ? (mag | 8u) : mag;
+}
+
+// fp4::e2m1_to_f32 (exact): the three magnitude bits at f32 bits 22..24 are the value times
+// 2^-126 (an f32 subnormal for exponent 0, like E2M1's 0.5), so one exact product rescales.
+AR_DEVICE float e2m1_to_f32(uint32_t c) {
+  return as_float(as_uint(as_float((c & 7u) << 22) * 0x1p126f) | ((c & 8u) << 28));
+}
+
+// v2::fp4_exponent.
+AR_DEVICE int fp4_exponent(float a) {
+  const uint32_t b = as_uint(div_rn(a, 2688.0f));
+  const int biased = int(b >> 23);
+  if (biased == 0) return -126;
+  const int e = biased - 127 + int((b & 0x7FFFFFu) != 0);
+  return e < -126 ? -126 : (e > 127 ? 127 : e);
+}
+
+// v2::encode_fp4, packed.
+template <typename C, int kN>
+AR_DEVICE Side2 encode_fp4(const float (&x)[kN], int q, Codes<C, kN>& out) {
+  const Scan sc = scan_amax_quad(x, q);
+  // The halves' largest magnitudes, in every lane: ah[0] of elements 0..15, ah[1] of 16..31.
+  float ah[2];
+  if constexpr (kN == 32) {
+    ah[0] = ah[1] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kN; ++j) ah[j / 16] = max_f(ah[j / 16], abs_f(x[j]));
+  } else {
+    float own = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kN; ++j) own = max_f(own, abs_f(x[j]));
+    if constexpr (kN == 8) own = max_f(own, quad_xor<1>(own));
+    const float other = kN == 8 ? quad_xor<2>(own) : quad_xor<1>(own);
+    const bool low = q * kN < 16;
+    ah[0] = low ? own : other;
+    ah[1] = low ? other : own;
+  }
+  uint32_t u[kN];
+  const bool live = sc.finite && sc.amax != 0.0f;
+  const int e = live ? fp4_exponent(sc.amax) : 0;
+  const float g = as_float(uint32_t(e + 127) << 23);
+  uint32_t sc8[2];
+  float s[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    sc8[i] = live ? f32_to_e4m3(div_rn(div_rn(ah[i], 6.0f), g)) : 0u;
+    s[i] = mul_rn(e4m3_to_f32(sc8[i]), g);
+  }
+#pragma unroll
+  for (int j = 0; j < kN; ++j) {
+    const float sj = s[(q * kN + j) / 16];
+    u[j] = live && sj != 0.0f ? f32_to_e2m1(div_rn(x[j], sj)) : 0u;
+  }
+  pack_codes(u, out);
+  if (!sc.finite) return Side2{kFp4Poison, 0u};
+  if (!live) return Side2{0u, 0u};
+  return Side2{uint32_t(e + 127), sc8[0] | (sc8[1] << 8)};
+}
+
+// v2::decode_fp4 after unpack_codes (each code in the low 4 bits of its word).
+template <int kN>
+AR_DEVICE void decode_fp4(const uint32_t (&u)[kN], Side2 side, int q, float (&out)[kN]) {
+  const uint32_t gb = side.a & 0xFFu;
+  const float g = gb == kFp4Poison ? as_float(0x7FC00000u) : as_float(gb << 23);
+  const float s0 = mul_rn(e4m3_to_f32(side.b & 0xFFu), g);
+  const float s1 = mul_rn(e4m3_to_f32((side.b >> 8) & 0xFFu), g);
+#pragma unroll
+  for (int j = 0; j < kN; ++j) out[j] = mul_rn(e2m1_to_f32(u[j]), (q * kN + j) < 16 ? s0 : s1);
+}
+
+// v2::encode_block / v2::decode_block.
+template <typename C, int kN>
+AR_DEVICE Side2 encode_v2(const float (&x)[kN], int q, Codes<C, kN>& out) {
+  if constexpr (C::kFp4)
+    return encode_fp4<C>(x, q, out);
+  else
+    return encode_int_v2<C>(x, q, out);
+}
+template <typename C, int kN>
+AR_DEVICE void decode_v2(const uint32_t (&u)[kN], Side2 side, int q, float (&out)[kN]) {
+  if constexpr (C::kFp4)
+    decode_fp4(u, side, q, out);
+  else
+    decode_int_v2<C>(u, side, q, out);
+}
+
+}  // namespace ar
