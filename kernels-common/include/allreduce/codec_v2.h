@@ -153,6 +153,22 @@ AR_DEVICE int32_t code_of(float v, float lo, float hi) {
   return static_cast<int32_t>(r);
 }
 
+// q[j] = div_rn(x[j], s) for every j: by codec.h's quotients_by_scale (one reciprocal a block,
+// three operations an element) where the scale allows it, else by the division. Markstein's
+// sequence is the correctly rounded quotient for every scale of at most 16 significant bits
+// (v1's 7, v2's 24-bit scale words, fp4's E4M3 times a power of two): checked for every
+// scale and dividend significand (crates/core/src/codec/tests.rs, `markstein_check24`). The
+// branch is uniform over a lane group and holds no shuffle.
+template <int kN>
+AR_DEVICE void quotients(const float (&x)[kN], float s, float (&q)[kN]) {
+  if (fast_scale(s)) {
+    quotients_by_scale(x, s, q);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kN; ++j) q[j] = div_rn(x[j], s);
+  }
+}
+
 // v2::sq_err: d = x - y, d * d (two roundings), then the pairwise sums p[i] += p[i + h] for
 // h = 16, 8, 4, 2, 1: across lanes where h >= N (the partner computes the same sum, f32
 // addition being commutative), inside the lane below. Every lane ends with the block's value.
@@ -218,9 +234,11 @@ AR_DEVICE Side2 plain_v2(const float (&x)[kN], int q, const ScanK& sc, bool empt
   empty = empty || s == 0.0f;
   const int32_t kq = empty ? 0 : code_of(div_rn(sc.m, s), -kh, kh - 1.0f);
   const int k = empty ? 0 : sc.k;
+  float qt[kN];
+  quotients(x, empty ? 1.0f : s, qt);
 #pragma unroll
   for (int j = 0; j < kN; ++j) {
-    int32_t c = empty ? 0 : code_of(div_rn(x[j], s), -h, h - 1.0f);
+    int32_t c = empty ? 0 : code_of(qt[j], -h, h - 1.0f);
     xd[j] = mul_rn(float(c), s);
     if (q * kN + j == k) {
       c = (kq & ((1 << C::kCodeBits) - 1)) - C::kH;
@@ -241,9 +259,10 @@ AR_DEVICE Side2 hadamard_v2(const float (&x)[kN], int q, uint32_t (&u)[kN], floa
   for (int j = 0; j < kN; ++j) y[j] = x[j];
   hadamard_forward(y, q);
   const float s = round_to_scale<C>(balanced_scale(y, q, -1, h));
+  quotients(y, s, y);
 #pragma unroll
   for (int j = 0; j < kN; ++j) {
-    const int32_t c = code_of(div_rn(y[j], s), -h, h - 1.0f);
+    const int32_t c = code_of(y[j], -h, h - 1.0f);
     u[j] = uint32_t(c + C::kH);
     xd[j] = float(c);
   }
@@ -384,10 +403,26 @@ AR_DEVICE Side2 encode_fp4(const float (&x)[kN], int q, Codes<C, kN>& out) {
     sc8[i] = live ? f32_to_e4m3(div_rn(div_rn(ah[i], 6.0f), g)) : 0u;
     s[i] = mul_rn(e4m3_to_f32(sc8[i]), g);
   }
+  // Each half's quotients by its own scale (kN <= 16: a lane's elements share one half).
+  float qt[kN];
+  if constexpr (kN == 32) {
+    float xs[16], qs[16];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) xs[j] = x[16 * hh + j];
+      quotients(xs, s[hh] != 0.0f ? s[hh] : 1.0f, qs);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) qt[16 * hh + j] = qs[j];
+    }
+  } else {
+    const float sl = s[(q * kN) / 16];
+    quotients(x, sl != 0.0f ? sl : 1.0f, qt);
+  }
 #pragma unroll
   for (int j = 0; j < kN; ++j) {
     const float sj = s[(q * kN + j) / 16];
-    u[j] = live && sj != 0.0f ? f32_to_e2m1(div_rn(x[j], sj)) : 0u;
+    u[j] = live && sj != 0.0f ? f32_to_e2m1(qt[j]) : 0u;
   }
   pack_codes(u, out);
   if (!sc.finite) return Side2{kFp4Poison, 0u};

@@ -1259,6 +1259,47 @@ fn markstein_division_is_exact_for_scales_exhaustive() {
     markstein_check(1);
 }
 
+/// [`markstein_check`] for format v2's 24-bit scales (`v2::round_scale24`: 16 significant
+/// bits, 2^15 significands), every dividend significand, positive scales (the sequence is
+/// odd in `s`), on every core: whether the GPU may divide by them the same cheap way.
+fn markstein_check24(step: usize) -> u64 {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                scope.spawn(move || {
+                    let mut checked = 0u64;
+                    for ss in ((1u32 << 15) + t..1 << 16).step_by(threads as usize) {
+                        let s = f32::from_bits(0x3f80_0000 | ((ss & 0x7FFF) << 8));
+                        let y = 1.0f32 / s;
+                        for m in (0u32..1 << 23).step_by(step) {
+                            let x = f32::from_bits(0x3f80_0000 | m);
+                            let q0 = x * y;
+                            let q = (-s).mul_add(q0, x).mul_add(y, q0);
+                            let exact = x / s;
+                            assert_eq!(q.to_bits(), exact.to_bits(), "x {x:e} s {s:e}");
+                            checked += 1;
+                        }
+                    }
+                    checked
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap()).sum()
+    })
+}
+
+#[test]
+fn markstein_division_is_exact_for_scales24() {
+    assert!(markstein_check24(4099) > 0);
+}
+
+#[test]
+#[ignore = "2^38 divisions: minutes in release on every core"]
+fn markstein_division_is_exact_for_scales24_exhaustive() {
+    assert_eq!(markstein_check24(1), 1 << 38);
+}
+
 /// The GPU integer encoders clamp a code only at the top for q4/q6 (kernels-common codec.h,
 /// `encode_plain`): with a normal scale `|s| = RN7(|m| / H)`, every quotient `x / s` of the
 /// block (|x| <= |m|) rounds to at most H in magnitude, and q8's to at most 129. The ratio
