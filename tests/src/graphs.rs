@@ -79,7 +79,7 @@ fn calls(mix: Mix, k: usize) -> Vec<(usize, DType, Strategy, Precision)> {
         let all = [
             (70_001, DType::BF16, h, Precision::Lossy(Codec::Fp8E4M3)),
             (4097, DType::F16, h, Precision::Lossy(Codec::Int6Adaptive)),
-            (33, DType::BF16, h, Precision::Lossy(Codec::Int4)),
+            (33, DType::BF16, h, Precision::Lossy(Codec::Int4V2)),
         ];
         return all[..k].to_vec();
     }
@@ -89,7 +89,7 @@ fn calls(mix: Mix, k: usize) -> Vec<(usize, DType, Strategy, Precision)> {
             4097,
             DType::F16,
             Strategy::QuantizedTwoShot,
-            Precision::Lossy(Codec::Int6Adaptive),
+            Precision::Lossy(Codec::Int8V2),
         ),
         (5, DType::F32, Strategy::Auto, Precision::Exact),
         (1000, DType::F16, Strategy::OneShot, Precision::Exact),
