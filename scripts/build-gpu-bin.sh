@@ -55,7 +55,7 @@ for r in 2 4 8; do
 done
 for r in 2 4 8; do
   timeout 120 ./allreduce-bench --backend cuda --ranks $r -b 64K -e 64M -f 4 --strategy twoshot,quantized \
-    --precision exact,fp8,q8,q6,q4,q8a,q6a,q4a -d bf16 --data gauss --row-time 0.05 >>"$Q" 2>&1; echo "quantized $r rc=$?" >>"$Q"
+    --precision exact,fp8,q8,q6,q4,q8a,q6a,q4a,q8v2,q6v2,q4v2,fp4 -d bf16 --data gauss --row-time 0.05 >>"$Q" 2>&1; echo "quantized $r rc=$?" >>"$Q"
 done
 timeout 120 ./allreduce-bench --backend cuda --ranks 1 -b 64K -e 64K --strategy quantized --precision q8 -d bf16 \
   --row-time 0.01 --codec-bench 256M >"$OUT/codec_bench.txt" 2>&1; echo "codec bench rc=$?" >>"$OUT/codec_bench.txt"
