@@ -11,105 +11,7 @@ use allreduce_gpu::device::{
     CodecInput, CodecKernels, DeviceBuffer, GpuDevice, GpuStream, Segment,
 };
 
-use crate::data::Rng;
 use crate::{gpu_available, GpuTestRuntime};
-
-/// Blocks chosen to reach every branch of the format, then random blocks over the whole
-/// f32 range of scales, then a ragged tail.
-fn data() -> Vec<f32> {
-    let mut v: Vec<f32> = Vec::new();
-    let mut block = |f: &dyn Fn(usize) -> f32| v.extend((0..BLOCK).map(f));
-    block(&|_| 0.0);
-    block(&|_| -0.0);
-    block(&|i| if i == 7 { 1e30 } else { 1.0 });
-    block(&|i| if i == 31 { f32::MAX } else { -1.0 });
-    block(&|i| if i == 0 { -f32::MAX } else { f32::MIN_POSITIVE });
-    block(&|i| (i as f32 - 16.0) * 1e-45); // f32 subnormals
-    block(&|i| f32::from_bits(i as u32 + 1)); // the smallest subnormals
-    block(&|i| if i == 3 { f32::INFINITY } else { i as f32 });
-    block(&|i| if i == 30 { f32::NEG_INFINITY } else { 1.0 });
-    block(&|i| if i == 12 { f32::NAN } else { 2.0 });
-    block(&|i| if i % 2 == 0 { 3.0 } else { -3.0 }); // first-maximum tie, + first
-    block(&|i| if i % 2 == 0 { -3.0 } else { 3.0 }); // first-maximum tie, - first
-    block(&|i| (i as f32 - 15.5) * 0.5); // halves: rounding ties
-    block(&|i| i as f32 * 8.0 - 128.0); // the integer grid of q4/q8
-    block(&|_| 5.0); // constant
-    block(&|i| if i == 9 { 100.0 } else { 0.01 * i as f32 }); // spike
-    block(&|i| (i as f32 * 0.7).sin()); // smooth
-                                        // v2's carried element: a negative spike, a spike beside a runner-up, and spikes so far
-                                        // above the rest that K clamps (q4v2's 7 bits first).
-    block(&|i| {
-        if i == 20 {
-            -300.0
-        } else {
-            (i as f32 * 0.3).cos()
-        }
-    });
-    block(&|i| match i {
-        4 => 250.0,
-        5 => -249.0,
-        _ => (i as f32) * 0.1 - 1.0,
-    });
-    for big in [70.0f32, 5e3, 3e6] {
-        block(&|i| {
-            if i == 17 {
-                big
-            } else {
-                1.0 - (i % 5) as f32 * 0.5
-            }
-        });
-    }
-    block(&|i| if i == 5 { 448.0 * 3.0 } else { 1.0 / 64.0 }); // fp8 subnormal codes
-    block(&|i| if i == 0 { 2f32.powi(-48) } else { 0.0 }); // adaptive range's lower edge
-    block(&|i| {
-        if i == 0 {
-            2f32.powi(-48) * 0.999
-        } else {
-            1e-20
-        }
-    });
-    block(&|i| if i == 1 { 2f32.powi(48) } else { 3.0 }); // upper edge
-    block(&|i| if i == 1 { 2f32.powi(48) * 1.001 } else { 3.0 });
-    block(&|i| {
-        if i == 2 {
-            65504.0
-        } else {
-            -65504.0 * (i as f32 / 40.0)
-        }
-    });
-    // Scales of exactly -1 (m = H) and 1 (fp8, amax = 448): quotients on and next to
-    // the codes' rounding boundaries, where the kernels fall back to a true division.
-    for h in [128.0f32, 32.0, 8.0] {
-        let ulp = f32::EPSILON * 16.0;
-        block(&|i| match i {
-            0 => h,
-            _ if i % 3 == 0 => (i % 8) as f32 - 4.5,
-            _ if i % 3 == 1 => (i % 8) as f32 - 4.5 + ulp,
-            _ => -((i % 8) as f32) + 2.5 - ulp,
-        });
-    }
-    block(&|i| match i {
-        0 => 448.0,
-        _ if i % 4 == 0 => 1.0625, // midpoint of 1 and 1.125
-        _ if i % 4 == 1 => f32::from_bits(1.0625f32.to_bits() + 1),
-        _ if i % 4 == 2 => -f32::from_bits(1.0625f32.to_bits() - 1),
-        _ => 3.0 / 1024.0 + (i as f32) / 512.0, // E4M3 subnormal halves
-    });
-    let mut rng = Rng::new(20261203);
-    for b in 0..2048i32 {
-        // Scales from 2^-140 to 2^120, and every tenth block with outliers.
-        let scale = 2f64.powi(b % 261 - 140);
-        for i in 0..BLOCK {
-            let mut x = rng.normal() * scale;
-            if b % 10 == 0 && i % 11 == 3 {
-                x *= 30.0;
-            }
-            v.push(x as f32);
-        }
-    }
-    v.extend((0..19).map(|i| i as f32 - 9.0)); // a ragged tail block
-    v
-}
 
 /// What byte `i` of a segment of `n` elements holds, and its block.
 fn byte_place(codec: Codec, n: usize, i: usize) -> (String, usize) {
@@ -226,7 +128,7 @@ pub fn run<R: GpuTestRuntime>() {
     dev.prepare_virtual_ranks().expect("memory pool");
     let stream = GpuStream::new(&dev).expect("stream");
     let k = CodecKernels::load(&dev).expect("codec kernels");
-    let x = data();
+    let x = crate::codec_data::elements();
     let mut failures = Vec::new();
     for codec in Codec::ALL {
         for input in [CodecInput::F32, CodecInput::Bf16] {
