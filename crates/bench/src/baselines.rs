@@ -212,12 +212,13 @@ pub fn codec_speed<R: GpuRuntime>(
     }
     let src = DeviceBuffer::from_host(&host, &stream)?;
     let back = DeviceBuffer::zeroed(bytes, &stream)?;
-    let enc = DeviceBuffer::zeroed(
-        Codec::Int8
-            .encoded_len(n)
-            .max(Codec::Fp8E4M3.encoded_len(n)),
-        &stream,
-    )?;
+    // The largest wire format of all, v2's side fields included.
+    let enc_bytes = Codec::ALL
+        .iter()
+        .map(|c| c.encoded_len(n))
+        .max()
+        .unwrap_or(0);
+    let enc = DeviceBuffer::zeroed(enc_bytes, &stream)?;
     let copy = CopyKernel::load(&dev)?;
     let kernels = CodecKernels::load(&dev)?;
     let iters = (8_000_000_000 / bytes.max(1)).clamp(5, 200);
