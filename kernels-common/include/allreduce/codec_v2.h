@@ -59,8 +59,31 @@ constexpr uint32_t kPoisonScale24 = 0x7FC00000u;  // v2::POISON_SCALE24
 constexpr uint32_t kFp4Poison = 0xFFu;            // v2::FP4_POISON
 constexpr float kMaxErrGuard = 1.25f;             // v2::MAX_ERR_GUARD
 
-// max of two non-NaN values (which of two equal zeros is returned never matters here).
-AR_DEVICE float max_f(float a, float b) { return a > b ? a : b; }
+// max of two non-NaN values (which of two equal zeros is returned never matters here), as
+// the target's one max instruction rather than a compare and a select. (Where an operand is a
+// NaN, the block is poisoned or empty and the value is discarded.)
+AR_DEVICE float max_f(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  float d;
+  asm("max.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+#elif AR_HIP
+  return __builtin_fmaxf(a, b);
+#else
+  return a > b ? a : b;
+#endif
+}
+AR_DEVICE float min_f(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  float d;
+  asm("min.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+#elif AR_HIP
+  return __builtin_fminf(a, b);
+#else
+  return a < b ? a : b;
+#endif
+}
 
 // The maximum over the lane group, in every lane: max is exact in any order.
 template <int kN>
@@ -146,11 +169,19 @@ AR_DEVICE float balanced_scale(const float (&x)[kN], int q, int skip, float h) {
   return s_neg <= s_pos ? -s_neg : s_pos;
 }
 
-// clamp(RNE(v), lo, hi) as an integer, for |v| <= 2^22 (rne_small) and integer bounds.
-AR_DEVICE int32_t code_of(float v, float lo, float hi) {
-  float r = rne_small(v);
-  r = r < lo ? lo : (r > hi ? hi : r);
-  return static_cast<int32_t>(r);
+// clamp(RNE(v), lo, hi) for |v| <= 2^22 (rne_small) and integer bounds: an integer, kept as a
+// float. Codes stay floats, and biased_code below gives their bits: a conversion instruction
+// per element and candidate (F2I and I2F issue at a quarter of the FMA rate) would cost more
+// than the rest of the coding step.
+AR_DEVICE float code_of(float v, float lo, float hi) {
+  return min_f(max_f(rne_small(v), lo), hi);
+}
+
+// c + H as the code word, for an integer-valued float c in [-H, H-1]: 2^23 + H + c is exact,
+// and its significand's low bits are c + H.
+template <typename C>
+AR_DEVICE uint32_t biased_code(float c) {
+  return as_uint(add_rn(c, 8388608.0f + float(C::kH))) & ((1u << C::kCodeBits) - 1u);
 }
 
 // q[j] = div_rn(x[j], s) for every j: by codec.h's quotients_by_scale (one reciprocal a block,
@@ -239,19 +270,18 @@ AR_DEVICE Side2 plain_v2(const float (&x)[kN], int q, const ScanK& sc, bool empt
   const float s0 = div_rn(abs_f(sc.m), kh) <= abs_f(rest) ? rest : div_rn(-sc.m, kh);
   const float s = round_to_scale<C>(s0);
   empty = empty || s == 0.0f;
-  const int32_t kq = empty ? 0 : code_of(div_rn(sc.m, s), -kh, kh - 1.0f);
+  const float kqf = empty ? 0.0f : code_of(div_rn(sc.m, s), -kh, kh - 1.0f);
+  const int32_t kq = static_cast<int32_t>(kqf);
+  const uint32_t k_low = uint32_t(kq) & ((1u << C::kCodeBits) - 1u);  // its slot's code word
   const int k = empty ? 0 : sc.k;
   float qt[kN];
   quotients(x, empty ? 1.0f : s, qt);
 #pragma unroll
   for (int j = 0; j < kN; ++j) {
-    int32_t c = empty ? 0 : code_of(qt[j], -h, h - 1.0f);
-    xd[j] = mul_rn(float(c), s);
-    if (q * kN + j == k) {
-      c = (kq & ((1 << C::kCodeBits) - 1)) - C::kH;
-      xd[j] = mul_rn(float(kq), s);
-    }
-    u[j] = uint32_t(c + C::kH);
+    const float c = empty ? 0.0f : code_of(qt[j], -h, h - 1.0f);
+    const bool carried = q * kN + j == k;
+    xd[j] = mul_rn(carried ? kqf : c, s);
+    u[j] = carried ? k_low : biased_code<C>(c);
   }
   return int_side<C>(empty ? 0.0f : s, k, kq, false);
 }
@@ -269,9 +299,9 @@ AR_DEVICE Side2 hadamard_v2(const float (&x)[kN], int q, uint32_t (&u)[kN], floa
   quotients(y, s, y);
 #pragma unroll
   for (int j = 0; j < kN; ++j) {
-    const int32_t c = code_of(y[j], -h, h - 1.0f);
-    u[j] = uint32_t(c + C::kH);
-    xd[j] = float(c);
+    const float c = code_of(y[j], -h, h - 1.0f);
+    u[j] = biased_code<C>(c);
+    xd[j] = c;
   }
   wht_quad(xd, q);
   const float g = mul_rn(s, 0.03125f);
