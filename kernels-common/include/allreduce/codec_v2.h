@@ -444,6 +444,8 @@ AR_DEVICE Side2 encode_fp4(const float (&x)[kN], int q, Codes<C, kN>& out) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     sc8[i] = live ? f32_to_e4m3(div_rn(div_rn(ah[i], 6.0f), g)) : 0u;
+    // v2::encode_fp4: a half scale whose code 6 would overflow takes the next lower E4M3.
+    sc8[i] -= mul_rn(mul_rn(e4m3_to_f32(sc8[i]), g), 6.0f) > 3.40282347e38f ? 1u : 0u;
     s[i] = mul_rn(e4m3_to_f32(sc8[i]), g);
   }
   // Each half's quotients by its own scale (kN <= 16: a lane's elements share one half).

@@ -376,7 +376,13 @@ fn encode_fp4(x: &[f32; BLOCK], codes: &mut [u8], side: &mut [u8]) {
     side[0] = (e + 127) as u8;
     for (half, (xs, cs)) in x.chunks_exact(16).zip(c.chunks_exact_mut(16)).enumerate() {
         let ah = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let sc = f32_to_e4m3((ah / E2M1_MAX) / g);
+        let mut sc = f32_to_e4m3((ah / E2M1_MAX) / g);
+        // Near f32's maximum the rounded-up half scale times E2M1's 6 can overflow, and the
+        // largest code would decode to Inf: the next lower scale then (one E4M3 step, at
+        // most 1/8, under the half's maximum: its codes saturate at 6 within the bound).
+        if e4m3_to_f32(sc) * g * E2M1_MAX > f32::MAX {
+            sc -= 1;
+        }
         side[1 + half] = sc;
         let s = e4m3_to_f32(sc) * g;
         if s != 0.0 {

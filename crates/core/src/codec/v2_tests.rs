@@ -390,6 +390,26 @@ proptest! {
     }
 }
 
+/// A block whose largest element is near f32's maximum: rounded to nearest, its half scale
+/// times 6 would overflow and code 6 decode to Inf; the encoder takes the next lower scale.
+#[test]
+fn fp4_near_the_largest_f32_stays_finite() {
+    let mut x = [0.0f32; BLOCK];
+    for (i, v) in x.iter_mut().enumerate() {
+        *v = (i as f32 - 15.5) * 6e31;
+    }
+    x[16] = -3.399_020_3e38;
+    let y = assert_within_bound(Codec::Fp4E2M1, &x);
+    assert!(y.iter().all(|v| v.is_finite()), "{y:?}");
+    for a in [f32::MAX, -f32::MAX, 3.0e38, 2.9e38] {
+        let mut x = [1.0f32; BLOCK];
+        x[3] = a;
+        x[20] = a;
+        let y = assert_within_bound(Codec::Fp4E2M1, &x);
+        assert!(y.iter().all(|v| v.is_finite()), "{a}: {y:?}");
+    }
+}
+
 /// Side fields a decoder must agree on: the q8v2 word's low byte holds index and flag, the
 /// carried element's K is two's complement across its slot and the high byte.
 #[test]
