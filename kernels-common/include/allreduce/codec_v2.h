@@ -3,11 +3,10 @@
 // function it matches bit for bit. Work shape, lane groups and the shuffle rule as in codec.h:
 // a group of 32 / N lanes codes one block, lane q holding elements Nq..Nq+N-1, N = 8, 16 or 32.
 //
-// The integer encoder codes every block twice, plain with the carried largest element and
-// after the Hadamard transform, decodes both and keeps the one with the smaller measured error
-// (v2.rs, encode_int). Both candidates are packed before the choice, so only the chosen words
-// survive it: the choice is a select per word, and lanes that choose differently never diverge
-// around a shuffle.
+// The integer encoder codes every block plain, with the carried largest element, and keeps
+// that unless it is inexact and the Hadamard transform's scale is below kRotateScaleRatio times
+// the plain one (v2.rs, encode_int): a prediction, so the rotated codes are computed only by
+// the lane groups that keep them, and the plain codes are overwritten there before packing.
 #pragma once
 
 #include "allreduce/codec.h"
@@ -57,7 +56,7 @@ using CodecFp4 = Fp4Codec;
 
 constexpr uint32_t kPoisonScale24 = 0x7FC00000u;  // v2::POISON_SCALE24
 constexpr uint32_t kFp4Poison = 0xFFu;            // v2::FP4_POISON
-constexpr float kMaxErrGuard = 1.25f;             // v2::MAX_ERR_GUARD
+constexpr float kRotateScaleRatio = 4.75f;        // v2::ROTATE_SCALE_RATIO
 
 // max of two non-NaN values (which of two equal zeros is returned never matters here), as
 // the target's one max instruction rather than a compare and a select. (Where an operand is a
@@ -200,49 +199,6 @@ AR_DEVICE void quotients(const float (&x)[kN], float s, float (&q)[kN]) {
   }
 }
 
-// p[j] += p[j + h] for j < h, then h / 2, ..., 1. A template, not a loop halving h: nvcc left
-// that loop rolled at N = 32, which put p in local memory (7x slower encoders on sm_90).
-template <int kH, int kN>
-AR_DEVICE void fold_pairs(float (&p)[kN]) {
-  if constexpr (kH >= 1) {
-#pragma unroll
-    for (int j = 0; j < kH; ++j) p[j] = add_rn(p[j], p[j + kH]);
-    fold_pairs<kH / 2>(p);
-  }
-}
-
-// v2::sq_err: d = x - y, d * d (two roundings), then the pairwise sums p[i] += p[i + h] for
-// h = 16, 8, 4, 2, 1: across lanes where h >= N (the partner computes the same sum, f32
-// addition being commutative), inside the lane below. Every lane ends with the block's value.
-template <int kN>
-AR_DEVICE float sq_err(const float (&x)[kN], const float (&y)[kN]) {
-  float p[kN];
-#pragma unroll
-  for (int j = 0; j < kN; ++j) {
-    const float d = sub_rn(x[j], y[j]);
-    p[j] = mul_rn(d, d);
-  }
-  if constexpr (kN <= 8) {  // h = 16: lane q and q ^ 2
-#pragma unroll
-    for (int j = 0; j < kN; ++j) p[j] = add_rn(p[j], quad_xor<2>(p[j]));
-  }
-  if constexpr (kN <= 16) {  // h = 16 for pairs, h = 8 for quads: lane q and q ^ 1
-#pragma unroll
-    for (int j = 0; j < kN; ++j) p[j] = add_rn(p[j], quad_xor<1>(p[j]));
-  }
-  fold_pairs<kN / 2>(p);
-  return p[0];
-}
-
-// v2::max_err.
-template <int kN>
-AR_DEVICE float max_err(const float (&x)[kN], const float (&y)[kN]) {
-  float m = 0.0f;
-#pragma unroll
-  for (int j = 0; j < kN; ++j) m = max_f(m, abs_f(sub_rn(x[j], y[j])));
-  return group_max<kN>(m);
-}
-
 // ---- Integer v2 codecs -------------------------------------------------------------------
 
 // The side fields of an integer block (v2::int_side) from its rounded scale, carried index
@@ -257,13 +213,14 @@ AR_DEVICE Side2 int_side(float s, int k, int32_t kq, bool hadamard) {
   }
 }
 
-// v2::plain_candidate, coded and decoded: this lane's biased codes (the carried element's
-// slot holding K's low bits) in `u`, the decoded values in `xd`; returns the side fields.
-// `empty` (a block of zeros or a poisoned one), or a scale that rounded to zero, gives v2's
-// empty block (IntBlock::empty: codes H, K = 0 in slot 0, side fields zero).
+// v2::plain_candidate, coded: this lane's biased codes (the carried element's slot holding
+// K's low bits) in `u`, and in `exact` whether it decodes to x exactly over the lane group
+// (v2::encode_int's test: every product code * S compared with its element). `empty` (a block
+// of zeros or a poisoned one), or a scale that rounded to zero, gives v2's empty block
+// (IntBlock::empty: codes H, K = 0 in slot 0, side fields zero), which counts as exact.
 template <typename C, int kN>
 AR_DEVICE Side2 plain_v2(const float (&x)[kN], int q, const ScanK& sc, bool empty,
-                         uint32_t (&u)[kN], float (&xd)[kN]) {
+                         uint32_t (&u)[kN], float& s_out, bool& exact) {
   constexpr float h = float(C::kH);
   constexpr float kh = float(1 << (C::kSpikeBits - 1));
   const float rest = balanced_scale(x, q, sc.k, h);
@@ -276,65 +233,60 @@ AR_DEVICE Side2 plain_v2(const float (&x)[kN], int q, const ScanK& sc, bool empt
   const int k = empty ? 0 : sc.k;
   float qt[kN];
   quotients(x, empty ? 1.0f : s, qt);
+  float off = 0.0f;  // nonzero where some element is not its decoded value
 #pragma unroll
   for (int j = 0; j < kN; ++j) {
     const float c = empty ? 0.0f : code_of(qt[j], -h, h - 1.0f);
     const bool carried = q * kN + j == k;
-    xd[j] = mul_rn(carried ? kqf : c, s);
+    off = x[j] == mul_rn(carried ? kqf : c, s) ? off : 1.0f;
     u[j] = carried ? k_low : biased_code<C>(c);
   }
+  exact = empty || group_max<kN>(off) == 0.0f;
+  s_out = s;
   return int_side<C>(empty ? 0.0f : s, k, kq, false);
 }
 
-// v2::hadamard_candidate, coded and decoded (IntBlock::decode of a flagged block: the codes'
-// transform, the signs, then times S / 32). For blocks in the adaptive range only.
+// v2::hadamard_candidate's scale: the transform of x in `y`, and the rounded balanced scale.
 template <typename C, int kN>
-AR_DEVICE Side2 hadamard_v2(const float (&x)[kN], int q, uint32_t (&u)[kN], float (&xd)[kN]) {
-  constexpr float h = float(C::kH);
-  float y[kN];
+AR_DEVICE float hadamard_scale_v2(const float (&x)[kN], int q, float (&y)[kN]) {
 #pragma unroll
   for (int j = 0; j < kN; ++j) y[j] = x[j];
   hadamard_forward(y, q);
-  const float s = round_to_scale<C>(balanced_scale(y, q, -1, h));
-  quotients(y, s, y);
-#pragma unroll
-  for (int j = 0; j < kN; ++j) {
-    const float c = code_of(y[j], -h, h - 1.0f);
-    u[j] = biased_code<C>(c);
-    xd[j] = c;
-  }
-  wht_quad(xd, q);
-  const float g = mul_rn(s, 0.03125f);
-#pragma unroll
-  for (int j = 0; j < kN; ++j) xd[j] = mul_rn(sign_of<kN>(q, j, xd[j]), g);
-  return int_side<C>(s, 0, 0, true);
+  return round_to_scale<C>(balanced_scale(y, q, -1, float(C::kH)));
 }
 
-// v2::encode_int, packed: this lane's code words and the block's side fields. Every block
-// computes both candidates (they shuffle inside the lane group, and every lane of a warp must
-// shuffle together); out-of-range, zero and poisoned blocks then keep the plain one.
+// v2::hadamard_candidate's codes from the transform and its scale.
+template <typename C, int kN>
+AR_DEVICE void hadamard_codes_v2(const float (&y)[kN], float s, uint32_t (&u)[kN]) {
+  constexpr float h = float(C::kH);
+  float qt[kN];
+  quotients(y, s, qt);
+#pragma unroll
+  for (int j = 0; j < kN; ++j) u[j] = biased_code<C>(code_of(qt[j], -h, h - 1.0f));
+}
+
+// v2::encode_int, packed: this lane's code words and the block's side fields. The plain
+// candidate is always coded (its exactness is part of the choice); the transform and its scale
+// are computed by every lane (they shuffle inside the lane group, and every lane of a warp
+// must shuffle together); the rotated codes only where the group keeps them (`rotate` is
+// uniform over the lane group, and the coding holds no shuffle).
 template <typename C, int kN>
 AR_DEVICE Side2 encode_int_v2(const float (&x)[kN], int q, Codes<C, kN>& out) {
   const ScanK sc = scan_k(x, q);
   const bool empty = !sc.finite || sc.m == 0.0f;
   uint32_t u[kN];
-  float xd[kN];
-  // Each candidate's errors are measured as soon as it is decoded, so only one decoded block
-  // is alive at a time (registers: a lane per block holds 32 values of each).
-  Side2 side = plain_v2<C>(x, q, sc, empty, u, xd);
-  pack_codes(u, out);
-  const float sq_p = sq_err(x, xd), me_p = max_err(x, xd);
-  Codes<C, kN> rot;
-  const Side2 rotated = hadamard_v2<C>(x, q, u, xd);
-  pack_codes(u, rot);
-  const float sq_h = sq_err(x, xd), me_h = max_err(x, xd);
+  float s_p;
+  bool exact;
+  Side2 side = plain_v2<C>(x, q, sc, empty, u, s_p, exact);
+  float y[kN];
+  const float s_h = hadamard_scale_v2<C>(x, q, y);
   const float amax = abs_f(sc.m);
-  const bool tried = !empty && amax >= 0x1p-48f && amax <= 0x1p48f;
-  if (tried && sq_h < sq_p && me_h <= mul_rn(kMaxErrGuard, me_p)) {
-#pragma unroll
-    for (int i = 0; i < Codes<C, kN>::kWords; ++i) out.w[i] = rot.w[i];
-    side = rotated;
+  const bool tried = !exact && amax >= 0x1p-48f && amax <= 0x1p48f;
+  if (tried && abs_f(s_h) < mul_rn(kRotateScaleRatio, abs_f(s_p))) {
+    hadamard_codes_v2<C>(y, s_h, u);
+    side = int_side<C>(s_h, 0, 0, true);
   }
+  pack_codes(u, out);
   if (!sc.finite) side.a = C::kScale24 ? kPoisonScale24 : uint32_t(kPoisonScale);
   return side;
 }
