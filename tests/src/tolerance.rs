@@ -26,7 +26,7 @@ pub fn quickreduce_tolerance(codec: Codec) -> f64 {
 /// tolerance: what it measures, rounded up (docs/codecs.md, "Peers' tolerances").
 fn quickreduce_documented(codec: Codec, world: usize) -> f64 {
     match (codec, world) {
-        (Codec::Int4V2, 8) => 0.34,
+        (Codec::Int4V2, 8) => 0.29,
         (Codec::Fp4E2M1, 4) => 0.35,
         (Codec::Fp4E2M1, 8) => 0.69,
         _ => quickreduce_tolerance(codec),

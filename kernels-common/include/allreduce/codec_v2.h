@@ -148,39 +148,46 @@ AR_DEVICE ScanK scan_k(const float (&x)[kN], int q) {
   return ScanK{finite, finite ? m : 0.0f, finite ? k : 0};
 }
 
-// v2::balanced_scale: the signed scale that fits every element but block index `skip` (-1:
-// none) into [-H, H-1] without clamping. The four quotients are correctly rounded divisions,
-// as the reference's (by H, a power of two, they are exact products anyway).
-template <int kN>
-AR_DEVICE float balanced_scale(const float (&x)[kN], int q, int skip, float h) {
+// v2::balanced_scale over the elements given (the plain candidate passes its block with the
+// carried element zeroed: a zero never raises p or n, so that is the reference's exclusion).
+// The quotients by H are products by 2^-(b-1), exact and equal to the reference's correctly
+// rounded divisions; those by H - 1 are divisions.
+template <int kH, int kN>
+AR_DEVICE float balanced_scale(const float (&x)[kN]) {
+  constexpr float h = float(kH), inv_h = 1.0f / float(kH);
   float p = 0.0f, n = 0.0f;
 #pragma unroll
   for (int j = 0; j < kN; ++j) {
-    if (q * kN + j != skip) {
-      p = max_f(p, x[j]);
-      n = max_f(n, -x[j]);
-    }
+    p = max_f(p, x[j]);
+    n = max_f(n, -x[j]);
   }
   p = group_max<kN>(p);
   n = group_max<kN>(n);
-  const float s_neg = max_f(div_rn(p, h), div_rn(n, h - 1.0f));
-  const float s_pos = max_f(div_rn(n, h), div_rn(p, h - 1.0f));
+  const float s_neg = max_f(mul_rn(p, inv_h), div_rn(n, h - 1.0f));
+  const float s_pos = max_f(mul_rn(n, inv_h), div_rn(p, h - 1.0f));
   return s_neg <= s_pos ? -s_neg : s_pos;
 }
 
 // clamp(RNE(v), lo, hi) for |v| <= 2^22 (rne_small) and integer bounds: an integer, kept as a
-// float. Codes stay floats, and biased_code below gives their bits: a conversion instruction
-// per element and candidate (F2I and I2F issue at a quarter of the FMA rate) would cost more
-// than the rest of the coding step.
+// float (the carried element's K).
 AR_DEVICE float code_of(float v, float lo, float hi) {
   return min_f(max_f(rne_small(v), lo), hi);
 }
 
-// c + H as the code word, for an integer-valued float c in [-H, H-1]: 2^23 + H + c is exact,
-// and its significand's low bits are c + H.
+// The code of quotient v as 2^23 + H + clamp(RNE(v), -H, H-1): clamping first and rounding
+// after is the same integer (the bounds are integers), and the sum lies in [2^23, 2^24), where
+// f32 addition rounds to an integer, ties to even, like RNE (2^23 + H is even). Its
+// significand's low bits are the biased code word (biased_bits), and minus 2^23 + H it is the
+// code as an exact float. No conversion instruction: F2I and I2F issue at a quarter of the FMA
+// rate.
 template <typename C>
-AR_DEVICE uint32_t biased_code(float c) {
-  return as_uint(add_rn(c, 8388608.0f + float(C::kH))) & ((1u << C::kCodeBits) - 1u);
+AR_DEVICE float biased_code(float v) {
+  constexpr float h = float(C::kH);
+  return add_rn(min_f(max_f(v, -h), h - 1.0f), 8388608.0f + h);
+}
+template <typename C>
+AR_DEVICE uint32_t biased_bits(float t) {
+  return as_uint(t) & ((1u << C::kCodeBits) - 1u);
 }
 
 // q[j] = div_rn(x[j], s) for every j: by codec.h's quotients_by_scale (one reciprocal a block,
@@ -215,16 +222,29 @@ AR_DEVICE Side2 int_side(float s, int k, int32_t kq, bool hadamard) {
 
 // v2::plain_candidate, coded: this lane's biased codes (the carried element's slot holding
 // K's low bits) in `u`, and in `exact` whether it decodes to x exactly over the lane group
-// (v2::encode_int's test: every product code * S compared with its element). `empty` (a block
-// of zeros or a poisoned one), or a scale that rounded to zero, gives v2's empty block
-// (IntBlock::empty: codes H, K = 0 in slot 0, side fields zero), which counts as exact.
+// (v2::encode_int's test). `empty` (a block of zeros or a poisoned one), or a scale that
+// rounded to zero, gives v2's empty block (IntBlock::empty: codes H, K = 0 in slot 0, side
+// fields zero), which counts as exact (such blocks are never rotated).
+//
+// The carried element is zeroed first (x0), which is the reference's exclusion in the scale,
+// gives its slot code 0 and residual 0, and leaves one select per element for K's bits. For
+// the others `code * S` is exact (at most 8 + 16 significant bits, normal wherever the choice
+// is made), so `fma(-code, S, x) == 0` is the reference's `x == code * S`; the carried one is
+// compared as the reference does, once.
 template <typename C, int kN>
 AR_DEVICE Side2 plain_v2(const float (&x)[kN], int q, const ScanK& sc, bool empty,
                          uint32_t (&u)[kN], float& s_out, bool& exact) {
-  constexpr float h = float(C::kH);
-  constexpr float kh = float(1 << (C::kSpikeBits - 1));
-  const float rest = balanced_scale(x, q, sc.k, h);
-  const float s0 = div_rn(abs_f(sc.m), kh) <= abs_f(rest) ? rest : div_rn(-sc.m, kh);
+  constexpr float kh = float(1 << (C::kSpikeBits - 1)), inv_kh = 1.0f / kh;
+  constexpr float bias = 8388608.0f + float(C::kH);
+  // A poisoned block is zeroed whole (its codes must be H; an Inf or NaN quotient would clamp
+  // to a bound). A scale that rounds to zero leaves quotients by 1 of values below 2^-126,
+  // which code as 0 too.
+  float x0[kN];
+#pragma unroll
+  for (int j = 0; j < kN; ++j) x0[j] = q * kN + j == sc.k || !sc.finite ? 0.0f : x[j];
+  const float rest = balanced_scale<C::kH>(x0);
+  // m / KH: a product by 2^-(w-1), the reference's division exactly.
+  const float s0 = mul_rn(abs_f(sc.m), inv_kh) <= abs_f(rest) ? rest : mul_rn(-sc.m, inv_kh);
   const float s = round_to_scale<C>(s0);
   empty = empty || s == 0.0f;
   const float kqf = empty ? 0.0f : code_of(div_rn(sc.m, s), -kh, kh - 1.0f);
@@ -232,16 +252,15 @@ AR_DEVICE Side2 plain_v2(const float (&x)[kN], int q, const ScanK& sc, bool empt
   const uint32_t k_low = uint32_t(kq) & ((1u << C::kCodeBits) - 1u);  // its slot's code word
   const int k = empty ? 0 : sc.k;
   float qt[kN];
-  quotients(x, empty ? 1.0f : s, qt);
-  float off = 0.0f;  // nonzero where some element is not its decoded value
+  quotients(x0, empty ? 1.0f : s, qt);
+  float off = 0.0f;  // the largest |x - code * S| of the others
 #pragma unroll
   for (int j = 0; j < kN; ++j) {
-    const float c = empty ? 0.0f : code_of(qt[j], -h, h - 1.0f);
-    const bool carried = q * kN + j == k;
-    off = x[j] == mul_rn(carried ? kqf : c, s) ? off : 1.0f;
-    u[j] = carried ? k_low : biased_code<C>(c);
+    const float t = biased_code<C>(qt[j]);
+    off = max_f(off, abs_f(fma_rn(-sub_rn(t, bias), s, x0[j])));
+    u[j] = q * kN + j == k ? k_low : biased_bits<C>(t);
   }
-  exact = empty || group_max<kN>(off) == 0.0f;
+  exact = empty || (group_max<kN>(off) == 0.0f && sc.m == mul_rn(kqf, s));
   s_out = s;
   return int_side<C>(empty ? 0.0f : s, k, kq, false);
 }
@@ -252,17 +271,16 @@ AR_DEVICE float hadamard_scale_v2(const float (&x)[kN], int q, float (&y)[kN]) {
 #pragma unroll
   for (int j = 0; j < kN; ++j) y[j] = x[j];
   hadamard_forward(y, q);
-  return round_to_scale<C>(balanced_scale(y, q, -1, float(C::kH)));
+  return round_to_scale<C>(balanced_scale<C::kH>(y));
 }
 
 // v2::hadamard_candidate's codes from the transform and its scale.
 template <typename C, int kN>
 AR_DEVICE void hadamard_codes_v2(const float (&y)[kN], float s, uint32_t (&u)[kN]) {
-  constexpr float h = float(C::kH);
   float qt[kN];
   quotients(y, s, qt);
 #pragma unroll
-  for (int j = 0; j < kN; ++j) u[j] = biased_code<C>(code_of(qt[j], -h, h - 1.0f));
+  for (int j = 0; j < kN; ++j) u[j] = biased_bits<C>(biased_code<C>(qt[j]));
 }
 
 // v2::encode_int, packed: this lane's code words and the block's side fields. The plain
