@@ -355,19 +355,22 @@ AR_DEVICE void decode_int_v2(const uint32_t (&u)[kN], Side2 side, int q, float (
 
 // ---- fp4 ---------------------------------------------------------------------------------
 
-// fp4::f32_to_e2m1: nearest, ties to the even code, saturating at 6; zero (and NaN) -> 0.
+// fp4::f32_to_e2m1 of a finite value (the encoder's quotients always are; a NaN would give 7,
+// where the reference gives 0): nearest, ties to the even code, saturating at 6, zero -> 0.
 // E2M1's steps are 0.5 below 2, 1 below 4 and 2 above, so the code is an offset plus the
 // nearest-even integer of a times 2, 1 or 1/2 (an exact product): the ties (0.25, 0.75, ...,
-// 5) land on even integers as E2M1's ties land on even codes. Equal to the seven threshold
-// comparisons of the reference for all 2^32 inputs (checked when this replaced them); half
-// the instructions, and this is the fp4 encoder's per-element cost.
+// 5) land on even integers as E2M1's ties land on even codes. The offset (0, 2 or 4) rides in
+// the rounding constant 1.5 * 2^23, whose low bits are clear. The sign bit goes with every
+// magnitude above 0.25, the ones that round above zero. Equal to the reference's seven threshold
+// comparisons for all finite inputs (an offset-and-round form was checked against them over
+// all 2^32 inputs; this one differs from it only in where the offset is added and in NaN).
 AR_DEVICE uint32_t f32_to_e2m1(float x) {
-  const float a0 = abs_f(x);
-  const float a = a0 <= 6.0f ? a0 : (a0 > 6.0f ? 6.0f : 0.0f);  // saturate; NaN -> 0
+  const float a = min_f(abs_f(x), 6.0f);
   const bool lo = a < 2.0f, mid = a < 4.0f;
   const float t = mul_rn(a, lo ? 2.0f : (mid ? 1.0f : 0.5f));
-  const uint32_t mag = (lo ? 0u : (mid ? 2u : 4u)) + (as_uint(add_rn(t, 12582912.0f)) & 7u);
-  return mag != 0 && (as_uint(x) >> 31) ? (mag | 8u) : mag;
+  const float round = lo ? 12582912.0f : (mid ? 12582914.0f : 12582916.0f);
+  const uint32_t mag = as_uint(add_rn(t, round)) & 7u;
+  return x < -0.25f ? (mag | 8u) : mag;
 }
 
 // fp4::e2m1_to_f32 (exact): the three magnitude bits at f32 bits 22..24 are the value times
@@ -434,11 +437,11 @@ AR_DEVICE Side2 encode_fp4(const float (&x)[kN], int q, Codes<C, kN>& out) {
     const float sl = q * kN < 16 ? s[0] : s[1];  // a select: an index would go through local memory
     quotients(x, sl != 0.0f ? sl : 1.0f, qt);
   }
+  // Codes of a dead block (zero or poisoned) or of a half whose scale rounded to zero are 0:
+  // a mask per half, not a condition per element (nvcc branched around each conversion).
+  const uint32_t mask0 = live && s[0] != 0.0f ? 15u : 0u, mask1 = live && s[1] != 0.0f ? 15u : 0u;
 #pragma unroll
-  for (int j = 0; j < kN; ++j) {
-    const float sj = q * kN + j < 16 ? s[0] : s[1];
-    u[j] = live && sj != 0.0f ? f32_to_e2m1(qt[j]) : 0u;
-  }
+  for (int j = 0; j < kN; ++j) u[j] = f32_to_e2m1(qt[j]) & (q * kN + j < 16 ? mask0 : mask1);
   pack_codes(u, out);
   if (!sc.finite) return Side2{kFp4Poison, 0u};
   if (!live) return Side2{0u, 0u};
