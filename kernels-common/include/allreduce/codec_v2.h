@@ -260,7 +260,9 @@ AR_DEVICE Side2 plain_v2(const float (&x)[kN], int q, const ScanK& sc, bool empt
     off = max_f(off, abs_f(fma_rn(-sub_rn(t, bias), s, x0[j])));
     u[j] = q * kN + j == k ? k_low : biased_bits<C>(t);
   }
-  exact = empty || (group_max<kN>(off) == 0.0f && sc.m == mul_rn(kqf, s));
+  // Every lane of the warp shuffles (group_max): the blocks of one warp differ in `empty`.
+  off = group_max<kN>(off);
+  exact = empty || (off == 0.0f && sc.m == mul_rn(kqf, s));
   s_out = s;
   return int_side<C>(empty ? 0.0f : s, k, kq, false);
 }
