@@ -31,6 +31,13 @@ struct Group {
   ucontext_t main, ctx[kMaxLanes];
   bool done[kMaxLanes];
   uint64_t seq[kMaxLanes], block[kMaxLanes];
+  // Shuffles per block: a warp holds the groups of several blocks, and a full-mask
+  // __shfl_xor_sync needs every lane of the warp, so every block must make the same number of
+  // shuffles whatever its data (an empty block that skipped one hung the warp on the GPU).
+  uint64_t block_start[kMaxLanes];
+  bool in_block[kMaxLanes];
+  bool per_block_known;
+  uint64_t per_block, per_block_of;
   // By the parity of the shuffle's sequence number: a lane reads shuffle s after every lane
   // offered s, and no lane offers s + 2 before every lane has read s.
   Slot slot[2][kMaxLanes];
@@ -64,9 +71,27 @@ void yield(Group* g, int q) {
   }
 }
 
+// Lane q's block ends: its shuffle count must be every other block's.
+void end_block(Group* g, int q) {
+  if (!g->in_block[q]) return;
+  const uint64_t made = g->seq[q] - g->block_start[q];
+  if (!g->per_block_known) {
+    g->per_block_known = true;
+    g->per_block = made;
+    g->per_block_of = g->block[q];
+  } else if (made != g->per_block) {
+    fail(g,
+         "blocks diverge: block %llu made %llu shuffles, block %llu %llu (the groups of one warp code different "
+         "blocks, and every lane of the warp must shuffle together)",
+         (unsigned long long)g->per_block_of, (unsigned long long)g->per_block, (unsigned long long)g->block[q],
+         (unsigned long long)made);
+  }
+}
+
 void lane_entry(int q) {
   Group* g = g_group;
   g->body(g->job, q);
+  end_block(g, q);
   g->done[q] = true;
   for (int i = 1; i < g->lanes; ++i) {
     const int n = (q + i) % g->lanes;
@@ -103,6 +128,7 @@ int run_group(int lanes, LaneBody body, void* job, char* err, size_t err_cap) {
   g_group = g;
   if (lanes == 1) {
     body(job, 0);
+    end_block(g, 0);
   } else {
     for (int q = 0; q < lanes; ++q) {
       getcontext(&g->ctx[q]);
@@ -129,7 +155,13 @@ int run_group(int lanes, LaneBody body, void* job, char* err, size_t err_cap) {
 void set_segment(const void* base) { g_segment = static_cast<const char*>(base); }
 
 void set_block(uint64_t k) {
-  if (g_group != nullptr) g_group->block[g_group->current] = k;
+  Group* g = g_group;
+  if (g == nullptr) return;
+  const int q = g->current;
+  end_block(g, q);
+  g->block[q] = k;
+  g->block_start[q] = g->seq[q];
+  g->in_block[q] = true;
 }
 
 }  // namespace ar_emu

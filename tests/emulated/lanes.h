@@ -19,14 +19,17 @@ typedef void (*LaneBody)(void* job, int q);
 // then lane 1, and so on; each reads its partner's value once every lane has offered its
 // own. Returns 0, or -1 with a message in err when a lane faulted: a shuffle outside the
 // group, lanes whose shuffles do not pair up (divergence: different counts, masks or
-// blocks), or a misaligned access.
+// blocks), blocks that made different numbers of shuffles (on the GPU a warp holds the groups
+// of several blocks, and a full-mask shuffle waits for all of its lanes), or a misaligned
+// access.
 int run_group(int lanes, LaneBody body, void* job, char* err, size_t err_cap);
 
 // The start of the segment being coded (fault reports give offsets from it).
 void set_segment(const void* base);
 
 // The block the running lane codes from now on (the shuffle records carry it, to name the
-// block in a divergence report).
+// block in a divergence report; the shuffles counted since the last call are the previous
+// block's).
 void set_block(uint64_t k);
 
 }  // namespace ar_emu

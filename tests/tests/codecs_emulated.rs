@@ -5,7 +5,9 @@
 //! (AR_PACK_SAT = AR_MAX_NAN = 1, the paths CUDA sm_90 takes) and `generic` (both 0). Each
 //! block is coded by its group of 32 / N lanes as the kernels call the codec
 //! (encode_quad + Segment::store, Segment::load + decode_quad), the lanes run as fibers whose
-//! `__shfl_xor_sync` exchange values in lockstep.
+//! `__shfl_xor_sync` exchange values in lockstep. Every block must make the same number of
+//! shuffles whatever its data: on the GPU one warp holds the groups of several blocks, and a
+//! full-mask shuffle that some of them skip hangs the warp.
 //!
 //! For every codec, build variant and lane shape (encode: 8, 16 and 32 elements per lane;
 //! decode: 8 and 16) the encoded segment must equal `allreduce::codec::encode`'s byte for
