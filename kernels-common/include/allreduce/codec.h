@@ -231,9 +231,11 @@ using CodecQ4a = IntCodec<4, true>;
 
 // Integer codecs whose encoder leaves codes unclamped for pack_codes' saturating packs
 // (AR_PACK_SAT targets). Not plain q8: measured 3% slower encoding on the H200 with them
-// (q8a, q6, q6a, q4, q4a: equal or faster; q4a 118.4 -> 109.7 us per 256 MiB).
+// (q8a, q6, q6a, q4, q4a: equal or faster; q4a 118.4 -> 109.7 us per 256 MiB). The v2
+// encoders' codes are already in range; the packs take two codes an instruction.
 template <typename C>
-constexpr bool kPackSat = AR_PACK_SAT && !C::kFp8 && (C::kCodeBytes != 32 || C::kAdaptiveCodec);
+constexpr bool kPackSat =
+    AR_PACK_SAT && !C::kFp8 && (C::kCodeBytes != 32 || C::kAdaptiveCodec || C::kV2);
 // q6 packs by saturation only 16 codes at a time (pack_q6_by_bytes).
 template <typename C, int kN>
 constexpr bool kPackSatN = kPackSat<C> && (C::kCodeBytes != 24 || kN % 16 == 0);

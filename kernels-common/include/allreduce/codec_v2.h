@@ -4,9 +4,10 @@
 // a group of 32 / N lanes codes one block, lane q holding elements Nq..Nq+N-1, N = 8, 16 or 32.
 //
 // The integer encoder codes every block plain, with the carried largest element, and keeps
-// that unless it is inexact and the Hadamard transform's scale is below kRotateScaleRatio times
-// the plain one (v2.rs, encode_int): a prediction, so the rotated codes are computed only by
-// the lane groups that keep them, and the plain codes are overwritten there before packing.
+// that unless it is inexact and the block's L1 norm is below kRotateL1Ratio H |S_p| (v2.rs,
+// encode_int): a prediction from the plain candidate alone, so the transform is computed only
+// by the lanes that keep it (a lane per block; quads shuffle inside it, so there every lane of
+// the warp computes it), and the plain codes are overwritten there before packing.
 #pragma once
 
 #include "allreduce/codec.h"
@@ -56,7 +57,7 @@ using CodecFp4 = Fp4Codec;
 
 constexpr uint32_t kPoisonScale24 = 0x7FC00000u;  // v2::POISON_SCALE24
 constexpr uint32_t kFp4Poison = 0xFFu;            // v2::FP4_POISON
-constexpr float kRotateScaleRatio = 4.75f;        // v2::ROTATE_SCALE_RATIO
+constexpr float kRotateL1Ratio = 8.0f;            // v2::ROTATE_L1_RATIO
 
 // max of two non-NaN values (which of two equal zeros is returned never matters here), as
 // the target's one max instruction rather than a compare and a select. (Where an operand is a
@@ -152,17 +153,25 @@ AR_DEVICE ScanK scan_k(const float (&x)[kN], int q) {
 // carried element zeroed: a zero never raises p or n, so that is the reference's exclusion).
 // The quotients by H are products by 2^-(b-1), exact and equal to the reference's correctly
 // rounded divisions; those by H - 1 are divisions.
+//
+// p and n are maxima of bit patterns, two elements an instruction (max3_s32 / max3_u32):
+// non-negative f32 order as their bits do as signed integers, where every negative one is
+// below the starting 0; negative ones order by magnitude as unsigned integers, all above every
+// non-negative one and the starting -0.0 (0x80000000). The elements are never NaN where the
+// result is used (a poisoned block is zeroed; the quads' transform of one is discarded).
 template <int kH, int kN>
 AR_DEVICE float balanced_scale(const float (&x)[kN]) {
+  static_assert(kN % 2 == 0, "pairs of elements");
   constexpr float h = float(kH), inv_h = 1.0f / float(kH);
-  float p = 0.0f, n = 0.0f;
+  int32_t pb = 0;
+  uint32_t nb = 0x80000000u;
 #pragma unroll
-  for (int j = 0; j < kN; ++j) {
-    p = max_f(p, x[j]);
-    n = max_f(n, -x[j]);
+  for (int j = 0; j < kN; j += 2) {
+    pb = max3_s32(pb, int32_t(as_uint(x[j])), int32_t(as_uint(x[j + 1])));
+    nb = max3_u32(nb, as_uint(x[j]), as_uint(x[j + 1]));
   }
-  p = group_max<kN>(p);
-  n = group_max<kN>(n);
+  const float p = group_max<kN>(as_float(uint32_t(pb)));
+  const float n = group_max<kN>(as_float(nb ^ 0x80000000u));
   const float s_neg = max_f(mul_rn(p, inv_h), div_rn(n, h - 1.0f));
   const float s_pos = max_f(mul_rn(n, inv_h), div_rn(p, h - 1.0f));
   return s_neg <= s_pos ? -s_neg : s_pos;
@@ -174,20 +183,28 @@ AR_DEVICE float code_of(float v, float lo, float hi) {
   return min_f(max_f(rne_small(v), lo), hi);
 }
 
-// The code of quotient v as 2^23 + H + clamp(RNE(v), -H, H-1): clamping first and rounding
-// after is the same integer (the bounds are integers), and the sum lies in [2^23, 2^24), where
-// f32 addition rounds to an integer, ties to even, like RNE (2^23 + H is even). Its
-// significand's low bits are the biased code word (biased_bits), and minus 2^23 + H it is the
-// code as an exact float. No conversion instruction: F2I and I2F issue at a quarter of the FMA
-// rate.
+// A quotient's code clamp(RNE(v), -H, H-1), for a quotient by a balanced scale (below): as
+// its biased code word H + code (code_bits: the f32 subnormal (v + H) 2^-149 rounded onto the
+// subnormal grid of step 2^-149 is RNE(v + H) = RNE(v) + H, H even; nothing above the word's
+// bits but a sign, one FMA), and as an exact float (code_value, rne_small). No conversion instruction
+// (F2I and I2F issue at a quarter of the FMA rate) and one clamp, not two: a balanced scale
+// (v2::balanced_scale) is at least p / H and n / (H - 1) on one sign and the other, and
+// rounded to a scale word it loses at most 2^-8 of itself (16 significant bits, or q4v2's 7),
+// so every quotient lies in [-H (1 + 2^-7), H (1 + 2^-7)] and rounds to [-H, H]: only H
+// needs the clamp. (Where the plain candidate's scale comes from the carried element instead,
+// it is larger than the balanced one, which only shrinks the others' quotients.) That holds
+// where quotients() divides by a normal scale of that many bits; its other path clamps.
 template <typename C>
-AR_DEVICE float biased_code(float v) {
-  constexpr float h = float(C::kH);
-  return add_rn(min_f(max_f(v, -h), h - 1.0f), 8388608.0f + h);
+AR_DEVICE float clamp_top(float v) {
+  return min_f(v, float(C::kH) - 1.0f);
 }
-template <typename C>
-AR_DEVICE uint32_t biased_bits(float t) {
-  return as_uint(t) & ((1u << C::kCodeBits) - 1u);
+// A quotient just below -H gives code 0 as -0.0: its sign bit reads as a negative s32, which
+// the saturating packs take to 0 (kPackSatN); the other packs need it cleared.
+template <typename C, int kN>
+AR_DEVICE uint32_t code_bits(float v_clamped) {
+  constexpr float unit = 0x1p-149f;
+  const uint32_t b = as_uint(fma_rn(v_clamped, unit, float(C::kH) * unit));
+  return kPackSatN<C, kN> ? b : b & 0x7FFFFFFFu;
 }
 
 // q[j] = div_rn(x[j], s) for every j: by codec.h's quotients_by_scale (one reciprocal a block,
@@ -195,14 +212,21 @@ AR_DEVICE uint32_t biased_bits(float t) {
 // sequence is the correctly rounded quotient for every scale of at most 16 significant bits
 // (v1's 7, v2's 24-bit scale words, fp4's E4M3 times a power of two): checked for every
 // scale and dividend significand (crates/core/src/codec/tests.rs, `markstein_check24`). The
-// branch is uniform over a lane group and holds no shuffle.
-template <int kN>
-AR_DEVICE void quotients(const float (&x)[kN], float s, float (&q)[kN]) {
+// branch is uniform over a lane group and holds no shuffle. The division path serves zero,
+// subnormal and extreme scales, where a subnormal one has fewer significant bits than the
+// integer codes' one-sided clamp relies on (clamp_top), so with kClamp it clamps to the codes'
+// bounds [lo, hi] here (fp4's conversion saturates by itself).
+template <int kN, bool kClamp = false>
+AR_DEVICE void quotients(const float (&x)[kN], float s, float (&q)[kN], float lo = 0.0f,
+                         float hi = 0.0f) {
   if (fast_scale(s)) {
     quotients_by_scale(x, s, q);
   } else {
 #pragma unroll
-    for (int j = 0; j < kN; ++j) q[j] = div_rn(x[j], s);
+    for (int j = 0; j < kN; ++j) {
+      const float v = div_rn(x[j], s);
+      q[j] = kClamp ? min_f(max_f(v, lo), hi) : v;
+    }
   }
 }
 
@@ -220,22 +244,24 @@ AR_DEVICE Side2 int_side(float s, int k, int32_t kq, bool hadamard) {
   }
 }
 
-// v2::plain_candidate, coded: this lane's biased codes (the carried element's slot holding
-// K's low bits) in `u`, and in `exact` whether it decodes to x exactly over the lane group
+// v2::plain_candidate, coded: this lane's biased codes in `u`, the carried element's slot
+// holding code H (patch_carried puts K's low bits there after packing), its index in `k` and
+// K's low bits in `k_low`, and in `exact` whether the block decodes to x exactly over the lane group
 // (v2::encode_int's test). `empty` (a block of zeros or a poisoned one), or a scale that
 // rounded to zero, gives v2's empty block (IntBlock::empty: codes H, K = 0 in slot 0, side
 // fields zero), which counts as exact (such blocks are never rotated).
 //
-// The carried element is zeroed first (x0), which is the reference's exclusion in the scale,
-// gives its slot code 0 and residual 0, and leaves one select per element for K's bits. For
-// the others `code * S` is exact (at most 8 + 16 significant bits, normal wherever the choice
-// is made), so `fma(-code, S, x) == 0` is the reference's `x == code * S`; the carried one is
-// compared as the reference does, once.
+// The carried element is zeroed first (x0), which is the reference's exclusion in the scale
+// and gives its slot code H and residual 0. For the others `code * S` is exact (at most
+// 8 + 16 significant bits, normal wherever the choice is made), so `fma(-code, S, x) == 0` is
+// the reference's `x == code * S`; the residuals' magnitudes are summed (FMA pipe; a sum of
+// non-negative values is zero only if every one is), and the carried one is compared as the
+// reference does, once.
 template <typename C, int kN>
 AR_DEVICE Side2 plain_v2(const float (&x)[kN], int q, const ScanK& sc, bool empty,
-                         uint32_t (&u)[kN], float& s_out, bool& exact) {
+                         uint32_t (&u)[kN], int& k, uint32_t& k_low, float& s_out,
+                         bool& exact) {
   constexpr float kh = float(1 << (C::kSpikeBits - 1)), inv_kh = 1.0f / kh;
-  constexpr float bias = 8388608.0f + float(C::kH);
   // A poisoned block is zeroed whole (its codes must be H; an Inf or NaN quotient would clamp
   // to a bound). A scale that rounds to zero leaves quotients by 1 of values below 2^-126,
   // which code as 0 too.
@@ -249,22 +275,44 @@ AR_DEVICE Side2 plain_v2(const float (&x)[kN], int q, const ScanK& sc, bool empt
   empty = empty || s == 0.0f;
   const float kqf = empty ? 0.0f : code_of(div_rn(sc.m, s), -kh, kh - 1.0f);
   const int32_t kq = static_cast<int32_t>(kqf);
-  const uint32_t k_low = uint32_t(kq) & ((1u << C::kCodeBits) - 1u);  // its slot's code word
-  const int k = empty ? 0 : sc.k;
+  k_low = uint32_t(kq) & ((1u << C::kCodeBits) - 1u);  // its slot's code word
+  k = empty ? 0 : sc.k;
   float qt[kN];
-  quotients(x0, empty ? 1.0f : s, qt);
-  float off = 0.0f;  // the largest |x - code * S| of the others
+  quotients<kN, true>(x0, empty ? 1.0f : s, qt, -float(C::kH), float(C::kH) - 1.0f);
+  float off = 0.0f;  // the sum of |x - code * S| over the others
 #pragma unroll
   for (int j = 0; j < kN; ++j) {
-    const float t = biased_code<C>(qt[j]);
-    off = max_f(off, abs_f(fma_rn(-sub_rn(t, bias), s, x0[j])));
-    u[j] = q * kN + j == k ? k_low : biased_bits<C>(t);
+    const float v = clamp_top<C>(qt[j]);
+    off = add_rn(off, abs_f(fma_rn(-rne_small(v), s, x0[j])));
+    u[j] = code_bits<C, kN>(v);
   }
   // Every lane of the warp shuffles (group_max): the blocks of one warp differ in `empty`.
   off = group_max<kN>(off);
   exact = empty || (off == 0.0f && sc.m == mul_rn(kqf, s));
   s_out = s;
   return int_side<C>(empty ? 0.0f : s, k, kq, false);
+}
+
+// Puts `bits` into code slot k (a block index) of the packed codes, where slot k holds code
+// H: an XOR of (H ^ bits) at the slot's place in the word that holds it, a select per word
+// rather than per code (codec::pack's layout: q8 byte j; q4 nibble j; q6 its low nibble as
+// q4's and its top two bits at pair j of the words after them).
+template <typename C, int kN>
+AR_DEVICE void patch_carried(Codes<C, kN>& c, int q, int k, uint32_t bits) {
+  const int j = k - q * kN;  // this lane's slot, or out of [0, kN)
+  const uint32_t d = (bits ^ uint32_t(C::kH)) & ((1u << C::kCodeBits) - 1u);
+  if constexpr (C::kCodeBytes == 32) {
+#pragma unroll
+    for (int i = 0; i < kN / 4; ++i) c.w[i] ^= j >> 2 == i ? d << (8 * (j & 3)) : 0u;
+  } else {
+#pragma unroll
+    for (int i = 0; i < kN / 8; ++i) c.w[i] ^= j >> 3 == i ? (d & 15u) << (4 * (j & 7)) : 0u;
+    if constexpr (C::kCodeBytes == 24) {
+#pragma unroll
+      for (int i = 0; i < (kN + 15) / 16; ++i)
+        c.w[kN / 8 + i] ^= j >> 4 == i ? (d >> 4) << (2 * (j & 15)) : 0u;
+    }
+  }
 }
 
 // v2::hadamard_candidate's scale: the transform of x in `y`, and the rounded balanced scale.
@@ -280,33 +328,42 @@ AR_DEVICE float hadamard_scale_v2(const float (&x)[kN], int q, float (&y)[kN]) {
 template <typename C, int kN>
 AR_DEVICE void hadamard_codes_v2(const float (&y)[kN], float s, uint32_t (&u)[kN]) {
   float qt[kN];
-  quotients(y, s, qt);
+  quotients<kN, true>(y, s, qt, -float(C::kH), float(C::kH) - 1.0f);
 #pragma unroll
-  for (int j = 0; j < kN; ++j) u[j] = biased_bits<C>(biased_code<C>(qt[j]));
+  for (int j = 0; j < kN; ++j) u[j] = code_bits<C, kN>(clamp_top<C>(qt[j]));
 }
 
 // v2::encode_int, packed: this lane's code words and the block's side fields. The plain
-// candidate is always coded (its exactness is part of the choice); the transform and its scale
-// are computed by every lane (they shuffle inside the lane group, and every lane of a warp
-// must shuffle together); the rotated codes only where the group keeps them (`rotate` is
-// uniform over the lane group, and the coding holds no shuffle).
+// candidate is always coded (its exactness is part of the choice); the transform, its scale
+// and its codes only where the block keeps them (`rotate` is uniform over the lane group). A
+// lane per block makes no shuffle there, so only the rotating lanes work (a few blocks in a
+// hundred on Gaussian data); quads shuffle inside the transform and the scale, which every
+// lane of the warp must make together, so there all compute them and only the coding is
+// conditional.
 template <typename C, int kN>
 AR_DEVICE Side2 encode_int_v2(const float (&x)[kN], int q, Codes<C, kN>& out) {
   const ScanK sc = scan_k(x, q);
+  const float l1 = abs_sum(x);  // beside the scan, while x is in registers; quads shuffle
   const bool empty = !sc.finite || sc.m == 0.0f;
-  uint32_t u[kN];
+  uint32_t u[kN], k_low;
+  int k;
   float s_p;
   bool exact;
-  Side2 side = plain_v2<C>(x, q, sc, empty, u, s_p, exact);
-  float y[kN];
-  const float s_h = hadamard_scale_v2<C>(x, q, y);
+  Side2 side = plain_v2<C>(x, q, sc, empty, u, k, k_low, s_p, exact);
   const float amax = abs_f(sc.m);
-  const bool tried = !exact && amax >= 0x1p-48f && amax <= 0x1p48f;
-  if (tried && abs_f(s_h) < mul_rn(kRotateScaleRatio, abs_f(s_p))) {
-    hadamard_codes_v2<C>(y, s_h, u);
-    side = int_side<C>(s_h, 0, 0, true);
+  // v2::rotate_threshold: 8 H is a power of two, so the product is exact.
+  const bool rotate = !exact && amax >= 0x1p-48f && amax <= 0x1p48f &&
+                      l1 < mul_rn(kRotateL1Ratio * float(C::kH), abs_f(s_p));
+  if (kN == 32 ? rotate : true) {
+    float y[kN];
+    const float s_h = hadamard_scale_v2<C>(x, q, y);
+    if (rotate) {
+      hadamard_codes_v2<C>(y, s_h, u);
+      side = int_side<C>(s_h, 0, 0, true);
+    }
   }
   pack_codes(u, out);
+  if (!rotate) patch_carried(out, q, k, k_low);
   if (!sc.finite) side.a = C::kScale24 ? kPoisonScale24 : uint32_t(kPoisonScale);
   return side;
 }
@@ -357,21 +414,25 @@ AR_DEVICE void decode_int_v2(const uint32_t (&u)[kN], Side2 side, int q, float (
 
 // ---- fp4 ---------------------------------------------------------------------------------
 
-// fp4::f32_to_e2m1 of a finite value (the encoder's quotients always are; a NaN would give 7,
-// where the reference gives 0): nearest, ties to the even code, saturating at 6, zero -> 0.
-// E2M1's steps are 0.5 below 2, 1 below 4 and 2 above, so the code is an offset plus the
-// nearest-even integer of a times 2, 1 or 1/2 (an exact product): the ties (0.25, 0.75, ...,
-// 5) land on even integers as E2M1's ties land on even codes. The offset (0, 2 or 4) rides in
-// the rounding constant 1.5 * 2^23, whose low bits are clear. The sign bit goes with every
-// magnitude above 0.25, the ones that round above zero. Equal to the reference's seven threshold
-// comparisons for all finite inputs (an offset-and-round form was checked against them over
-// all 2^32 inputs; this one differs from it only in where the offset is added and in NaN).
+// fp4::f32_to_e2m1 of a finite value (the encoder's quotients always are; a NaN would not
+// give the reference's 0): nearest, ties to the even code, saturating at 6, zero -> 0.
+// E2M1's magnitude code is the nearest-even integer of min(2a, a + 2, a / 2 + 4), a = |x|
+// clamped to 6: the three lines are its steps of 0.5 below 2, 1 up to 4 and 2 above (each
+// meets the next where the steps change), and their ties (0.25, 0.75, ..., 5) land on even
+// integers as E2M1's ties land on even codes; rounding is monotone, so it may go inside the
+// minimum. Each line is rounded exactly by one FMA onto the f32 subnormal grid (step 2^-149,
+// ties to even; 2 and 4 are even, so RNE(a + 2) = RNE(a) + 2), whose bits are then the code
+// itself, and the three codes' minimum is one integer instruction (non-negative f32 bits
+// order as the values). The sign goes with every
+// magnitude above 0.25, the ones that round above zero. Equal to the reference's seven
+// threshold comparisons for every finite f32 (checked over all 2^32 patterns).
 AR_DEVICE uint32_t f32_to_e2m1(float x) {
+  constexpr float unit = 0x1p-149f;
   const float a = min_f(abs_f(x), 6.0f);
-  const bool lo = a < 2.0f, mid = a < 4.0f;
-  const float t = mul_rn(a, lo ? 2.0f : (mid ? 1.0f : 0.5f));
-  const float round = lo ? 12582912.0f : (mid ? 12582914.0f : 12582916.0f);
-  const uint32_t mag = as_uint(add_rn(t, round)) & 7u;
+  const uint32_t c1 = as_uint(mul_rn(a, 2.0f * unit));
+  const uint32_t c2 = as_uint(fma_rn(a, unit, 2.0f * unit));
+  const uint32_t c3 = as_uint(fma_rn(mul_rn(a, 0.5f), unit, 4.0f * unit));  // 2^-150 is 0 in f32
+  const uint32_t mag = min3_u32(c1, c2, c3);
   return x < -0.25f ? (mag | 8u) : mag;
 }
 
@@ -393,23 +454,42 @@ AR_DEVICE int fp4_exponent(float a) {
 // v2::encode_fp4, packed.
 template <typename C, int kN>
 AR_DEVICE Side2 encode_fp4(const float (&x)[kN], int q, Codes<C, kN>& out) {
-  const Scan sc = scan_amax_quad(x, q);
   // The halves' largest magnitudes, in every lane: ah[0] of elements 0..15, ah[1] of 16..31.
+  // With a NaN-propagating max they also give the block's amax and finiteness (Inf is the
+  // largest magnitude, a NaN wins over everything), one instruction per element in all.
   float ah[2];
+  auto amax_of = [](float a, float b) {
+#if AR_MAX_NAN
+    return max_nan(a, b);
+#else
+    return max_f(a, b);
+#endif
+  };
   if constexpr (kN == 32) {
-    ah[0] = ah[1] = 0.0f;
+    ah[0] = abs_f(x[0]);
+    ah[1] = abs_f(x[16]);
 #pragma unroll
-    for (int j = 0; j < kN; ++j) ah[j / 16] = max_f(ah[j / 16], abs_f(x[j]));
+    for (int j = 1; j < 16; ++j) {
+      ah[0] = amax_of(ah[0], abs_f(x[j]));
+      ah[1] = amax_of(ah[1], abs_f(x[16 + j]));
+    }
   } else {
-    float own = 0.0f;
+    float own = abs_f(x[0]);
 #pragma unroll
-    for (int j = 0; j < kN; ++j) own = max_f(own, abs_f(x[j]));
-    if constexpr (kN == 8) own = max_f(own, quad_xor<1>(own));
+    for (int j = 1; j < kN; ++j) own = amax_of(own, abs_f(x[j]));
+    if constexpr (kN == 8) own = amax_of(own, quad_xor<1>(own));
     const float other = kN == 8 ? quad_xor<2>(own) : quad_xor<1>(own);
     const bool low = q * kN < 16;
     ah[0] = low ? own : other;
     ah[1] = low ? other : own;
   }
+#if AR_MAX_NAN
+  const float a = max_nan(ah[0], ah[1]);
+  const bool finite = a < as_float(0x7f800000u);  // false for Inf and NaN
+  const Scan sc{finite, finite ? a : 0.0f, finite ? a : 0.0f};
+#else
+  const Scan sc = scan_amax_quad(x, q);
+#endif
   uint32_t u[kN];
   const bool live = sc.finite && sc.amax != 0.0f;
   const int e = live ? fp4_exponent(sc.amax) : 0;
@@ -439,12 +519,14 @@ AR_DEVICE Side2 encode_fp4(const float (&x)[kN], int q, Codes<C, kN>& out) {
     const float sl = q * kN < 16 ? s[0] : s[1];  // a select: an index would go through local memory
     quotients(x, sl != 0.0f ? sl : 1.0f, qt);
   }
-  // Codes of a dead block (zero or poisoned) or of a half whose scale rounded to zero are 0:
-  // a mask per half, not a condition per element (nvcc branched around each conversion).
-  const uint32_t mask0 = live && s[0] != 0.0f ? 15u : 0u, mask1 = live && s[1] != 0.0f ? 15u : 0u;
 #pragma unroll
-  for (int j = 0; j < kN; ++j) u[j] = f32_to_e2m1(qt[j]) & (q * kN + j < 16 ? mask0 : mask1);
+  for (int j = 0; j < kN; ++j) u[j] = f32_to_e2m1(qt[j]);
   pack_codes(u, out);
+  // Codes of a dead block (zero or poisoned) or of a half whose scale rounded to zero are 0:
+  // a mask per packed word of 8 codes, not a condition per code.
+  const uint32_t mask0 = live && s[0] != 0.0f ? ~0u : 0u, mask1 = live && s[1] != 0.0f ? ~0u : 0u;
+#pragma unroll
+  for (int i = 0; i < kN / 8; ++i) out.w[i] &= q * kN + 8 * i < 16 ? mask0 : mask1;
   if (!sc.finite) return Side2{kFp4Poison, 0u};
   if (!live) return Side2{0u, 0u};
   return Side2{uint32_t(e + 127), sc8[0] | (sc8[1] << 8)};

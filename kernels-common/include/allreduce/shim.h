@@ -209,6 +209,28 @@ AR_DEVICE float max_nan(float a, float b) {
 #define AR_MAX_NAN 0
 #endif
 
+// Three-way integer maxima and minima: one instruction on sm_90 (DPX's VIMNMX3),
+// two compares elsewhere. The codecs take maxima of f32 bit patterns with them (codec_v2.h,
+// balanced_scale).
+#if !AR_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+AR_DEVICE int32_t max3_s32(int32_t a, int32_t b, int32_t c) { return __vimax3_s32(a, b, c); }
+AR_DEVICE uint32_t max3_u32(uint32_t a, uint32_t b, uint32_t c) { return __vimax3_u32(a, b, c); }
+AR_DEVICE uint32_t min3_u32(uint32_t a, uint32_t b, uint32_t c) { return __vimin3_u32(a, b, c); }
+#else
+AR_DEVICE int32_t max3_s32(int32_t a, int32_t b, int32_t c) {
+  const int32_t m = a > b ? a : b;
+  return m > c ? m : c;
+}
+AR_DEVICE uint32_t max3_u32(uint32_t a, uint32_t b, uint32_t c) {
+  const uint32_t m = a > b ? a : b;
+  return m > c ? m : c;
+}
+AR_DEVICE uint32_t min3_u32(uint32_t a, uint32_t b, uint32_t c) {
+  const uint32_t m = a < b ? a : b;
+  return m < c ? m : c;
+}
+#endif
+
 // Programmatic dependent launch (PTX griddepcontrol, sm_90+). A kernel launched with the
 // programmatic-serialization attribute may be scheduled before the stream's previous kernel
 // has finished: pdl_wait() holds it until that kernel has completed and its memory is

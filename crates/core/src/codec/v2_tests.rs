@@ -1,6 +1,7 @@
 //! Properties of the format v2 codecs (q8v2, q6v2, q4v2, fp4).
 
-use super::v2::{hadamard_candidate, plain_candidate, ROTATE_SCALE_RATIO};
+use super::abs_sum;
+use super::v2::{hadamard_candidate, plain_candidate, rotate_threshold};
 use super::*;
 use proptest::prelude::*;
 
@@ -245,10 +246,10 @@ fn zero_and_poisoned_blocks() {
 }
 
 /// The kept candidate is the rotated one exactly when the plain one is inexact and the
-/// rotated scale is below `ROTATE_SCALE_RATIO` times the plain one (plain on ties), and the
-/// bytes decode to exactly that candidate.
+/// block's L1 norm is below `ROTATE_L1_RATIO H |S_p|` (plain on ties), and the bytes decode
+/// to exactly that candidate.
 #[test]
-fn choice_is_predicted_from_the_scales() {
+fn choice_is_predicted_from_the_l1_norm() {
     let mut rng = Rng(5);
     for codec in INTS {
         let (mut flagged, mut plain_kept) = (0, 0);
@@ -273,7 +274,7 @@ fn choice_is_predicted_from_the_scales() {
             let h = hadamard_candidate(codec, &x);
             h.decode(codec, &mut xh);
             let exact = xp == x;
-            let rotate = !exact && h.s.abs() < ROTATE_SCALE_RATIO * p.s.abs();
+            let rotate = !exact && abs_sum(&x) < rotate_threshold(codec, p.s);
             let (_, _, y) = roundtrip(codec, &x);
             let want = if rotate { &xh } else { &xp };
             assert_eq!(
@@ -295,8 +296,8 @@ fn choice_is_predicted_from_the_scales() {
     }
 }
 
-/// Where the plain grid holds a block exactly, the block stays plain whatever the scales
-/// say: constants and blocks of a few levels whose rotated scale is the smaller.
+/// Where the plain grid holds a block exactly, the block stays plain whatever its norm
+/// says: constants and blocks of a few levels whose L1 norm is small enough to rotate.
 #[test]
 fn exact_blocks_stay_plain() {
     let mut rng = Rng(23);
@@ -313,10 +314,9 @@ fn exact_blocks_stay_plain() {
             });
             let k = first_max_index(&x);
             let p = plain_candidate(codec, &x, k, x[k]);
-            let h = hadamard_candidate(codec, &x);
             let mut xp = [0.0f32; BLOCK];
             p.decode(codec, &mut xp);
-            if xp != x || h.s.abs() >= ROTATE_SCALE_RATIO * p.s.abs() {
+            if xp != x || abs_sum(&x) >= rotate_threshold(codec, p.s) {
                 continue;
             }
             found += 1;

@@ -151,6 +151,20 @@ AR_DEVICE uint32_t pack_sat_u8(int32_t hi, int32_t lo, uint32_t rest) {
   return (rest << 16) | (pack_sat_bits(hi, 255) << 8) | pack_sat_bits(lo, 255);
 }
 
+// __vimax3_s32 / __vimax3_u32 / __vimin3_u32 (DPX on sm_90): the largest or smallest of three.
+AR_DEVICE int32_t max3_s32(int32_t a, int32_t b, int32_t c) {
+  const int32_t m = a > b ? a : b;
+  return m > c ? m : c;
+}
+AR_DEVICE uint32_t max3_u32(uint32_t a, uint32_t b, uint32_t c) {
+  const uint32_t m = a > b ? a : b;
+  return m > c ? m : c;
+}
+AR_DEVICE uint32_t min3_u32(uint32_t a, uint32_t b, uint32_t c) {
+  const uint32_t m = a < b ? a : b;
+  return m < c ? m : c;
+}
+
 // __byte_perm: byte i of the result is byte (sel >> 4i) & 7 of the pair (a = bytes 0-3,
 // b = bytes 4-7).
 AR_DEVICE uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
