@@ -104,7 +104,7 @@ typedef enum {
   AR_Q6A = 6,
   AR_Q4A = 7,
   // Format v2: a 16-bit-precision scale, the block's largest element carried beside the
-  // codes, plain or Hadamard predicted from the two scales (docs/codecs.md, "Format v2").
+  // codes, plain or Hadamard predicted from the L1 norm (docs/codecs.md, "Format v2").
   AR_Q8V2 = 8,
   AR_Q6V2 = 9,
   AR_Q4V2 = 10,

@@ -32,8 +32,7 @@ pub enum Codec {
     Int4Adaptive,
     /// Format v2, 8-bit codes: a scale with 16 significant bits, the block's largest element
     /// carried beside the codes on the scale's grid, plain or Hadamard predicted from the
-    /// two scales:
-    /// 9.25 bits per element (docs/codecs.md, "Format v2").
+    /// block's L1 norm: 9.25 bits per element (docs/codecs.md, "Format v2").
     Int8V2,
     /// Format v2, 6-bit codes (see `Int8V2`): 7.25 bits per element.
     Int6V2,
