@@ -5,7 +5,8 @@
 //! - host CPU time per `all_reduce` call against a bare kernel launch: every rank thread
 //!   enqueues `CALLS` calls back to back, timed without the final synchronisation;
 //! - the codec kernels alone (`--codec-bench`): encode then decode of one bf16 buffer per
-//!   codec, bytes read + written per second, against the copy kernel on the same bytes.
+//!   codec (`--data`'s values), bytes read + written per second, against the copy kernel on
+//!   the same bytes.
 
 use std::time::Instant;
 
@@ -15,6 +16,7 @@ use allreduce_gpu::device::{
 };
 use allreduce_gpu::GpuRuntime;
 
+use crate::data::Inputs;
 use crate::gpu::open_rank;
 
 const CALLS: usize = 200;
@@ -187,29 +189,24 @@ fn time_launches<R: GpuRuntime>(
     Ok(t.elapsed().as_secs_f64() / iters as f64)
 }
 
-/// Encode + decode of `bytes` of bf16 N(0,1) per codec, and the copy kernel on the same
-/// bytes, on the first rank's GPU with the whole GPU's worth of blocks.
+/// Encode + decode of `bytes` of bf16 per codec (rank 0's values of `data`, see
+/// `--data`), and the copy kernel on the same bytes, on the first rank's GPU with the whole
+/// GPU's worth of blocks.
 pub fn codec_speed<R: GpuRuntime>(
     comm: &Communicator,
     bytes: usize,
+    data: Inputs,
 ) -> Result<CodecReport, BoxError> {
     let (dev, stream) = open_rank::<R>(comm)?;
     let grid = whole_gpu(&dev);
     let n = (bytes / 2).div_ceil(32) * 32;
     let bytes = n * 2;
-    let mut host = vec![0u8; bytes];
-    let mut rng = 0x2545_F491_4F6C_DD1Du64;
-    for i in 0..n {
-        // xorshift + a sum of uniforms: roughly N(0,1), enough to exercise every code.
-        let mut s = 0.0f32;
-        for _ in 0..4 {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            s += (rng >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-        }
-        DType::BF16.store_f32(&mut host, i, s * 1.732);
+    let host = Inputs {
+        dtype: DType::BF16,
+        bytes,
+        ..data
     }
+    .fill(0);
     let src = DeviceBuffer::from_host(&host, &stream)?;
     let back = DeviceBuffer::zeroed(bytes, &stream)?;
     // The largest wire format of all, v2's side fields included.

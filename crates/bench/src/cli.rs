@@ -210,8 +210,9 @@ pub struct Args {
     pub baselines: bool,
 
     /// CUDA only: after the sweep, time the codec kernels alone in the same run: encode then
-    /// decode of this many bytes of bf16 (e.g. 256M) per codec, as bytes read + written per
-    /// second and as a fraction of the copy kernel's, measured on the same buffers
+    /// decode of this many bytes of bf16 (e.g. 256M; rank 0's values of --data) per codec,
+    /// as bytes read + written per second and as a fraction of the copy kernel's, measured on
+    /// the same buffers
     #[arg(long, value_parser = parse_size, value_name = "BYTES")]
     pub codec_bench: Option<usize>,
 

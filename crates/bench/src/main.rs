@@ -351,18 +351,20 @@ fn codec_bench(
     bytes: usize,
     out: &mut dyn Write,
 ) -> Result<(), BoxError> {
-    struct Job<'a>(&'a Communicator, usize);
+    struct Job<'a>(&'a Communicator, usize, data::Inputs);
     impl gpu::WithRuntime for Job<'_> {
         type Output = Result<baselines::CodecReport, BoxError>;
         fn run<R: allreduce_gpu::GpuRuntime>(self) -> Self::Output {
-            baselines::codec_speed::<R>(self.0, self.1)
+            baselines::codec_speed::<R>(self.0, self.1, self.2)
         }
     }
-    let r = gpu::with_runtime(args.backend, "--codec-bench", Job(&comms[0], bytes))?;
+    let inputs = data::Inputs::new(args.data, allreduce::DType::BF16, bytes).hidden(args.hidden);
+    let r = gpu::with_runtime(args.backend, "--codec-bench", Job(&comms[0], bytes, inputs))?;
     writeln!(
         out,
-        "#\n# Codec kernels, {} MiB of bf16 (N(0,1)), whole GPU; bandwidth = bytes read + written",
-        r.bytes >> 20
+        "#\n# Codec kernels, {} MiB of bf16 (--data {}), whole GPU; bandwidth = bytes read + written",
+        r.bytes >> 20,
+        args.data.name()
     )?;
     writeln!(
         out,
