@@ -186,8 +186,8 @@ AR_DEVICE float code_of(float v, float lo, float hi) {
 // A quotient's code clamp(RNE(v), -H, H-1), for a quotient by a balanced scale (below): as
 // its biased code word H + code (code_bits: the f32 subnormal (v + H) 2^-149 rounded onto the
 // subnormal grid of step 2^-149 is RNE(v + H) = RNE(v) + H, H even; nothing above the word's
-// bits but a sign, one FMA), and as an exact float (code_value, rne_small). No conversion instruction
-// (F2I and I2F issue at a quarter of the FMA rate) and one clamp, not two: a balanced scale
+// bits but a sign, one FMA), and as an exact float (rne_small). No conversion instruction (F2I
+// and I2F issue at a quarter of the FMA rate) and one clamp, not two: a balanced scale
 // (v2::balanced_scale) is at least p / H and n / (H - 1) on one sign and the other, and
 // rounded to a scale word it loses at most 2^-8 of itself (16 significant bits, or q4v2's 7),
 // so every quotient lies in [-H (1 + 2^-7), H (1 + 2^-7)] and rounds to [-H, H]: only H
@@ -214,18 +214,17 @@ AR_DEVICE uint32_t code_bits(float v_clamped) {
 // scale and dividend significand (crates/core/src/codec/tests.rs, `markstein_check24`). The
 // branch is uniform over a lane group and holds no shuffle. The division path serves zero,
 // subnormal and extreme scales, where a subnormal one has fewer significant bits than the
-// integer codes' one-sided clamp relies on (clamp_top), so with kClamp it clamps to the codes'
-// bounds [lo, hi] here (fp4's conversion saturates by itself).
-template <int kN, bool kClamp = false>
-AR_DEVICE void quotients(const float (&x)[kN], float s, float (&q)[kN], float lo = 0.0f,
-                         float hi = 0.0f) {
+// integer codes' one-sided clamp relies on (clamp_top), so for integer codes (kH > 0) it
+// clamps to their bounds [-kH, kH - 1] here (fp4's conversion saturates by itself).
+template <int kN, int kH = 0>
+AR_DEVICE void quotients(const float (&x)[kN], float s, float (&q)[kN]) {
   if (fast_scale(s)) {
     quotients_by_scale(x, s, q);
   } else {
 #pragma unroll
     for (int j = 0; j < kN; ++j) {
       const float v = div_rn(x[j], s);
-      q[j] = kClamp ? min_f(max_f(v, lo), hi) : v;
+      q[j] = kH > 0 ? min_f(max_f(v, -float(kH)), float(kH) - 1.0f) : v;
     }
   }
 }
@@ -246,8 +245,8 @@ AR_DEVICE Side2 int_side(float s, int k, int32_t kq, bool hadamard) {
 
 // v2::plain_candidate, coded: this lane's biased codes in `u`, the carried element's slot
 // holding code H (patch_carried puts K's low bits there after packing), its index in `k` and
-// K's low bits in `k_low`, and in `exact` whether the block decodes to x exactly over the lane group
-// (v2::encode_int's test). `empty` (a block of zeros or a poisoned one), or a scale that
+// K's low bits in `k_low`, and in `exact` whether the block decodes to x exactly over the
+// lane group (v2::encode_int's test). `empty` (a block of zeros or a poisoned one), or a scale that
 // rounded to zero, gives v2's empty block (IntBlock::empty: codes H, K = 0 in slot 0, side
 // fields zero), which counts as exact (such blocks are never rotated).
 //
@@ -278,7 +277,7 @@ AR_DEVICE Side2 plain_v2(const float (&x)[kN], int q, const ScanK& sc, bool empt
   k_low = uint32_t(kq) & ((1u << C::kCodeBits) - 1u);  // its slot's code word
   k = empty ? 0 : sc.k;
   float qt[kN];
-  quotients<kN, true>(x0, empty ? 1.0f : s, qt, -float(C::kH), float(C::kH) - 1.0f);
+  quotients<kN, C::kH>(x0, empty ? 1.0f : s, qt);
   float off = 0.0f;  // the sum of |x - code * S| over the others
 #pragma unroll
   for (int j = 0; j < kN; ++j) {
@@ -328,7 +327,7 @@ AR_DEVICE float hadamard_scale_v2(const float (&x)[kN], int q, float (&y)[kN]) {
 template <typename C, int kN>
 AR_DEVICE void hadamard_codes_v2(const float (&y)[kN], float s, uint32_t (&u)[kN]) {
   float qt[kN];
-  quotients<kN, true>(y, s, qt, -float(C::kH), float(C::kH) - 1.0f);
+  quotients<kN, C::kH>(y, s, qt);
 #pragma unroll
   for (int j = 0; j < kN; ++j) u[j] = code_bits<C, kN>(clamp_top<C>(qt[j]));
 }
@@ -423,9 +422,9 @@ AR_DEVICE void decode_int_v2(const uint32_t (&u)[kN], Side2 side, int q, float (
 // minimum. Each line is rounded exactly by one FMA onto the f32 subnormal grid (step 2^-149,
 // ties to even; 2 and 4 are even, so RNE(a + 2) = RNE(a) + 2), whose bits are then the code
 // itself, and the three codes' minimum is one integer instruction (non-negative f32 bits
-// order as the values). The sign goes with every
-// magnitude above 0.25, the ones that round above zero. Equal to the reference's seven
-// threshold comparisons for every finite f32 (checked over all 2^32 patterns).
+// order as the values). The sign goes with every magnitude above 0.25, the ones that round
+// above zero. Equal to the reference's seven threshold comparisons for every finite f32
+// (checked over all 2^32 patterns).
 AR_DEVICE uint32_t f32_to_e2m1(float x) {
   constexpr float unit = 0x1p-149f;
   const float a = min_f(abs_f(x), 6.0f);

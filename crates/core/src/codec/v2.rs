@@ -430,10 +430,10 @@ pub(super) fn decode_block(codec: Codec, codes: &[u8], side: &[u8], out: &mut [f
 /// carried element is within `S / 2` unless `K` clamps, and then within `s0 + KH r <= 1.5 s0`.
 /// A Hadamard block's scale `S_h` is at most its largest transform value over `H-1`, rounded
 /// up, and no transform value exceeds the block's L1 norm, below [`ROTATE_L1_RATIO`] `H`
-/// times the plain scale, which is at most `amax / (H-1)` rounded up; each transform code is within `S_h / 2` of
-/// its value, plus `H r_h` where the rounded scale clamps one, and each decoded element is a
-/// signed mean of 32 such errors: within `S_h (1/2 + H rel)` (plus the transforms'
-/// roundings, covered by 2^-10, and an absolute 2^-60).
+/// times the plain scale, which is at most `amax / (H-1)` rounded up; each transform code is
+/// within `S_h / 2` of its value, plus `H r_h` where the rounded scale clamps one, and each
+/// decoded element is a signed mean of 32 such errors: within `S_h (1/2 + H rel)` (plus the
+/// transforms' roundings, covered by 2^-10, and an absolute 2^-60).
 ///
 /// fp4: a half's scale `S = e4m3(amax_h / 6 / G) G` is within 2^-4 of `amax_h / 6` (E4M3's
 /// 3 mantissa bits) plus `2^-10 G` (its subnormals), `G < amax / 1344`; E2M1's coarsest
