@@ -8,6 +8,7 @@
 // size (cuLaunchKernelEx); it traps below sm_90, where the host never launches it.
 
 #include "allreduce/fused.h"
+#include "allreduce/push.h"
 
 using namespace ar;
 using namespace ar::fused;

@@ -8,6 +8,7 @@
 // listing them in the table's Vendor::fused_worlds.
 
 #include "allreduce/fused.h"
+#include "allreduce/push.h"
 
 using namespace ar;
 using namespace ar::fused;

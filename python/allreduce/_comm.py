@@ -23,7 +23,7 @@ PRECISIONS = {
     "q8v2": 8, "q6v2": 9, "q4v2": 10, "fp4": 11,
 }
 STRATEGIES = {"auto": 0, "oneshot": 1, "twoshot": 2, "quantized": 3, "hierarchical": 4,
-              "vendor": 5, "vendor_symmetric": 6}
+              "vendor": 5, "vendor_symmetric": 6, "push_oneshot": 7}
 
 _AR_SUM = 0
 # A dtype code that names nothing: how a refusal of the binding's own reaches the peers (see
@@ -555,7 +555,7 @@ class Communicator(Handle):
         ``"q8v2"``, ``"q6v2"``, ``"q4v2"``, ``"fp4"`` (docs/codecs.md; the v2 ones on the host
         backend only); with a codec, ``"auto"`` may still pick an exact path.
         ``strategy``: ``"auto"``, ``"oneshot"``, ``"twoshot"``, ``"quantized"``,
-        ``"hierarchical"`` or ``"vendor"`` (NCCL/RCCL).
+        ``"hierarchical"``, ``"vendor"`` (NCCL/RCCL) or ``"push_oneshot"`` (small calls, by push).
 
         ``stream``: the ``cudaStream_t`` / ``hipStream_t`` the call is enqueued on, as an int
         or a stream object (``.cuda_stream``, ``.ptr``). Default: torch's current stream for a

@@ -260,6 +260,7 @@ impl HostComm {
         self.publish(ctx, call);
         match call.strategy {
             Strategy::OneShot => self.one_shot::<T>(ctx, call),
+            Strategy::PushOneShot => self.push_one_shot::<T>(ctx, call),
             Strategy::TwoShot => self.two_shot::<T>(ctx, call),
             Strategy::QuantizedTwoShot => {
                 let codec = call
@@ -326,6 +327,22 @@ impl HostComm {
         // lends it exclusively for the call. The input was staged, so in-place is fine.
         let out = unsafe { output_slice::<T>(call) };
         reduce::sum_into(&inputs, out);
+        Ok(())
+    }
+
+    /// The reference of the GPU's push one-shot: the one-shot's arithmetic on inputs whose
+    /// -0.0 were pushed as +0.0 (the GPU kernel's sentinel is -0.0, so no rank sends one).
+    /// The host has no push to make; it stages and sums as `one_shot` does.
+    fn push_one_shot<T: Element>(&self, ctx: Ctx, call: &Call) -> Result<()> {
+        self.stage_input(ctx, call);
+        self.barrier(ctx, "all ranks to stage their input")?;
+        self.agree(ctx)?;
+        let n = call.len();
+        // SAFETY: as in one_shot.
+        let inputs = unsafe { self.staged::<T>(ctx, n) };
+        // SAFETY: as in one_shot.
+        let out = unsafe { output_slice::<T>(call) };
+        reduce::sum_pushed_into(&inputs, out);
         Ok(())
     }
 
@@ -534,6 +551,10 @@ impl BackendComm for HostComm {
     ) -> Result<(), String> {
         match strategy {
             Strategy::OneShot | Strategy::TwoShot => Ok(()),
+            Strategy::PushOneShot => match precision {
+                Precision::Exact => Ok(()),
+                Precision::Lossy(_) => Err("it is exact (Precision::Exact)".into()),
+            },
             Strategy::QuantizedTwoShot => match precision {
                 Precision::Lossy(c) if c.supports(dtype) => Ok(()),
                 Precision::Lossy(c) => Err(format!("codec {c} does not accept {dtype}")),

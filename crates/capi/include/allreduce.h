@@ -127,6 +127,9 @@ typedef enum {
   // The vendor library on symmetric windows (NCCL 2.27+): NCCL's low-latency symmetric
   // kernels; buffers outside the window (`ar_comm_vendor_window`) are copied in and out.
   AR_STRATEGY_VENDOR_SYMMETRIC = 6,
+  // One-shot by push (Lamport): no barrier, for small calls (at most 512 KiB); exact, with
+  // +0.0 where every rank's input is -0.0.
+  AR_STRATEGY_PUSH_ONESHOT = 7,
 } ar_strategy_t;
 
 // Which implementation runs the ranks (the `backend` argument of the init functions).

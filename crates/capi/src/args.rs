@@ -70,6 +70,9 @@ pub enum ar_strategy_t {
     /// The vendor library on symmetric windows (NCCL 2.27+): NCCL's low-latency symmetric
     /// kernels; buffers outside the window (`ar_comm_vendor_window`) are copied in and out.
     AR_STRATEGY_VENDOR_SYMMETRIC = 6,
+    /// One-shot by push (Lamport): no barrier, for small calls (at most 512 KiB); exact, with
+    /// +0.0 where every rank's input is -0.0.
+    AR_STRATEGY_PUSH_ONESHOT = 7,
 }
 
 /// Which implementation runs the ranks (the `backend` argument of the init functions).
@@ -186,6 +189,7 @@ pub fn strategy(code: c_int) -> Result<Strategy, Error> {
         4 => Ok(Strategy::HierarchicalQuantized),
         5 => Ok(Strategy::Vendor),
         6 => Ok(Strategy::VendorSymmetric),
+        7 => Ok(Strategy::PushOneShot),
         _ => Err(invalid("strategy", code, "the ar_strategy_t values 0 to 6")),
     }
 }
@@ -200,6 +204,7 @@ pub fn strategy_code(strategy: Strategy) -> c_int {
         Strategy::HierarchicalQuantized => 4,
         Strategy::Vendor => 5,
         Strategy::VendorSymmetric => 6,
+        Strategy::PushOneShot => 7,
     }
 }
 

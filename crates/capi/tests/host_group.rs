@@ -302,6 +302,7 @@ fn queries_describe_the_communicator() {
             Strategy::HierarchicalQuantized => ar_strategy_t::AR_STRATEGY_HIERARCHICAL,
             Strategy::Vendor => ar_strategy_t::AR_STRATEGY_VENDOR,
             Strategy::VendorSymmetric => ar_strategy_t::AR_STRATEGY_VENDOR_SYMMETRIC,
+            Strategy::PushOneShot => ar_strategy_t::AR_STRATEGY_PUSH_ONESHOT,
         }) as c_int
     };
     for (count, precision, codec) in [

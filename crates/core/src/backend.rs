@@ -321,6 +321,14 @@ pub fn prepare(
             s
         }
     };
+    // Refused here, for every backend alike, so that ranks of any backend agree on which
+    // calls run: the push strategy's receive buffers are sized for small calls.
+    if strategy == Strategy::PushOneShot && bytes > Strategy::PUSH_MAX_BYTES {
+        return Err(Error::TooLarge {
+            bytes,
+            max: Strategy::PUSH_MAX_BYTES,
+        });
+    }
     Ok(Call {
         input: inp,
         output: out,

@@ -61,7 +61,7 @@ pub fn traffic_per_rank(
     let bytes = n * dtype.size();
     Some(match strategy {
         Strategy::Auto => return None,
-        Strategy::OneShot => (w - 1) * bytes,
+        Strategy::OneShot | Strategy::PushOneShot => (w - 1) * bytes,
         Strategy::TwoShot | Strategy::Vendor | Strategy::VendorSymmetric => 2 * (w - 1) * bytes / w,
         Strategy::QuantizedTwoShot => match precision {
             Precision::Exact => return None,
@@ -103,7 +103,7 @@ pub fn cross_group_traffic_per_rank(
     let bytes = n * dtype.size();
     Some(match (strategy, precision) {
         (Strategy::Auto, _) => return None,
-        (Strategy::OneShot, _) => g * bytes,
+        (Strategy::OneShot | Strategy::PushOneShot, _) => g * bytes,
         (Strategy::TwoShot | Strategy::Vendor | Strategy::VendorSymmetric, _) => {
             2 * g * bytes / world
         }

@@ -203,16 +203,28 @@ pub enum Strategy {
     /// kernels (f32 accumulation). Buffers outside the window are copied in and out; buffers
     /// inside it ([`crate::BackendComm::vendor_window`]) run in place with no copy.
     VendorSymmetric,
+    /// One-shot by push (Lamport, as TensorRT-LLM's and FlashInfer's one-shot): every rank
+    /// writes its input straight into every peer's receive buffer, whose "not written yet"
+    /// marker is -0.0 itself, so the data is its own flag and no barrier remains. The exact
+    /// one-shot's arithmetic (f32, rank order) on inputs whose -0.0 travel as +0.0: the one
+    /// difference from `OneShot` is that an element whose every input is -0.0 sums to +0.0.
+    /// For small calls (a GPU group carries at most [`Strategy::PUSH_MAX_BYTES`] per call).
+    PushOneShot,
 }
 
 impl Strategy {
-    pub const CONCRETE: [Strategy; 6] = [
+    /// The largest call [`Strategy::PushOneShot`] carries on a GPU (each rank keeps three
+    /// receive buffers of `world` slots of this size): it is the latency path.
+    pub const PUSH_MAX_BYTES: usize = 512 << 10;
+
+    pub const CONCRETE: [Strategy; 7] = [
         Strategy::OneShot,
         Strategy::TwoShot,
         Strategy::QuantizedTwoShot,
         Strategy::Vendor,
         Strategy::HierarchicalQuantized,
         Strategy::VendorSymmetric,
+        Strategy::PushOneShot,
     ];
 
     /// Whether the vendor library runs the call (the strategies a group without peer access
@@ -238,6 +250,7 @@ impl Strategy {
             Strategy::Vendor => "vendor",
             Strategy::VendorSymmetric => "vendor-symmetric",
             Strategy::HierarchicalQuantized => "hierarchical",
+            Strategy::PushOneShot => "push-oneshot",
         }
     }
 }
@@ -263,9 +276,10 @@ impl FromStr for Strategy {
             "hierarchical" | "hierarchicalquantized" | "hier" => {
                 Ok(Strategy::HierarchicalQuantized)
             }
+            "pushoneshot" | "push" | "lamport" => Ok(Strategy::PushOneShot),
             _ => Err(format!(
                 "unknown strategy `{s}` (expected auto, oneshot, twoshot, quantized, hierarchical, \
-                 vendor or vendor-symmetric)"
+                 vendor, vendor-symmetric or push-oneshot)"
             )),
         }
     }

@@ -230,7 +230,9 @@ pub struct FusedKernelArgs {
     pub eps: f32,
     /// Added to gamma before it scales the normalized rows (`fused::weight`); 0 for none.
     pub weight_bias: f32,
-    pub _pad: u32,
+    /// The push all-reduce (`push.h`): elements in the last 16-byte vector, 0 when the
+    /// length is whole vectors; 0 for the fused kernels.
+    pub tail: u32,
 }
 
 const _: () = assert!(size_of::<FusedKernelArgs>() == 264);

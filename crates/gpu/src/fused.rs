@@ -428,7 +428,7 @@ impl<R: GpuRuntime> Shared<R> {
             pattern: pattern.code(),
             eps,
             weight_bias: 0.0,
-            _pad: 0,
+            tail: 0,
         }
     }
 }
@@ -634,7 +634,7 @@ pub fn norm_args(
         pattern: pattern.code(),
         eps,
         weight_bias: bufs.weight_bias,
-        _pad: 0,
+        tail: 0,
     })
 }
 

@@ -19,6 +19,7 @@ use crate::abi::{
     self, Args, Control, Desc, Desc2, RegisteredArgs, MAX_BLOCKS, MAX_WORLD, THREADS,
 };
 use crate::kernels::{self, Kernel};
+use crate::push::{self, PushKernels, PushMemory};
 use crate::GpuRuntime;
 use allreduce_core::{
     Backend, BackendComm, Bootstrap, Call, Codec, DType, Deregister, Error, GroupConfig, Limits,
@@ -255,6 +256,18 @@ struct Group<R: GpuRuntime> {
     mapped: exchange::Mapped,
     /// Why a caller aborted the group ([`BackendComm::abort`]), if one did.
     caller_abort: Mutex<Option<String>>,
+    /// The push one-shot's kernels and receive buffers (`Strategy::PushOneShot`), or why
+    /// there are none.
+    push: std::result::Result<Push<R>, String>,
+}
+
+/// The push one-shot's part of a group (crate::push): in-process groups only, whose ranks
+/// address every peer's receive buffers directly.
+struct Push<R: GpuRuntime> {
+    /// Per device, as `Group::kernels`.
+    kernels: Vec<PushKernels<R>>,
+    /// Per rank.
+    memory: Vec<Option<PushMemory<R>>>,
 }
 
 /// The graph slots every local rank took, in capture order. Ranks capture the same calls in
@@ -358,8 +371,50 @@ impl<R: GpuRuntime> Group<R> {
             tracing::debug!(reason = %why, "no vendor library for this group");
         }
         group.windows = group.make_windows(|_| Ok(true));
+        group.push = group.make_push();
+        if let Err(why) = &group.push {
+            tracing::debug!(reason = %why, "no push one-shot for this group");
+        }
         group.warm_up()?;
         Ok(group)
+    }
+
+    /// The push one-shot's kernels on every device and receive buffers for every rank (an
+    /// in-process group: all ranks are local), or why not: a runtime without the fused
+    /// module, or a failed allocation, leaves the strategy unavailable, not the group.
+    fn make_push(&self) -> std::result::Result<Push<R>, String> {
+        let why = |e: Error| format!("the push one-shot's kernels or buffers: {e}");
+        let mut kernels = Vec::with_capacity(self.devices.len());
+        for d in &self.devices {
+            R::bind(d).map_err(why)?;
+            kernels.push(PushKernels::load(d, self.world).map_err(why)?);
+        }
+        let mut memory = Vec::with_capacity(self.world);
+        for &d in &self.rank_device {
+            let dev = &self.devices[d];
+            R::bind(dev).map_err(why)?;
+            memory.push(Some(PushMemory::alloc(dev, self.world).map_err(why)?));
+        }
+        Ok(Push { kernels, memory })
+    }
+
+    /// The push one-shot's launch parameters for `rank`, fixed for the life of the group.
+    fn push_launch(&self, rank: usize, push: &Push<R>) -> push::Launch {
+        let mut buffers = [0u64; MAX_WORLD];
+        for (b, m) in buffers.iter_mut().zip(&push.memory) {
+            *b = m.as_ref().map_or(0, |m| R::memory_addr(&m.buffers));
+        }
+        push::Launch {
+            rank,
+            world: self.world,
+            buffers,
+            workspaces: self.peers,
+            state: push.memory[rank]
+                .as_ref()
+                .map_or(0, |m| R::memory_addr(&m.state)),
+            control: R::host_mapped_ptrs(self.control(rank)).1,
+            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+        }
     }
 
     /// This process's rank of a group with one process per rank. Three exchanges over the
@@ -623,6 +678,7 @@ impl<R: GpuRuntime> Group<R> {
                 pending: vec![Vec::new(); world],
             }),
             mapped: Default::default(),
+            push: Err("the push one-shot runs in in-process groups only".into()),
         };
         for d in &group.devices {
             R::bind(d)?;
@@ -879,6 +935,22 @@ impl<R: GpuRuntime> Group<R> {
                 // SAFETY: as above; no input is read for n = 0.
                 unsafe { R::launch(f, self.grid, THREADS, Stream::NULL, &registered)? };
             }
+            if let Ok(p) = &self.push {
+                // World 1, no data: each launch touches only this rank's buffers and state,
+                // and every rank's call count advances by the same three.
+                let mut l = self.push_launch(rank, p);
+                l.buffers = [0; MAX_WORLD];
+                l.buffers[0] = self.push_launch(rank, p).buffers[rank];
+                l.workspaces = [0; MAX_WORLD];
+                l.workspaces[0] = self.peers[rank];
+                l.rank = 0;
+                l.world = 1;
+                for (i, &f) in p.kernels[d].functions.iter().enumerate() {
+                    let args = push::args(&l, DType::ALL[i], 0, 0, 0, false);
+                    // SAFETY: no elements and world 1: only this rank's memory is touched.
+                    unsafe { push::launch::<R>(f, self.grid, Stream::NULL, &args)? };
+                }
+            }
         }
         for d in &self.devices {
             R::bind(d)?;
@@ -975,6 +1047,16 @@ impl<R: GpuRuntime> Drop for Group<R> {
             unsafe { R::close_import(&self.devices[0], addr) };
         }
         // Free each allocation with its own device current.
+        if let Ok(p) = &mut self.push {
+            for (rank, m) in p.memory.iter_mut().enumerate() {
+                let _ = R::bind(&self.devices[self.rank_device[rank]]);
+                m.take();
+            }
+            for (d, k) in std::mem::take(&mut p.kernels).into_iter().enumerate() {
+                let _ = R::bind(&self.devices[d]);
+                drop(k);
+            }
+        }
         for &rank in &self.local {
             let d = self.rank_device[rank];
             let _ = R::bind(&self.devices[d]);
@@ -1256,6 +1338,53 @@ impl<R: GpuRuntime> GpuComm<R> {
     /// The descriptor says so (`Desc::REGISTERED`) and the second word names the registration
     /// and offset, so ranks that did not all take this path, or not on the same memory, skip
     /// the call together and report a mismatch.
+    /// `Strategy::PushOneShot`: one launch of the push kernel (crate::push), at most
+    /// `Strategy::PUSH_MAX_BYTES` (prepare refuses larger calls), whatever the world.
+    fn push_one_shot(&self, call: &Call) -> Result<()> {
+        let g = &*self.group;
+        let p = g.push.as_ref().map_err(|reason| Error::StrategyUnavailable {
+            strategy: Strategy::PushOneShot,
+            reason: reason.clone(),
+        })?;
+        if call.bytes() > push::SLOT_BYTES || call.precision != Precision::Exact {
+            // prepare() and strategy_available refuse these; checked again rather than
+            // write past a slot, and the peers told.
+            let e = Error::TooLarge {
+                bytes: call.bytes(),
+                max: push::SLOT_BYTES,
+            };
+            self.push_reject(call.stream);
+            return Err(e);
+        }
+        let args = push::args(
+            &g.push_launch(self.rank, p),
+            call.dtype(),
+            call.input.addr as u64,
+            call.output.addr as u64,
+            call.len(),
+            false,
+        );
+        let f = p.kernels[g.rank_device[self.rank]].functions[dtype_index(call.dtype())];
+        R::bind(self.device())?;
+        // SAFETY: FusedKernelArgs mirrors the kernel's parameter; the buffers and state live
+        // as long as the group; `prepare` validated the caller's buffers (device, size,
+        // alignment, overlap) and the size fits a slot (checked above).
+        unsafe { push::launch::<R>(f, g.grid, call.stream, &args) }
+    }
+
+    /// A push launch with no data and a "refused" descriptor, so that the peers' push calls
+    /// skip this call and report `PeerRejected` rather than wait out the deadline.
+    fn push_reject(&self, stream: Stream) {
+        let g = &*self.group;
+        let Ok(p) = &g.push else { return };
+        let args = push::args(&g.push_launch(self.rank, p), DType::F32, 0, 0, 0, true);
+        let f = p.kernels[g.rank_device[self.rank]].functions[0];
+        if R::bind(self.device()).is_ok() {
+            // SAFETY: no elements, so no buffer is touched but the group's own.
+            let _ = unsafe { push::launch::<R>(f, g.grid, stream, &args) };
+        }
+    }
+
     fn all_reduce_registered(&self, call: &Call, input: InPlace) -> Result<()> {
         let g = &*self.group;
         let kernels = g.kernels[g.rank_device[self.rank]].as_ref().expect("alive");
@@ -1489,6 +1618,11 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
                     )
                     .map(|_| ())
                 }),
+            Strategy::PushOneShot => match precision {
+                Precision::Exact => no_peers(strategy)
+                    .and_then(|_| self.group.push.as_ref().map(|_| ()).map_err(Clone::clone)),
+                Precision::Lossy(_) => Err("it is exact (Precision::Exact)".into()),
+            },
             Strategy::Vendor => self.group.vendor.as_ref().map(|_| ()).map_err(Clone::clone),
             Strategy::VendorSymmetric => self
                 .group
@@ -1526,6 +1660,9 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
                     call.stream,
                 )
             };
+        }
+        if call.strategy == Strategy::PushOneShot {
+            return self.push_one_shot(call);
         }
         if let Some(input) = g.registered_input(self.rank, call) {
             return self.all_reduce_registered(call, InPlace::Registered(&input));
@@ -1760,6 +1897,15 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
                     abi::ERROR_NONE,
                 )
             };
+            if c.error == abi::ERROR_FUSED_MISMATCH && push::is_push_desc(c.mine) {
+                return Err(push::mismatch_error(
+                    self.rank,
+                    c.rank as usize,
+                    c.epoch as u64,
+                    c.mine,
+                    c.theirs,
+                ));
+            }
             if c.error == abi::ERROR_FUSED_MISMATCH {
                 return Err(fused_mismatch_error(self.rank, &c));
             }

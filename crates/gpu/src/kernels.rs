@@ -103,6 +103,9 @@ pub enum Kernel {
     FusedOneShotSplit(DType, usize),
     /// `fused::norm_only<T>`: the unfused baseline's residual + RMSNorm.
     RmsNorm(DType),
+    /// `fused::push_oneshot<T, W>` (push.h): the plain exact all-reduce by push
+    /// (`Strategy::PushOneShot`); world 0 is the generic instance.
+    PushOneShot(DType, usize),
 }
 
 /// The element types the codec kernels carry (the codecs are for 16-bit traffic).
@@ -129,6 +132,7 @@ impl Kernel {
             FusedTwoShot(d, w) => format!("ar_fused_twoshot_{}_w{w}", d.name()),
             FusedOneShotSplit(d, w) => format!("ar_fused_oneshot_split_{}_w{w}", d.name()),
             RmsNorm(d) => format!("ar_rmsnorm_{}", d.name()),
+            PushOneShot(d, w) => format!("ar_push_oneshot_{}_w{w}", d.name()),
         }
     }
 
@@ -137,9 +141,11 @@ impl Kernel {
         match self {
             OneShot(_) | TwoShot(_) | OneShotRegistered(_) | TwoShotRegistered(_) | Copy
             | Quantized(..) | Hierarchical(..) | Encode(..) | Decode(..) => Module::AllReduce,
-            FusedOneShot(..) | FusedTwoShot(..) | FusedOneShotSplit(..) | RmsNorm(_) => {
-                Module::Fused
-            }
+            FusedOneShot(..)
+            | FusedTwoShot(..)
+            | FusedOneShotSplit(..)
+            | RmsNorm(_)
+            | PushOneShot(..) => Module::Fused,
         }
     }
 
@@ -197,6 +203,12 @@ pub fn kernels(vendor: Vendor, module: Module) -> Vec<Kernel> {
                     }
                 }
                 out.push(Kernel::RmsNorm(d));
+            }
+            // Appended, so every earlier instance keeps its place in the code object.
+            for d in DType::ALL {
+                for &w in &worlds {
+                    out.push(Kernel::PushOneShot(d, w));
+                }
             }
         }
     }
@@ -307,6 +319,10 @@ fn instance(k: Kernel) -> String {
             )
         }
         RmsNorm(d) => format!("AR_FUSED_KERNEL({name}, norm_only<{}>)", cxx_type(d)),
+        PushOneShot(d, w) => format!(
+            "AR_FUSED_KERNEL({name}, push_oneshot<{}, {w}>)",
+            cxx_type(d)
+        ),
     }
 }
 
@@ -395,6 +411,8 @@ mod tests {
             "ar_fused_twoshot_f16_w0",
             "ar_fused_oneshot_split_f32_w8",
             "ar_rmsnorm_f16",
+            "ar_push_oneshot_bf16_w2",
+            "ar_push_oneshot_f32_w0",
         ] {
             assert!(cuda.iter().any(|n| n == name), "{name}");
         }
@@ -403,8 +421,8 @@ mod tests {
             kernels(Vendor::Hip, Module::AllReduce)
         );
         // HIP's fused module: the generic instance only, and no split.
-        assert_eq!(kernels(Vendor::Hip, Module::Fused).len(), 3 * 3);
-        assert_eq!(kernels(Vendor::Cuda, Module::Fused).len(), 3 * (4 * 3 + 1));
+        assert_eq!(kernels(Vendor::Hip, Module::Fused).len(), 3 * (3 + 1));
+        assert_eq!(kernels(Vendor::Cuda, Module::Fused).len(), 3 * (4 * 3 + 1 + 4));
     }
 
     #[test]

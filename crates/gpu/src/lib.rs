@@ -24,6 +24,7 @@ pub mod device;
 pub mod fused;
 mod group;
 pub mod kernels;
+pub mod push;
 
 pub use group::{upload_registered, GpuBackend, GpuComm, GroupView};
 

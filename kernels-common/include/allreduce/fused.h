@@ -94,7 +94,7 @@ struct FusedKernelArgs {
   uint32_t pattern;
   float eps;
   float weight_bias;       // added to gamma (f32) when non-zero: FlashInfer's weight_bias
-  uint32_t pad;
+  uint32_t tail;           // push.h: elements in the last vector (0: whole); 0 elsewhere
 };
 static_assert(sizeof(FusedKernelArgs) == 264, "FusedKernelArgs");
 static_assert(offsetof(FusedKernelArgs, weight_bias) == 256, "FusedKernelArgs");
