@@ -12,7 +12,8 @@
 //! library serves the group (one rank per GPU: a group of one here), graphs of 1, 2 and 3 calls
 //! mixing the vendor strategies (symmetric windows, staged through the window and in pieces,
 //! and plain) with ours.
-//! Generic
+//! Then graphs of 1-4 push one-shot calls on 2, 4 and 8 ranks (their buffer rotation lives in
+//! device memory, advanced by the kernel). Generic
 //! over the runtime; the test binaries (tests/cuda_graphs.rs, tests/rocm_graphs.rs) call
 //! [`run`] with theirs.
 
@@ -56,6 +57,9 @@ enum Mix {
     Hierarchical,
     /// The vendor strategies beside ours.
     Vendor,
+    /// The push one-shot, whose receive buffers rotate by threes: graphs of 1-4 of its calls
+    /// meet every phase of the rotation at replay.
+    Push,
 }
 
 /// The calls a graph holds: (length, dtype, strategy, precision).
@@ -71,6 +75,16 @@ fn calls(mix: Mix, k: usize) -> Vec<(usize, DType, Strategy, Precision)> {
             ),
             (4097, DType::BF16, Strategy::OneShot, Precision::Exact),
             (70_001, DType::F16, Strategy::Vendor, Precision::Exact),
+        ];
+        return all[..k].to_vec();
+    }
+    if mix == Mix::Push {
+        let p = Strategy::PushOneShot;
+        let all = [
+            (70_001, DType::BF16, p, Precision::Exact),
+            (5, DType::F32, p, Precision::Exact),
+            (1001, DType::F16, p, Precision::Exact),
+            (4097, DType::F32, p, Precision::Exact),
         ];
         return all[..k].to_vec();
     }
@@ -483,7 +497,16 @@ pub fn run<R: GpuTestRuntime>() {
         .into_iter()
         .flat_map(|w| (1..=4).map(move |k| (w, k, Mix::Flat)));
     let hierarchical = (1..=3).map(|k| (8usize, k, Mix::Hierarchical));
-    for (world, k, mix) in exact_and_flat.chain(hierarchical) {
+    let push = [2usize, 4, 8]
+        .into_iter()
+        .flat_map(|w| (1..=4).map(move |k| (w, k, Mix::Push)));
+    // `ALLREDUCE_GRAPH_TESTS=push`: the push one-shot's graphs alone (a short GPU run).
+    let only_push = std::env::var("ALLREDUCE_GRAPH_TESTS").is_ok_and(|v| v == "push");
+    let all: Vec<(usize, usize, Mix)> = exact_and_flat.chain(hierarchical).chain(push).collect();
+    for (world, k, mix) in all
+        .into_iter()
+        .filter(|&(_, _, m)| !only_push || m == Mix::Push)
+    {
         {
             let mut config = GroupConfig::new(world).max_bytes(1 << 20);
             if mix == Mix::Hierarchical {
@@ -503,10 +526,10 @@ pub fn run<R: GpuTestRuntime>() {
             for r in results {
                 r.unwrap();
             }
-            let kind = if mix == Mix::Hierarchical {
-                "hierarchical "
-            } else {
-                ""
+            let kind = match mix {
+                Mix::Hierarchical => "hierarchical ",
+                Mix::Push => "push one-shot ",
+                _ => "",
             };
             crate::say!(
                 R,
@@ -514,6 +537,9 @@ pub fn run<R: GpuTestRuntime>() {
                 start.elapsed().as_secs_f64()
             );
         }
+    }
+    if only_push {
+        return;
     }
     run_registered::<R>();
     run_graph_buffers::<R>();

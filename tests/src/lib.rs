@@ -27,6 +27,7 @@ pub mod graphs;
 pub mod harness;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 mod harness_gpu;
+pub mod push;
 mod suite;
 pub mod tolerance;
 

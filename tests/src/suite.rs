@@ -48,6 +48,14 @@ pub const TESTS: &[Test] = &[
         run: hierarchical_refuses_what_it_cannot_run,
     },
     Test {
+        name: "push_oneshot_exact_every_length",
+        run: crate::push::push_oneshot_exact_every_length,
+    },
+    Test {
+        name: "push_oneshot_mismatch_is_reported_and_harmless",
+        run: crate::push::push_oneshot_mismatch_is_reported_and_harmless,
+    },
+    Test {
         name: "larger_than_the_workspace",
         run: larger_than_the_workspace,
     },

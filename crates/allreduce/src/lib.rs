@@ -358,7 +358,7 @@ impl Communicator {
             Ok(call) => call,
             Err(e) => {
                 tracing::debug!(error = %e, "rejected");
-                comm.reject(&e, options.stream);
+                comm.reject_call(&e, options.stream, options.strategy);
                 return Err(e);
             }
         };

@@ -10,6 +10,8 @@
 //! - ours: `Communicator::all_reduce` with `Auto`, and one-shot / two-shot forced; in graphs,
 //!   `Auto` on the same plain input captured with graph registration on and registered after
 //!   the capture (`Communicator::register_graph_buffers`), as an engine captures it;
+//! - ours, the push one-shot (`push`: `Strategy::PushOneShot`, Lamport, no barrier) on the
+//!   plain input, eager and in graphs, up to the largest call it takes;
 //! - ours on a registered input (`ours reg`: `Auto` on memory from
 //!   `Communicator::alloc_registered_group`, which the peers read in place), eager and in
 //!   graphs (captured after the registration);
@@ -77,9 +79,12 @@ enum Who {
     Pcie,
     /// Ours (Auto) on an input in memory every rank registered.
     OursRegistered,
+    /// Ours, the push one-shot (`Strategy::PushOneShot`), on the plain input, up to the
+    /// largest call it takes.
+    Push,
 }
 
-const EAGER: [Who; 7] = [
+const EAGER: [Who; 8] = [
     Who::Auto,
     Who::OneShot,
     Who::TwoShot,
@@ -87,14 +92,17 @@ const EAGER: [Who; 7] = [
     Who::VllmRegistered,
     Who::Pcie,
     Who::OursRegistered,
+    Who::Push,
 ];
 /// In graphs: ours (Auto), vLLM's captured calls (registered after capture), FlashInfer's
-/// PCIe all-reduce, and ours on a registered input (captured after registration).
-const GRAPH: [Who; 4] = [
+/// PCIe all-reduce, ours on a registered input (captured after registration), and the push
+/// one-shot on the plain input.
+const GRAPH: [Who; 5] = [
     Who::Auto,
     Who::VllmRegistered,
     Who::Pcie,
     Who::OursRegistered,
+    Who::Push,
 ];
 /// The peers, in "best peer" (eager: every peer column; graphs: the peers' graph columns).
 const PEERS: [Who; 3] = [Who::Vllm, Who::VllmRegistered, Who::Pcie];
@@ -131,10 +139,10 @@ fn best_peer(times: &[f64], graphs: bool) -> f64 {
 /// (NaN: not run), and each contender's wrong elements.
 #[derive(Clone, Debug, Default)]
 struct RowTimes {
-    eager: [f64; 7],
-    graph: [f64; 4],
-    wrong: [usize; 7],
-    graph_wrong: [usize; 4],
+    eager: [f64; 8],
+    graph: [f64; 5],
+    wrong: [usize; 8],
+    graph_wrong: [usize; 5],
     ran: Option<Strategy>,
 }
 
@@ -234,7 +242,7 @@ fn rank_loop(
     shared: &Shared,
     heartbeat: &Heartbeat,
     expected: &[f32],
-    wrongs: &Mutex<Vec<[usize; 7]>>,
+    wrongs: &Mutex<Vec<[usize; 8]>>,
     registered: &RegisteredBuffer,
     pcie_setup: &PcieSetup,
 ) -> Result<(Vec<RowTimes>, Option<String>), String> {
@@ -306,8 +314,8 @@ fn rank_loop(
     for (&bytes, pcie_launch) in sizes.iter().zip(&pcie_setup.plan) {
         let n = bytes / dtype.size();
         let mut row = RowTimes {
-            eager: [f64::NAN; 7],
-            graph: [f64::NAN; 4],
+            eager: [f64::NAN; 8],
+            graph: [f64::NAN; 5],
             ..Default::default()
         };
         let opts = |s: Strategy| {
@@ -335,6 +343,7 @@ fn rank_loop(
                 Who::Auto => ours(Strategy::Auto),
                 Who::OneShot => ours(Strategy::OneShot),
                 Who::TwoShot => ours(Strategy::TwoShot),
+                Who::Push => ours(Strategy::PushOneShot),
                 Who::OursRegistered => {
                     let input = registered.view(0, n, dtype).map_err(e)?;
                     // SAFETY: a prefix of this rank's live output buffer, 16-byte aligned.
@@ -387,6 +396,7 @@ fn rank_loop(
         let runs = |w: Who| match w {
             Who::Vllm | Who::VllmRegistered => vllm_ok,
             Who::Pcie => pcie_ok,
+            Who::Push => n > 0 && bytes <= Strategy::PUSH_MAX_BYTES,
             _ => n > 0,
         };
         // Correctness first, each contender on a zeroed output: a wrong peer is not timed.
@@ -543,7 +553,7 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
             println!("{line}");
         }
         println!(
-        "# {:>10} {:>8} | {:>8} {:>8} {:>8} | {:>8} {:>8} {:>15} | {:>7} | {:>8} {:>8} {:>15} {:>7} | {:>8} {:>7} | {:>8} {:>7} | #wrong (auto 1s 2s vllm vllm-reg fi-pcie ours-reg; graphs auto vllm fi-pcie ours-reg)",
+        "# {:>10} {:>8} | {:>8} {:>8} {:>8} | {:>8} {:>8} {:>15} | {:>7} | {:>8} {:>8} {:>15} {:>7} | {:>8} {:>7} | {:>8} {:>7} | {:>8} {:>7} | {:>8} {:>7} | #wrong (auto 1s 2s vllm vllm-reg fi-pcie ours-reg push; graphs auto vllm fi-pcie ours-reg push)",
         "bytes",
         "auto ran",
         "auto",
@@ -560,6 +570,10 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
         "ours reg",
         "ratio",
         "g.reg",
+        "ratio",
+        "push",
+        "ratio",
+        "g.push",
         "ratio"
     );
     }
@@ -574,7 +588,7 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
     let barrier = Barrier::new(world);
     let shared: Shared = Mutex::new(vec![(0, 0, 0, 0); world]);
     let heartbeat = Heartbeat::default();
-    let wrongs = Mutex::new(vec![[0usize; 7]; world]);
+    let wrongs = Mutex::new(vec![[0usize; 8]; world]);
     // Collective, before the ranks' threads start (it allocates on every rank's device).
     let registered = Communicator::alloc_registered_group(&comms, max.max(16))?;
     type RankResult = Result<(Vec<RowTimes>, Option<String>), String>;
@@ -660,6 +674,7 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
         let num = |x: f64| (!x.is_nan()).then_some(x * 1e6);
         let (auto, reg) = (eager[ec(Who::Auto)], eager[ec(Who::OursRegistered)]);
         let (g_auto, g_reg) = (graph[gc(Who::Auto)], graph[gc(Who::OursRegistered)]);
+        let (push, g_push) = (eager[ec(Who::Push)], graph[gc(Who::Push)]);
         for (line, (a, b)) in
             ratios
                 .iter_mut()
@@ -688,11 +703,13 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
                 "vllm_registered": eager_json(Who::VllmRegistered),
                 "flashinfer_pcie": eager_json(Who::Pcie),
                 "ours_registered": eager_json(Who::OursRegistered),
+                "push_oneshot": eager_json(Who::Push),
             },
             "graph_us": {
                 "auto": graph_json(Who::Auto), "vllm": graph_json(Who::VllmRegistered),
                 "flashinfer_pcie": graph_json(Who::Pcie),
                 "ours_registered": graph_json(Who::OursRegistered),
+                "push_oneshot": graph_json(Who::Push),
             },
             "best_peer_eager_us": num(peer),
             "best_peer_graph_us": num(graph_peer),
@@ -702,17 +719,19 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
                            "twoshot": w_eager(Who::TwoShot), "vllm": w_eager(Who::Vllm),
                            "vllm_registered": w_eager(Who::VllmRegistered),
                            "flashinfer_pcie": w_eager(Who::Pcie),
-                           "ours_registered": w_eager(Who::OursRegistered) },
+                           "ours_registered": w_eager(Who::OursRegistered),
+                           "push_oneshot": w_eager(Who::Push) },
                 "graph": { "auto": w_graph(Who::Auto), "vllm": w_graph(Who::VllmRegistered),
                            "flashinfer_pcie": w_graph(Who::Pcie),
-                           "ours_registered": w_graph(Who::OursRegistered) },
+                           "ours_registered": w_graph(Who::OursRegistered),
+                           "push_oneshot": w_graph(Who::Push) },
             },
         }));
         if json {
             continue;
         }
         println!(
-            "  {:>10} {:>8} | {:>8} {:>8} {:>8} | {:>8} {:>8} {:>15} | {:>7} | {:>8} {:>8} {:>15} {:>7} | {:>8} {:>7} | {:>8} {:>7} | {:?}",
+            "  {:>10} {:>8} | {:>8} {:>8} {:>8} | {:>8} {:>8} {:>15} | {:>7} | {:>8} {:>8} {:>15} {:>7} | {:>8} {:>7} | {:>8} {:>7} | {:>8} {:>7} | {:>8} {:>7} | {:?}",
             bytes,
             per_rank[0][k]
                 .ran
@@ -732,6 +751,10 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
             ratio(reg, peer),
             us(g_reg),
             ratio(g_reg, graph_peer),
+            us(push),
+            ratio(push, peer),
+            us(g_push),
+            ratio(g_push, graph_peer),
             wrong
         );
     }

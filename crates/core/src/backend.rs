@@ -382,6 +382,14 @@ pub trait BackendComm: Send + Sync {
     /// `stream` is the caller's: GPU backends enqueue their part of the agreement there.
     fn reject(&self, _reason: &Error, _stream: Stream) {}
 
+    /// [`BackendComm::reject`] for a call that asked for `strategy`. A GPU group's push
+    /// one-shot agrees through its own protocol (the call tags of its receive buffers), not
+    /// the flag barrier every other kernel meets, so its peers learn of a refusal only there.
+    fn reject_call(&self, reason: &Error, stream: Stream, strategy: Strategy) {
+        let _ = strategy;
+        self.reject(reason, stream)
+    }
+
     /// Wait until everything enqueued on `stream` has finished and report any device-side
     /// error (such as a spin-wait timeout) recorded since the last check.
     fn synchronize(&self, stream: Stream) -> Result<()>;

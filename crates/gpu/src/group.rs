@@ -1342,10 +1342,13 @@ impl<R: GpuRuntime> GpuComm<R> {
     /// `Strategy::PUSH_MAX_BYTES` (prepare refuses larger calls), whatever the world.
     fn push_one_shot(&self, call: &Call) -> Result<()> {
         let g = &*self.group;
-        let p = g.push.as_ref().map_err(|reason| Error::StrategyUnavailable {
-            strategy: Strategy::PushOneShot,
-            reason: reason.clone(),
-        })?;
+        let p = g
+            .push
+            .as_ref()
+            .map_err(|reason| Error::StrategyUnavailable {
+                strategy: Strategy::PushOneShot,
+                reason: reason.clone(),
+            })?;
         if call.bytes() > push::SLOT_BYTES || call.precision != Precision::Exact {
             // prepare() and strategy_available refuse these; checked again rather than
             // write past a slot, and the peers told.
@@ -1826,6 +1829,17 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
         if R::bind(self.device()).is_ok() {
             // SAFETY: as in all_reduce; n = 0, so the null buffers are never touched.
             let _ = unsafe { R::launch(kernels.oneshot[0], g.grid, THREADS, stream, &args) };
+        }
+    }
+
+    fn reject_call(&self, reason: &Error, stream: Stream, strategy: Strategy) {
+        if strategy == Strategy::PushOneShot {
+            if self.aborted().is_none() {
+                self.calls.fetch_add(1, Ordering::Relaxed);
+                self.push_reject(stream);
+            }
+        } else {
+            self.reject(reason, stream);
         }
     }
 

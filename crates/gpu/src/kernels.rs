@@ -422,7 +422,10 @@ mod tests {
         );
         // HIP's fused module: the generic instance only, and no split.
         assert_eq!(kernels(Vendor::Hip, Module::Fused).len(), 3 * (3 + 1));
-        assert_eq!(kernels(Vendor::Cuda, Module::Fused).len(), 3 * (4 * 3 + 1 + 4));
+        assert_eq!(
+            kernels(Vendor::Cuda, Module::Fused).len(),
+            3 * (4 * 3 + 1 + 4)
+        );
     }
 
     #[test]

@@ -144,7 +144,10 @@ pub(crate) unsafe fn launch<R: GpuRuntime>(
 /// Whether a descriptor a push kernel reported is one of push.h's (rather than a fused
 /// call's).
 pub fn is_push_desc(d: u64) -> bool {
-    matches!(((d >> 4) & 0xf) as u32, PATTERN_PUSH | PATTERN_PUSH_REJECTED)
+    matches!(
+        ((d >> 4) & 0xf) as u32,
+        PATTERN_PUSH | PATTERN_PUSH_REJECTED
+    )
 }
 
 /// Ranks whose push calls differed, as the error the other strategies give: `PeerRejected`
@@ -241,14 +244,35 @@ mod tests {
 
     #[test]
     fn mismatches_name_what_differs() {
-        let e = mismatch_error(0, 1, 7, desc(9, DType::BF16, false), desc(10, DType::BF16, false));
+        let e = mismatch_error(
+            0,
+            1,
+            7,
+            desc(9, DType::BF16, false),
+            desc(10, DType::BF16, false),
+        );
         assert!(
             matches!(&e, Error::RankMismatch { what: "length", call: 7, detail } if detail.contains("has 9, rank 1 has 10")),
             "{e:?}"
         );
-        let e = mismatch_error(0, 1, 7, desc(8, DType::F16, false), desc(4, DType::F32, false));
-        assert!(matches!(&e, Error::RankMismatch { what: "dtype", .. }), "{e:?}");
-        let e = mismatch_error(0, 1, 7, desc(8, DType::F16, false), desc(0, DType::F32, true));
+        let e = mismatch_error(
+            0,
+            1,
+            7,
+            desc(8, DType::F16, false),
+            desc(4, DType::F32, false),
+        );
+        assert!(
+            matches!(&e, Error::RankMismatch { what: "dtype", .. }),
+            "{e:?}"
+        );
+        let e = mismatch_error(
+            0,
+            1,
+            7,
+            desc(8, DType::F16, false),
+            desc(0, DType::F32, true),
+        );
         assert!(matches!(e, Error::PeerRejected { rank: 1, .. }), "{e:?}");
         assert!(is_push_desc(desc(3, DType::F32, false)));
         assert!(!is_push_desc(1 << 32 | 4096 << 8 | 1 << 4 | 3 << 1 | 1));

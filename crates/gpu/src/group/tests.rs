@@ -499,11 +499,30 @@ fn creation_enables_peers_and_warms_every_kernel_alone() {
     );
     let warm = take_launches();
     let kernels = engine_kernels();
-    assert_eq!(warm.len(), 4 * kernels.len());
+    // Per rank: the exact kernels, then the push one-shot's three.
+    let push = crate::push::kernel_set::<Mock>(4).map(Kernel::name);
+    let per_rank = kernels.len() + push.len();
+    assert_eq!(warm.len(), 4 * per_rank);
     for (i, l) in warm.iter().enumerate() {
-        let rank = i / kernels.len();
-        assert_eq!(l.kernel, kernels[i % kernels.len()]);
+        let (rank, k) = (i / per_rank, i % per_rank);
         assert_eq!((l.grid, l.block, l.stream), (20, THREADS, 0));
+        if k >= kernels.len() {
+            assert_eq!(l.kernel, push[k - kernels.len()]);
+            // Alone too: world 1, its own buffers and workspace as rank 0, no data.
+            let a = l.fused();
+            assert_eq!((a.world, a.rank, a.tokens), (1, 0, 0));
+            let g = &comms[rank].group;
+            let own = Mock::memory_addr(
+                &g.push.as_ref().unwrap().memory[rank]
+                    .as_ref()
+                    .unwrap()
+                    .buffers,
+            );
+            assert_eq!((a.lamport[0], a.ws[0]), (own, g.peers[rank]));
+            assert!(a.lamport[1..].iter().chain(&a.ws[1..]).all(|&p| p == 0));
+            continue;
+        }
+        assert_eq!(l.kernel, kernels[k]);
         // Alone: world 1, its own workspace as rank 0, nothing to move.
         assert_eq!((l.args.world, l.args.rank, l.args.n), (1, 0, 0));
         assert_eq!(l.args.peers[0], comms[rank].group.peers[rank]);
@@ -1412,9 +1431,12 @@ fn fused_workspaces_are_sized_filled_and_warmed_per_rank() {
         assert_eq!(m.buffer_size, 3 * comm_bytes + 1024);
         assert_eq!(m.blocks, 16);
     }
-    // bf16 Lamport buffers hold bf16: -0.0 is 0x8000 in every 16-bit word.
+    // The group's push buffers first (f32 sentinel words for every dtype), then the fused
+    // workspace's: bf16 Lamport buffers hold bf16, -0.0 is 0x8000 in every 16-bit word.
     let fills = FILLS.with(|f| std::mem::take(&mut *f.borrow_mut()));
-    assert_eq!(fills, vec![(3 * comm_bytes, Fill::U16(0x8000)); 4]);
+    let push = (3 * crate::push::buffer_bytes(4), Fill::U32(0x8000_0000));
+    assert_eq!(fills[..4], vec![push; 4]);
+    assert_eq!(fills[4..], vec![(3 * comm_bytes, Fill::U16(0x8000)); 4]);
     let warm = take_launches();
     assert_eq!(warm.len(), 4 * 3);
     for (i, l) in warm.iter().enumerate() {
@@ -1537,7 +1559,11 @@ fn fused_worlds_without_an_instance_use_the_generic_kernels_and_f32_lamport_word
     let (_comms, fused) = fused_group(vec![0, 0, 1], &config);
     let comm_bytes = 4 * 4 * 256 * 4 + 128;
     let fills = FILLS.with(|f| std::mem::take(&mut *f.borrow_mut()));
-    assert_eq!(fills, vec![(3 * comm_bytes, Fill::U32(0x8000_0000)); 3]);
+    // After the group's push buffers.
+    assert_eq!(
+        fills[3..],
+        vec![(3 * comm_bytes, Fill::U32(0x8000_0000)); 3]
+    );
     let warm = take_launches();
     let kernels: Vec<&str> = warm.iter().map(|l| l.kernel).collect();
     assert_eq!(
@@ -1808,6 +1834,7 @@ fn the_engine_looks_up_exactly_the_tables_engine_kernels() {
     // The mock refuses more than 6 ranks: world 8's names, from what the fused group asks.
     looked_up.extend(crate::fused::kernel_names::<Mock>(8).into_iter().flatten());
     looked_up.extend(crate::fused::split_kernel_names::<Mock>(8));
+    looked_up.extend(crate::push::kernel_set::<Mock>(8).map(Kernel::name));
     looked_up.sort();
     looked_up.dedup();
     let mut engine: Vec<String> = kernels::all(Vendor::Cuda)
@@ -2396,4 +2423,113 @@ fn a_replay_before_registration_is_reported_and_the_group_goes_on() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+// ---- The push one-shot ------------------------------------------------------------------
+
+/// A push call is one launch of the push kernel for its dtype and world, on the group's grid,
+/// with every rank's receive buffers and workspaces and the call's vectors and tail; a
+/// mismatch it reports reads as the exact paths' errors; a refused push call still launches,
+/// with no data and a "refused" descriptor, so the peers skip it with it.
+#[test]
+fn push_calls_launch_the_push_kernel_with_every_ranks_buffers() {
+    let comms = group(vec![0, 1, 2, 3]);
+    take_launches();
+    let c = &comms[2];
+    let (inp, out) = (0x10000usize, 0x1_000_000usize);
+    let push = AllReduceOptions::default().strategy(Strategy::PushOneShot);
+    let call = prepared(c, inp, out, 1001, DType::BF16, push);
+    assert_eq!(call.strategy, Strategy::PushOneShot);
+    c.all_reduce(&call).unwrap();
+    let launches = take_launches();
+    assert_eq!(launches.len(), 1);
+    let l = &launches[0];
+    assert_eq!(l.kernel, "ar_push_oneshot_bf16_w4");
+    assert_eq!((l.grid, l.block, l.cluster), (20, THREADS, 0));
+    let a = l.fused();
+    let g = &c.group;
+    let p = g.push.as_ref().unwrap();
+    for r in 0..4 {
+        let m = p.memory[r].as_ref().unwrap();
+        assert_eq!(a.lamport[r], Mock::memory_addr(&m.buffers));
+        assert_eq!(a.ws[r], g.peers[r]);
+    }
+    assert_eq!(
+        a.state,
+        Mock::memory_addr(&p.memory[2].as_ref().unwrap().state)
+    );
+    assert_eq!((a.input, a.allreduce_out), (inp as u64, out as u64));
+    // 1001 bf16: 125 whole vectors and one of a single element.
+    assert_eq!(
+        (a.tokens, a.tail, a.hidden, a.rank, a.world),
+        (126, 1, 4, 2, 4)
+    );
+    assert_eq!(a.pattern, crate::push::PATTERN_PUSH);
+
+    // Too large for the strategy: refused before launch, and the refusal is launched.
+    let big = Strategy::PUSH_MAX_BYTES / 2 + 8;
+    let dev = c.limits().device;
+    // SAFETY: only addresses are used; the mock never touches the buffers.
+    let (i, o) = unsafe {
+        (
+            BufRef::from_raw(inp, big, DType::BF16, dev),
+            BufMut::from_raw(out, big, DType::BF16, dev),
+        )
+    };
+    let e = allreduce_core::prepare(
+        Some(i),
+        &o,
+        &push,
+        &c.limits(),
+        c.world_size(),
+        c.selection(),
+        |s, d, p| c.strategy_available(s, d, p),
+    )
+    .unwrap_err();
+    assert!(matches!(e, Error::TooLarge { max, .. } if max == Strategy::PUSH_MAX_BYTES));
+    c.reject_call(&e, Stream::NULL, Strategy::PushOneShot);
+    let launches = take_launches();
+    assert_eq!(launches.len(), 1);
+    let a = launches[0].fused();
+    assert_eq!(launches[0].kernel, "ar_push_oneshot_f32_w4");
+    assert_eq!(
+        (a.tokens, a.pattern),
+        (0, crate::push::PATTERN_PUSH_REJECTED)
+    );
+
+    // Lossy: not this strategy.
+    assert!(c
+        .strategy_available(
+            Strategy::PushOneShot,
+            DType::BF16,
+            Precision::Lossy(Codec::Int8)
+        )
+        .is_err());
+
+    // A reported disagreement on a push call is a RankMismatch, and is cleared.
+    let desc = |tokens: u64, tail: u64| tokens << 32 | tail << 8 | 4 << 4 | 3 << 1 | 1;
+    write_control(
+        c,
+        2,
+        Control {
+            error: abi::ERROR_FUSED_MISMATCH,
+            rank: 1,
+            epoch: 9,
+            mine: desc(126, 1),
+            theirs: desc(126, 2),
+            ..Default::default()
+        },
+    );
+    match c.synchronize(Stream::NULL) {
+        Err(Error::RankMismatch {
+            what: "length",
+            detail,
+            ..
+        }) => assert!(
+            detail.contains("rank 2 has 1001, rank 1 has 1002"),
+            "{detail}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert!(c.synchronize(Stream::NULL).is_ok());
 }
