@@ -3,12 +3,15 @@
 
     scripts/peers/table.py exact OUT/peers_exact.txt
     scripts/peers/table.py fused OUT/peers_fused.txt
+    scripts/peers/table.py push OUT/peers_exact.txt
 
 exact: per ranks and size, ours (staged and registered) against vLLM (eager staged and
 registered) and FlashInfer's PCIe all-reduce, eager and graphs, with ours registered / the best
 peer (logs from before FlashInfer's column: / the faster vLLM, and "-" in its columns). fused:
 per pattern, a grid of ours (Auto) / the faster TensorRT-LLM kernel, eager and graph, per
-shape and ranks.
+shape and ranks. push: per ranks and size, the push one-shot beside ours staged (Auto), ours
+registered, vLLM and FlashInfer, eager and graphs, with push / the best peer (logs of a bench
+with the push columns only).
 """
 import re
 import sys
@@ -52,6 +55,23 @@ def exact(path):
             print(f"| {ranks} | {size} | {auto} | {reg} | {vllm} | {vllm_reg} | {fi} | {two(r)} | {graph} | {greg} | {gvllm} | {gfi} | {two(gr)} |")
 
 
+def push(path):
+    print("| ranks | bytes | push | ours | ours reg | vLLM | vLLM reg | FI PCIe | push ratio | push graph | ours graph | ours reg graph | vLLM graph | FI PCIe graph | push graph ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for head, columns, rows in runs(path):
+        if "push" not in columns:
+            continue
+        ranks = re.search(r"--peers: (\d+) ranks", head).group(1)
+        for f in rows:
+            b = int(f[0])
+            size = f"{b >> 20} Mi" if b >= 1 << 20 else f"{b >> 10} Ki" if b >= 1024 else str(b)
+            # ... | oursreg ratio | greg ratio | push ratio | gpush ratio | #wrong
+            auto, reg, vllm, vllm_reg, fi = f[3], f[18], f[7], f[8], f[9]
+            graph, greg, gvllm, gfi = f[13], f[21], f[14], f[15]
+            p, pr, gp, gpr = f[24], f[25], f[27], f[28]
+            print(f"| {ranks} | {size} | {p} | {auto} | {reg} | {vllm} | {vllm_reg} | {fi} | {two(pr)} | {gp} | {graph} | {greg} | {gvllm} | {gfi} | {two(gpr)} |")
+
+
 def fused(path):
     grids = {}
     for head, _, rows in runs(path):
@@ -75,4 +95,4 @@ def fused(path):
 
 
 if __name__ == "__main__":
-    {"exact": exact, "fused": fused}[sys.argv[1]](sys.argv[2])
+    {"exact": exact, "fused": fused, "push": push}[sys.argv[1]](sys.argv[2])

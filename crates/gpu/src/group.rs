@@ -268,6 +268,8 @@ struct Push<R: GpuRuntime> {
     kernels: Vec<PushKernels<R>>,
     /// Per rank.
     memory: Vec<Option<PushMemory<R>>>,
+    /// Launch with programmatic dependent launch ([`push::PDL_ENV`]).
+    pdl: bool,
 }
 
 /// The graph slots every local rank took, in capture order. Ranks capture the same calls in
@@ -395,7 +397,13 @@ impl<R: GpuRuntime> Group<R> {
             R::bind(dev).map_err(why)?;
             memory.push(Some(PushMemory::alloc(dev, self.world).map_err(why)?));
         }
-        Ok(Push { kernels, memory })
+        let pdl = push::pdl_setting().map_err(why)?
+            && self.devices.iter().all(|d| R::has_pdl(d));
+        Ok(Push {
+            kernels,
+            memory,
+            pdl,
+        })
     }
 
     /// The push one-shot's launch parameters for `rank`, fixed for the life of the group.
@@ -948,7 +956,7 @@ impl<R: GpuRuntime> Group<R> {
                 for (i, &f) in p.kernels[d].functions.iter().enumerate() {
                     let args = push::args(&l, DType::ALL[i], 0, 0, 0, false);
                     // SAFETY: no elements and world 1: only this rank's memory is touched.
-                    unsafe { push::launch::<R>(f, self.grid, Stream::NULL, &args)? };
+                    unsafe { push::launch::<R>(f, self.grid, Stream::NULL, &args, false)? };
                 }
             }
         }
@@ -1372,7 +1380,7 @@ impl<R: GpuRuntime> GpuComm<R> {
         // SAFETY: FusedKernelArgs mirrors the kernel's parameter; the buffers and state live
         // as long as the group; `prepare` validated the caller's buffers (device, size,
         // alignment, overlap) and the size fits a slot (checked above).
-        unsafe { push::launch::<R>(f, g.grid, call.stream, &args) }
+        unsafe { push::launch::<R>(f, g.grid, call.stream, &args, p.pdl) }
     }
 
     /// A push launch with no data and a "refused" descriptor, so that the peers' push calls
@@ -1384,7 +1392,7 @@ impl<R: GpuRuntime> GpuComm<R> {
         let f = p.kernels[g.rank_device[self.rank]].functions[0];
         if R::bind(self.device()).is_ok() {
             // SAFETY: no elements, so no buffer is touched but the group's own.
-            let _ = unsafe { push::launch::<R>(f, g.grid, stream, &args) };
+            let _ = unsafe { push::launch::<R>(f, g.grid, stream, &args, p.pdl) };
         }
     }
 

@@ -127,7 +127,25 @@ pub(crate) fn args(
     }
 }
 
-/// Launch the push one-shot `f` for `args` on `stream`.
+/// `ALLREDUCE_PUSH_PDL`: 0 for ordinary launches of the push one-shot, 1 (the default) for
+/// programmatic dependent launch where every device of the group has it (as the fused
+/// kernels': the kernel waits in `pdl_wait` before its first access and lets the stream's next
+/// kernel be scheduled once its polls are over). A comparison knob.
+pub const PDL_ENV: &str = "ALLREDUCE_PUSH_PDL";
+
+pub(crate) fn pdl_setting() -> Result<bool> {
+    match std::env::var(PDL_ENV) {
+        Err(_) => Ok(true),
+        Ok(v) => match v.trim() {
+            "0" => Ok(false),
+            "1" => Ok(true),
+            _ => Err(Error::InvalidConfig(format!("{PDL_ENV}={v:?}: want 0 or 1"))),
+        },
+    }
+}
+
+/// Launch the push one-shot `f` for `args` on `stream`, as a programmatic dependent launch
+/// when `pdl`.
 ///
 /// # Safety
 /// `args` from [`args`] for a live group; input and output hold the call's elements (or the
@@ -137,8 +155,13 @@ pub(crate) unsafe fn launch<R: GpuRuntime>(
     grid: u32,
     stream: Stream,
     args: &FusedKernelArgs,
+    pdl: bool,
 ) -> Result<()> {
-    R::launch(f, grid, THREADS, stream, args)
+    if pdl {
+        R::launch_dependent(f, grid, 1, THREADS, stream, args)
+    } else {
+        R::launch(f, grid, THREADS, stream, args)
+    }
 }
 
 /// Whether a descriptor a push kernel reported is one of push.h's (rather than a fused

@@ -414,8 +414,11 @@ AR_DEVICE void record_mismatch(const FusedKernelArgs& a, uint32_t peer, uint32_t
 // Every block, before it reads peer data: wait for every rank's tag of this call and compare
 // it with ours. The same in every thread: kAgree, kDisagree (every rank's blocks see the same
 // tags, so all skip the call), or kLeave (the deadline passed or the group aborted).
+// `report` false: a disagreement is not recorded in our Control (push.h: a rank whose call
+// the host refused has already told its caller).
 enum Agreement { kAgree, kDisagree, kLeave };
-AR_DEVICE Agreement tags_agree(const FusedKernelArgs& a, uint32_t calls, uint32_t buffer, u64 desc) {
+AR_DEVICE Agreement tags_agree(const FusedKernelArgs& a, uint32_t calls, uint32_t buffer, u64 desc,
+                               bool report = true) {
   bool leave = false, differs = false;
   const uint32_t peer = thread_x();
   if (peer < a.world) {
@@ -426,7 +429,7 @@ AR_DEVICE Agreement tags_agree(const FusedKernelArgs& a, uint32_t calls, uint32_
     } else {
       const u64 theirs = (u64)t.w << 32 | t.z;
       if (theirs != desc) {
-        record_mismatch(a, peer, calls, desc, theirs);
+        if (report) record_mismatch(a, peer, calls, desc, theirs);
         differs = true;
       }
     }

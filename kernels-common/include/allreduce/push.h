@@ -88,7 +88,8 @@ __device__ void push_oneshot(const FusedKernelArgs& a) {
 
   // ---- Phase 2: refill the stale buffer (in f32 units, see the header), then agree.
   refill<float, W, true>(a, c);
-  if (!after_tags<float, W, true>(a, c, tags_agree(a, c.calls, c.buffer, desc))) return;
+  const bool refused = a.pattern == kPatternPushRejected;  // its caller has the error already
+  if (!after_tags<float, W, true>(a, c, tags_agree(a, c.calls, c.buffer, desc, !refused))) return;
 
   // ---- Phase 3: every rank's vector v, summed in rank order from rank 0's value (every rank
   // computes the same bits), rounded once. All world loads in flight, then polls for the
