@@ -21,8 +21,9 @@ use allreduce_gpu::device::{GpuDevice, GpuGraph, GpuStream};
 use allreduce_gpu::GpuRuntime;
 
 /// Launches of a group of two warming its kernels, once per rank: one-shot and two-shot x 3
-/// dtypes, staged and registered, quantized and hierarchical x 2 dtypes x every codec.
-const WARM_LAUNCHES: u32 = 2 * (6 + 6 + 2 * 2 * allreduce_core::Codec::ALL.len() as u32);
+/// dtypes, staged and registered, quantized and hierarchical x 2 dtypes x every codec, and the
+/// push one-shot x 3 dtypes.
+const WARM_LAUNCHES: u32 = 2 * (6 + 6 + 2 * 2 * allreduce_core::Codec::ALL.len() as u32 + 3);
 
 /// The stub's record of what the backend did (its `stub_*` functions).
 struct Probe(libloading::Library);
@@ -282,7 +283,7 @@ fn hip_layers_against_a_stub_runtime() {
         probe.u32("stub_launches"),
         WARM_LAUNCHES,
         "every kernel once per rank: one-shot and two-shot x 3 dtypes, staged and \
-         registered, quantized and hierarchical x 2 dtypes x every codec"
+         registered, quantized and hierarchical x 2 dtypes x every codec, push one-shot x 3"
     );
     assert_eq!(
         (probe.u32("stub_last_grid"), probe.u32("stub_last_block")),
