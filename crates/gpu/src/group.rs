@@ -397,8 +397,7 @@ impl<R: GpuRuntime> Group<R> {
             R::bind(dev).map_err(why)?;
             memory.push(Some(PushMemory::alloc(dev, self.world).map_err(why)?));
         }
-        let pdl = push::pdl_setting().map_err(why)?
-            && self.devices.iter().all(|d| R::has_pdl(d));
+        let pdl = push::pdl_setting().map_err(why)? && self.devices.iter().all(|d| R::has_pdl(d));
         Ok(Push {
             kernels,
             memory,

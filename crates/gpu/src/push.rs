@@ -139,7 +139,9 @@ pub(crate) fn pdl_setting() -> Result<bool> {
         Ok(v) => match v.trim() {
             "0" => Ok(false),
             "1" => Ok(true),
-            _ => Err(Error::InvalidConfig(format!("{PDL_ENV}={v:?}: want 0 or 1"))),
+            _ => Err(Error::InvalidConfig(format!(
+                "{PDL_ENV}={v:?}: want 0 or 1"
+            ))),
         },
     }
 }
