@@ -109,7 +109,8 @@ pub struct Args {
 
     /// Strategies, comma-separated: auto, oneshot, twoshot, quantized, hierarchical (two NUMA
     /// groups: a topology from the GPUs or ALLREDUCE_TOPOLOGY=pcie:2x4), vendor (NCCL/RCCL),
-    /// vendor-symmetric (NCCL 2.27+ on symmetric windows)
+    /// vendor-symmetric (NCCL 2.27+ on symmetric windows), push-oneshot (Lamport, no barrier;
+    /// calls up to 512 KiB)
     #[arg(
         long,
         value_delimiter = ',',
@@ -436,6 +437,8 @@ mod tests {
         .unwrap();
         assert_eq!(a.precision.len(), 3);
         assert_eq!(a.strategy, vec![Strategy::Auto, Strategy::QuantizedTwoShot]);
+        let a = Args::try_parse_from(["x", "--strategy", "oneshot,push-oneshot"]).unwrap();
+        assert_eq!(a.strategy, vec![Strategy::OneShot, Strategy::PushOneShot]);
         assert!(Args::try_parse_from(["x", "--precision", "q9"]).is_err());
         assert!(Args::try_parse_from(["x", "-f", "1"]).is_err());
     }

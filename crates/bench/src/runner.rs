@@ -636,13 +636,14 @@ mod tests {
         out
     }
 
-    const ALL: [Strategy; 6] = [
+    const ALL: [Strategy; 7] = [
         Strategy::Auto,
         Strategy::OneShot,
         Strategy::TwoShot,
         Strategy::QuantizedTwoShot,
         Strategy::Vendor,
         Strategy::VendorSymmetric,
+        Strategy::PushOneShot,
     ];
 
     #[test]
@@ -669,7 +670,8 @@ mod tests {
                     Outcome::Skipped(reason) => {
                         assert!(
                             spec.strategy.is_vendor()
-                                || (spec.strategy == Strategy::QuantizedTwoShot && spec.exact()),
+                                || (spec.strategy == Strategy::QuantizedTwoShot && spec.exact())
+                                || (spec.strategy == Strategy::PushOneShot && !spec.exact()),
                             "{spec:?} skipped: {reason}"
                         );
                         assert!(reason.contains("unavailable"), "{reason}");
