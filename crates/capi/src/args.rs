@@ -330,7 +330,7 @@ mod tests {
         for bad in [-1, 12, c_int::MAX] {
             assert_eq!(code(precision(bad).unwrap_err()), AR_INVALID_ARGUMENT);
         }
-        for bad in [-1, 7, c_int::MIN] {
+        for bad in [-1, 8, c_int::MIN] {
             assert_eq!(code(strategy(bad).unwrap_err()), AR_INVALID_ARGUMENT);
         }
         for bad in [-1, 3] {
