@@ -285,6 +285,28 @@ ar_result_t ar_all_reduce(const void *sendbuff,
                           ar_comm_t comm,
                           void *stream);
 
+// Refuse this rank's part of the group's next `ar_all_reduce` for a reason the caller found
+// itself, before it could make the call: a language binding's own checks (an object that is
+// no array, a strided view, an option name it does not know). The peers' matching call
+// returns `AR_PEER_REJECTED` at once, its message carrying `message`, as it does for the
+// arguments `ar_all_reduce` refuses itself; the group stays usable. Call it where this rank
+// would have called `ar_all_reduce`, on that call's `stream`. On the GPU backends the peers
+// learn that the call was refused, but not the message: their wait runs on the device.
+//
+// `code` says what kind of refusal it is and must be one of the codes of a refused argument:
+// `AR_LENGTH_MISMATCH`, `AR_DTYPE_MISMATCH`, `AR_TOO_LARGE`, `AR_MISALIGNED`,
+// `AR_WRONG_DEVICE`, `AR_UNSUPPORTED_CODEC`, `AR_STRATEGY_UNAVAILABLE`,
+// `AR_WORKSPACE_EXCEEDED` or `AR_INVALID_ARGUMENT`. `message` is NULL (the code's
+// description is sent) or a NUL-terminated string (UTF-8; other bytes are replaced).
+// Returns `AR_SUCCESS` once the refusal is delivered (host) or enqueued (GPU); another
+// `code`, or an invalid `comm`, is `AR_INVALID_USAGE` and reaches no peer.
+//
+// Thread safety: as `ar_all_reduce`, whose place in the sequence of calls it takes.
+//
+// # Safety
+// `message` is NULL or points to a NUL-terminated string.
+ar_result_t ar_reject(ar_comm_t comm, int code, const char *message, void *stream);
+
 // Build every rank of a group in this process (NCCL's `ncclCommInitAll`): `comms[r]`
 // receives rank r's handle, for r in 0..nranks. `devlist[r]` is rank r's device ordinal;
 // NULL means devices 0..nranks-1, as in NCCL, and a device may repeat (several ranks on one

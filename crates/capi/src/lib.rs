@@ -40,7 +40,7 @@ use std::ffi::c_int;
 pub use args::{ar_backend_t, ar_config_t, ar_dtype_t, ar_precision_t, ar_red_op_t, ar_strategy_t};
 pub use call::ar_last_error;
 pub use codes::{ar_get_error_string, ar_result_t};
-pub use collective::ar_all_reduce;
+pub use collective::{ar_all_reduce, ar_reject};
 pub use comm::{
     ar_comm_abort, ar_comm_alignment, ar_comm_backend, ar_comm_count, ar_comm_destroy,
     ar_comm_device, ar_comm_init_all, ar_comm_init_env, ar_comm_init_rank, ar_comm_max_bytes,
