@@ -26,9 +26,12 @@ STRATEGIES = {"auto": 0, "oneshot": 1, "twoshot": 2, "quantized": 3, "hierarchic
               "vendor": 5, "vendor_symmetric": 6}
 
 _AR_SUM = 0
-# A dtype code that names nothing: how a refusal of the binding's own reaches the peers (see
-# `Communicator._reject`).
-_REJECTED_DTYPE = -1
+# The codes `ar_reject` takes: those of a refused argument. A refusal of another kind (an
+# exception no check of this package raised) is sent as AR_INVALID_ARGUMENT.
+_REFUSAL_CODES = frozenset(_errors.CODES[name] for name in (
+    "AR_LENGTH_MISMATCH", "AR_DTYPE_MISMATCH", "AR_TOO_LARGE", "AR_MISALIGNED",
+    "AR_WRONG_DEVICE", "AR_UNSUPPORTED_CODEC", "AR_STRATEGY_UNAVAILABLE",
+    "AR_WORKSPACE_EXCEEDED", "AR_INVALID_ARGUMENT"))
 
 _UINT32_MAX = 2**32 - 1
 _INT_MAX = 2**31 - 1
@@ -272,8 +275,10 @@ class Communicator(Handle):
         ``torch.device``; default torch's current device when torch is loaded, else 0).
         ``max_bytes`` and ``timeout`` (seconds any wait for a peer in a call may last) as in
         :meth:`group`; ``timeout`` does not shorten the rendezvous. A rank that disagrees
-        with rank 0 on ``world`` is refused at once (``BootstrapError``); a rank whose peers
-        never arrive, or that holds another group's id, fails at the deadline (``Timeout``).
+        with rank 0 on ``world``, or a ``rank`` given twice, stops the rendezvous at once on
+        itself, rank 0 and every rank already joined (``BootstrapError`` with the reason); a
+        rank whose peers never arrive, or that holds another group's id, fails at the
+        deadline (``Timeout``).
 
         Arguments are checked before any C call: ``UnsupportedType`` (a ``TypeError``) for a
         wrong type, ``InvalidArgument`` / ``InvalidConfig`` (``ValueError``) for a bad value.
@@ -527,14 +532,18 @@ class Communicator(Handle):
             raise _errors.WrongDevice(
                 f"{what} is on device {buf.device}; this rank runs on device {self.device}")
 
-    def _reject(self, stream: int) -> None:
-        """Make this rank's part of the call with an argument the library refuses, so the
-        peers' matching call fails at once with ``PeerRejected`` instead of waiting for the
-        deadline, and the group stays usable: the same path the C ABI takes for its own
-        refusals. The peers' message names the invalid dtype code, as the C ABI carries no
-        message of the binding's."""
-        lib = _lib.lib()
-        lib.ar_all_reduce(None, None, 0, _REJECTED_DTYPE, _AR_SUM, 0, 0, self._handle, stream)
+    def _reject(self, stream: int, error: BaseException) -> None:
+        """Make this rank's part of the call a refusal carrying ``error``'s message
+        (``ar_reject``), so the peers' matching call fails at once with ``PeerRejected`` naming
+        this rank's reason, instead of waiting for the deadline, and the group stays usable."""
+        if isinstance(error, _errors.Error) and error.code in _REFUSAL_CODES:
+            code, message = error.code, error.message
+        else:
+            code = _errors.CODES["AR_INVALID_ARGUMENT"]
+            message = f"{type(error).__name__}: {error}"
+        # The caller raises its own error; a failure here (a closed handle) reached no peer,
+        # whose call then ends at its deadline, as for any rank that never calls.
+        _lib.lib().ar_reject(self._handle, code, message.encode("utf-8", "replace"), stream)
 
     def all_reduce(self, x: Any, out: Any = None, precision: str = "exact",
                    strategy: str = "auto", stream: Any = None) -> Any:
@@ -595,8 +604,8 @@ class Communicator(Handle):
                 self._check_call(src, dst, out is None)
                 p = _name_to_code(PRECISIONS, precision, "precision")
                 s = _name_to_code(STRATEGIES, strategy, "strategy")
-            except Exception:
-                self._reject(stream_value)
+            except Exception as e:
+                self._reject(stream_value, e)
                 raise
             _lib.check(_lib.lib().ar_all_reduce(
                 src.ptr, dst.ptr, src.count, src.dtype, _AR_SUM, p, s, handle, stream_value))

@@ -95,6 +95,12 @@ PROTOTYPES = {
         Handle,  # comm
         ctypes.c_void_p,  # stream
     ]),
+    "ar_reject": (ctypes.c_int, [
+        Handle,  # comm
+        ctypes.c_int,  # code
+        ctypes.c_char_p,  # message
+        ctypes.c_void_p,  # stream
+    ]),
     "ar_comm_init_all": (ctypes.c_int, [
         ctypes.POINTER(Handle), ctypes.c_int, ctypes.c_int, _int_p, ctypes.POINTER(Config),
     ]),

@@ -90,7 +90,7 @@ def test_prototypes_match_the_header():
         assert len(params) == len(argtypes), name
         for param, argtype in zip(params, argtypes):
             is_pointer = "*" in param or re.search(r"\bar_(comm|fused_workspace)_t\b", param)
-            assert bool(is_pointer) == (argtype is ctypes.c_void_p or
+            assert bool(is_pointer) == (argtype in (ctypes.c_void_p, ctypes.c_char_p) or
                                         hasattr(argtype, "contents")), (name, param)
     fields = re.search(r"typedef struct \{([^}]*)\} ar_config_t;", text)[1]
     declared = re.findall(r"^\s*(size_t|uint32_t) (\w+);", fields, re.M)

@@ -203,27 +203,34 @@ def test_the_host_backend_has_no_vendor_window(group4):
 
 def test_one_ranks_refusal_reaches_its_peers_at_once(group4):
     """A refusal on one rank (the binding's or the library's) makes the peers' call fail with
-    PeerRejected within the deadline, not time out; the group stays exact."""
+    PeerRejected within the deadline, not time out, and with the refusing rank's own reason;
+    the group stays exact."""
     n = 256
     for culprit, bad, exc in [
-        (1, lambda x: x.astype(np.int32), allreduce.UnsupportedType),
-        (3, lambda x: x[::2], allreduce.InvalidArgument),
-        (2, lambda x: np.zeros(n + 4, np.float32)[1:n + 1], allreduce.Misaligned),
+        (1, lambda x: (x.astype(np.int32), {}), allreduce.UnsupportedType),
+        (3, lambda x: (x[::2], {}), allreduce.InvalidArgument),
+        (0, lambda x: (x.tolist(), {}), allreduce.UnsupportedType),
+        (0, lambda x: (x, {"precision": "q9"}), allreduce.InvalidArgument),
+        (2, lambda x: (x, {"out": np.zeros(n, np.float16)}), allreduce.DTypeMismatch),
+        (2, lambda x: (np.zeros(n + 4, np.float32)[1:n + 1], {}), allreduce.Misaligned),
     ]:
         start = time.monotonic()
 
         def rank(r):
             x = inputs(np.float32, n, r)
-            return group4[r].all_reduce(bad(x) if r == culprit else x)
+            x, options = bad(x) if r == culprit else (x, {})
+            return group4[r].all_reduce(x, **options)
 
         results = on_ranks(group4, rank)
         assert time.monotonic() - start < TIMEOUT / 2
+        reason = results[culprit]
+        assert isinstance(reason, exc), (culprit, reason)
         for r, e in enumerate(results):
-            if r == culprit:
-                assert isinstance(e, exc), (r, e)
-            else:
+            if r != culprit:
                 assert isinstance(e, allreduce.PeerRejected), (r, e)
-                assert f"rank {culprit}" in e.message, e.message
+                assert f"rank {culprit} rejected" in e.message, e.message
+                # The peers read the culprit's own reason, not a stand-in's.
+                assert reason.message in e.message, (reason.message, e.message)
         exact_round(group4, n=n)
 
 
