@@ -424,9 +424,11 @@ fn rendezvous(
                             Ok((rank, link)) => Outcome::Joined(rank, link),
                             Err(refusal) => Outcome::Refused(peer, refusal),
                         };
-                        counter.fetch_sub(1, Ordering::SeqCst);
                         // The loop may be gone (deadline passed); the link then just closes.
                         let _ = tx.send(outcome);
+                        // After the send: once the count is zero, every outcome is queued,
+                        // which a failing rank 0 relies on to tell every admitted rank.
+                        counter.fetch_sub(1, Ordering::SeqCst);
                     });
                 if let Err(e) = spawned {
                     in_flight.fetch_sub(1, Ordering::SeqCst);
@@ -448,11 +450,21 @@ fn rendezvous(
             Ok(Outcome::Refused(peer, Refusal { why, fatal: true })) => {
                 refuse(peer, why.clone());
                 // Ranks admitted meanwhile are told too, rather than left to find the
-                // connection closed.
-                while let Ok(outcome) = rx.try_recv() {
-                    if let Outcome::Joined(rank, link) = outcome {
-                        links[rank - 1] = Some(link);
+                // connection closed: wait (briefly, a silent stray may never finish) for the
+                // handshakes in flight.
+                let settle = Instant::now() + NOTICE_LIMIT;
+                loop {
+                    // Read before draining: a count of zero means every outcome is queued.
+                    let settled = in_flight.load(Ordering::SeqCst) == 0 || Instant::now() >= settle;
+                    while let Ok(outcome) = rx.try_recv() {
+                        if let Outcome::Joined(rank, link) = outcome {
+                            links[rank - 1] = Some(link);
+                        }
                     }
+                    if settled {
+                        break;
+                    }
+                    std::thread::sleep(ACCEPT_POLL);
                 }
                 let reason = format!(
                     "rank 0 refused a joining process ({peer}): {why}; the group cannot form"
@@ -594,7 +606,10 @@ fn admit(
         if claimed[rank] {
             drop(claimed);
             return Err(reply_refusal(
-                format!("rank {rank} given twice: it has already joined (two processes with RANK={rank}?)"),
+                format!(
+                    "rank {rank} given twice: it has already joined (two processes with \
+                     RANK={rank}?)"
+                ),
                 true,
             ));
         }

@@ -455,8 +455,9 @@ fn stray_connections_are_refused_and_the_group_completes() {
     hello[..4].copy_from_slice(b"ARBC");
     hello[4] = 1; // version 1
     hello[8] = 1; // rank 1
-                  // Of a group of 9: a claim that does not fit this group is taken for another group's
-                  // process on the port, which does not stop this one.
+
+    // Of a group of 9: a claim that does not fit this group is taken for another group's
+    // process on the port, which does not stop this one.
     hello[12] = 9;
     forger.write_all(&hello).unwrap();
     let mut reply = Vec::new();
