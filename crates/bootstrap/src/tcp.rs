@@ -379,7 +379,11 @@ fn rendezvous(
                 "ranks {missing:?} to join the bootstrap at {addr} ({} of {world} ranks joined)",
                 joined + 1
             );
-            if !refused.is_empty() {
+            if refused.is_empty() {
+                // Nothing reached this port for them: the usual causes are on their side.
+                waiting_for += "; no connection claimed them: are they running, with the \
+                                same MASTER_ADDR and MASTER_PORT (or ALLREDUCE_BOOTSTRAP_PORT)?";
+            } else {
                 let latest = &refused[refused.len().saturating_sub(REFUSALS_REPORTED)..];
                 waiting_for += &format!("; refused meanwhile: {}", latest.join("; "));
             }

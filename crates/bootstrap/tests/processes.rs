@@ -517,6 +517,11 @@ fn a_rank_that_never_arrives_times_out_everywhere() {
         );
     }
     assert!(done[0].stdout.contains("[2]"), "{:#?}", done[0]);
+    assert!(
+        done[0].stdout.contains("same MASTER_ADDR and MASTER_PORT"),
+        "{:#?}",
+        done[0]
+    );
     eprintln!("timeout reported after {:?}", t.elapsed());
 }
 
