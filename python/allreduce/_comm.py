@@ -532,6 +532,16 @@ class Communicator(Handle):
             raise _errors.WrongDevice(
                 f"{what} is on device {buf.device}; this rank runs on device {self.device}")
 
+    def _refusal_stream(self, stream: Any) -> int:
+        """The stream of a call refused before ``x`` named one: the caller's, else the one a
+        valid call would default to (torch's current stream on a GPU backend), so this rank's
+        part of the call stays ordered with its other calls on that stream. A ``stream`` that
+        is itself the refused argument falls back to the legacy default stream."""
+        try:
+            return self._resolve_stream(stream, None)
+        except Exception:  # noqa: BLE001 - the refusal being reported is the caller's error
+            return 0
+
     def _reject(self, stream: int, error: BaseException) -> None:
         """Make this rank's part of the call a refusal carrying ``error``'s message
         (``ar_reject``), so the peers' matching call fails at once with ``PeerRejected`` naming
@@ -596,7 +606,7 @@ class Communicator(Handle):
                 f"rank {self.rank} is already in a call on another thread; drive each "
                 "communicator from one thread at a time")
         try:
-            stream_value = 0
+            stream_value = None
             try:
                 src = _buffers.describe(x, "x")
                 stream_value = self._resolve_stream(stream, src.stream)
@@ -605,6 +615,8 @@ class Communicator(Handle):
                 p = _name_to_code(PRECISIONS, precision, "precision")
                 s = _name_to_code(STRATEGIES, strategy, "strategy")
             except Exception as e:
+                if stream_value is None:
+                    stream_value = self._refusal_stream(stream)
                 self._reject(stream_value, e)
                 raise
             _lib.check(_lib.lib().ar_all_reduce(

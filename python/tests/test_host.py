@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import allreduce
-from allreduce import Communicator
+from allreduce import Communicator, _lib
 from ranks import TIMEOUT, assert_bitwise, bits, inputs, on_ranks, reference, values
 
 try:
@@ -427,6 +427,41 @@ def test_registered_buffers_sum_exactly_and_are_checked():
             Communicator.register(comms, [b[2:514] for b in bufs])
         with pytest.raises(allreduce.UnsupportedType):
             Communicator.deregister(comms, "1")
+    finally:
+        for c in comms:
+            c.close()
+
+
+def test_a_refusal_before_x_names_a_stream_goes_on_the_calls_default_stream(monkeypatch):
+    """A call refused before ``x`` could say its stream (a list) is still refused on the
+    stream a valid call would default to (torch's current stream on a GPU), not the legacy
+    default stream, so this rank's part stays ordered with its other calls. The host ignores
+    streams, so the stream a GPU would get is stood in for and the C call is watched."""
+    comms = Communicator.group(2, timeout=TIMEOUT)
+    real = _lib.lib()
+    streams = []
+
+    class Watched:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def ar_reject(self, handle, code, message, stream):
+            streams.append(stream)
+            return real.ar_reject(handle, code, message, stream)
+
+    try:
+        monkeypatch.setattr(_lib, "lib", lambda: Watched())
+        monkeypatch.setattr(comms[1], "_resolve_stream",
+                            lambda stream, default: 77 if default is None else default)
+
+        def rank(r):
+            x = inputs(np.float32, 64, r)
+            return comms[r].all_reduce(x.tolist() if r == 1 else x)
+
+        results = on_ranks(comms, rank)
+        assert isinstance(results[1], allreduce.UnsupportedType), results
+        assert isinstance(results[0], allreduce.PeerRejected), results
+        assert streams == [77], streams
     finally:
         for c in comms:
             c.close()
