@@ -315,7 +315,10 @@ class Communicator(Handle):
         deadline, 60 s by default), ``ALLREDUCE_BOOTSTRAP_PORT`` (instead of ``MASTER_PORT``,
         which torch.distributed's store may already hold) and
         ``ALLREDUCE_BOOTSTRAP_ALLOW_REMOTE=1`` (on every rank, for a group across hosts). A
-        missing or malformed variable is ``InvalidConfig`` naming it.
+        missing or malformed variable is ``InvalidConfig`` naming it. Launch mistakes that
+        rank 0 refuses (another ``WORLD_SIZE`` or secret, a ``RANK`` given twice, two
+        processes with ``RANK=0``) raise ``BootstrapError`` with the reason at once on every
+        process that has reached rank 0, not at the deadline.
 
         Backends: ``"cuda"`` and ``"rocm"`` only; the host backend refuses with
         ``InvalidConfig`` once the rendezvous has met, as in :meth:`init_rank`. ``device``:
