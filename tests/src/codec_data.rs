@@ -156,6 +156,17 @@ pub fn adversarial_blocks() -> Vec<f32> {
     // f32 extremes without Inf: the largest finite block scales.
     block(&|i| (i as f32 - 15.0) * 1e37);
     block(&|i| if i == 6 { f32::MAX } else { -f32::MAX / 3.0 });
+    // Within a rounding of f32's maximum, where a rounded-up scale or quotient would decode a
+    // code (or v2's K) to Inf: the codes there are one toward zero.
+    block(&|i| if i == 5 { f32::MAX } else { 0.0 });
+    block(&|i| if i % 3 == 0 { -f32::MAX } else { f32::MAX });
+    for a in [f32::MAX, -3.4e38] {
+        block(&|i| match i {
+            0 => a,
+            1 => -a / 2000.5,
+            _ => a / 4001.0,
+        });
+    }
     v
 }
 

@@ -183,6 +183,12 @@ AR_DEVICE float code_of(float v, float lo, float hi) {
   return min_f(max_f(rne_small(v), lo), hi);
 }
 
+// v2::finite_code: a code c (an integer, |c| >= 1 wherever it matters) whose decoded value
+// c * S rounds to +-Inf, one toward zero.
+AR_DEVICE float finite_code(float c, float s) {
+  return abs_f(mul_rn(c, s)) > 3.40282347e38f ? sub_rn(c, c > 0.0f ? 1.0f : -1.0f) : c;
+}
+
 // A quotient's code clamp(RNE(v), -H, H-1), for a quotient by a balanced scale (below): as
 // its biased code word H + code (code_bits: the f32 subnormal (v + H) 2^-149 rounded onto the
 // subnormal grid of step 2^-149 is RNE(v + H) = RNE(v) + H, H even; nothing above the word's
@@ -272,12 +278,18 @@ AR_DEVICE Side2 plain_v2(const float (&x)[kN], int q, const ScanK& sc, bool empt
   const float s0 = mul_rn(abs_f(sc.m), inv_kh) <= abs_f(rest) ? rest : mul_rn(-sc.m, inv_kh);
   const float s = round_to_scale<C>(s0);
   empty = empty || s == 0.0f;
-  const float kqf = empty ? 0.0f : code_of(div_rn(sc.m, s), -kh, kh - 1.0f);
+  const float kqf = empty ? 0.0f : finite_code(code_of(div_rn(sc.m, s), -kh, kh - 1.0f), s);
   const int32_t kq = static_cast<int32_t>(kqf);
   k_low = uint32_t(kq) & ((1u << C::kCodeBits) - 1u);  // its slot's code word
   k = empty ? 0 : sc.k;
   float qt[kN];
   quotients<kN, C::kH>(x0, empty ? 1.0f : s, qt);
+  // Below H |S| = 2^127 no code can decode past f32's maximum (group-uniform, almost never
+  // taken): the reference's finite_code on every code only where it can change one.
+  if (abs_f(s) >= 0x1p127f / float(C::kH)) {
+#pragma unroll
+    for (int j = 0; j < kN; ++j) qt[j] = finite_code(rne_small(clamp_top<C>(qt[j])), s);
+  }
   float off = 0.0f;  // the sum of |x - code * S| over the others
 #pragma unroll
   for (int j = 0; j < kN; ++j) {

@@ -179,9 +179,25 @@ impl IntBlock {
     }
 }
 
+/// A plain code (or `K`) whose decoded value `c * S` would round to ±Inf, one toward zero.
+///
+/// Only an element within half a step of f32's maximum can round past it: a rounded-up scale
+/// puts `-H S` (or `-KH S`) above the largest element, or `rne` rounds its quotient up. One code
+/// toward zero decodes below the element itself (`|c S| - |S| < |x|`), finite, within one step
+/// `|S|` of it instead of half a step. Unclamped codes are integers of magnitude >= 1 there.
+#[inline]
+fn finite_code(c: f32, s: f32) -> f32 {
+    if (c * s).is_infinite() {
+        c - c.signum()
+    } else {
+        c
+    }
+}
+
 /// The plain candidate: the largest element `m = x[k]` on the scale's grid as `K`, the rest
 /// with the second-largest `m2` at code `-H`, unless `m` would not fit `K`'s range, in which
-/// case `m` takes `K = -2^(w-1)` and sets the scale.
+/// case `m` takes `K = -2^(w-1)` and sets the scale. Codes and `K` that would decode to ±Inf
+/// are one toward zero ([`finite_code`]).
 pub(super) fn plain_candidate(codec: Codec, x: &[f32; BLOCK], k: usize, m: f32) -> IntBlock {
     let h = codec.half_range().expect("integer codec") as f32;
     let kh = (1u32 << (spike_bits(codec) - 1)) as f32;
@@ -198,9 +214,9 @@ pub(super) fn plain_candidate(codec: Codec, x: &[f32; BLOCK], k: usize, m: f32) 
     }
     let mut u = [0u8; BLOCK];
     for (c, &v) in u.iter_mut().zip(x) {
-        *c = (rne_small(v / s).clamp(-h, h - 1.0) + h) as u8;
+        *c = (finite_code(rne_small(v / s).clamp(-h, h - 1.0), s) + h) as u8;
     }
-    let kq = rne_small(m / s).clamp(-kh, kh - 1.0) as i32;
+    let kq = finite_code(rne_small(m / s).clamp(-kh, kh - 1.0), s) as i32;
     u[k] = (kq & ((1 << codec.code_bits()) - 1)) as u8;
     IntBlock {
         u,
