@@ -30,6 +30,8 @@
 mod fp4;
 mod fp8;
 #[cfg(test)]
+mod prop_config;
+#[cfg(test)]
 mod tests;
 pub(crate) mod v2;
 #[cfg(test)]

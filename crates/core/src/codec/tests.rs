@@ -785,7 +785,7 @@ fn block_strategy(lo: i32, hi: i32) -> impl Strategy<Value = [f32; BLOCK]> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(2000))]
+    #![proptest_config(super::prop_config::config(2000))]
 
     /// Magnitudes 1e-45..1e37: f32 subnormal inputs and scales included (up to 2^127).
     #[test]
@@ -1177,7 +1177,7 @@ fn adaptive_names_parse() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(2000))]
+    #![proptest_config(super::prop_config::config(2000))]
 
     /// Heavy-tailed blocks (one to three outliers up to 100x) over magnitudes 1e-20..1e20,
     /// across the adaptive range's ends: within step_bound, never worse than plain, and

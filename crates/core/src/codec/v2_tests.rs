@@ -391,7 +391,7 @@ fn error_within_step_bound_on_gaussian_and_spiky_blocks() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(2000))]
+    #![proptest_config(super::prop_config::config(2000))]
 
     #[test]
     fn prop_v2_error_within_step_bound(
