@@ -36,6 +36,10 @@ pub const TESTS: &[Test] = &[
         run: crate::tolerance::lossy_peer_tolerances,
     },
     Test {
+        name: "lossy_constants_are_exact",
+        run: crate::tolerance::lossy_constants_are_exact,
+    },
+    Test {
         name: "auto_exact_never_quantizes",
         run: crate::tolerance::auto_exact_never_quantizes,
     },
