@@ -465,9 +465,9 @@ ar_result_t ar_fused_workspace_destroy(ar_fused_workspace_t workspace);
 // (from the same group as `comm`), `stream` as in `ar_all_reduce`. Arguments this library
 // or the workspace cannot take are refused before anything is enqueued, and, as with
 // `ar_all_reduce`, the peers are told: their matching fused call fails with
-// `AR_PEER_REJECTED` (at once on the host, at their next `ar_comm_synchronize` on a GPU) instead
-// of waiting out the deadline, and the group and the workspace stay usable. A workspace of
-// another rank or group is refused without telling anyone.
+// `AR_PEER_REJECTED` (at once on the host, at their next `ar_comm_synchronize` on a GPU)
+// instead of waiting out the deadline, and the group and the workspace stay usable. A
+// workspace of another rank or group is refused without telling anyone.
 //
 // Thread safety: as `ar_all_reduce`.
 //
@@ -482,10 +482,10 @@ ar_result_t ar_all_reduce_fused(const ar_fused_args_t *args,
 // Refuse this rank's part of the group's next fused call on `workspace` for `reason` (a
 // binding's own argument checks, made before it could call `ar_all_reduce_fused`): every
 // peer's matching fused call fails with `AR_PEER_REJECTED` carrying `reason` (at once on
-// the host, at its next `ar_comm_synchronize` on a GPU) instead of waiting out the deadline, and
-// the group and the workspace stay usable. Call it where this rank would have called
-// `ar_all_reduce_fused`, on that call's stream. `reason` is NULL (an unnamed refusal) or a
-// NUL-terminated string.
+// the host, at its next `ar_comm_synchronize` on a GPU) instead of waiting out the
+// deadline, and the group and the workspace stay usable. Call it where this rank would have
+// called `ar_all_reduce_fused`, on that call's stream. `reason` is NULL (an unnamed
+// refusal) or a NUL-terminated string.
 //
 // Thread safety: as `ar_all_reduce_fused`.
 //

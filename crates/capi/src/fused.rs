@@ -156,9 +156,9 @@ pub extern "C" fn ar_fused_workspace_destroy(workspace: ar_fused_workspace_t) ->
 /// (from the same group as `comm`), `stream` as in `ar_all_reduce`. Arguments this library
 /// or the workspace cannot take are refused before anything is enqueued, and, as with
 /// `ar_all_reduce`, the peers are told: their matching fused call fails with
-/// `AR_PEER_REJECTED` (at once on the host, at their next `ar_comm_synchronize` on a GPU) instead
-/// of waiting out the deadline, and the group and the workspace stay usable. A workspace of
-/// another rank or group is refused without telling anyone.
+/// `AR_PEER_REJECTED` (at once on the host, at their next `ar_comm_synchronize` on a GPU)
+/// instead of waiting out the deadline, and the group and the workspace stay usable. A
+/// workspace of another rank or group is refused without telling anyone.
 ///
 /// Thread safety: as `ar_all_reduce`.
 ///
@@ -199,10 +199,10 @@ pub unsafe extern "C" fn ar_all_reduce_fused(
 /// Refuse this rank's part of the group's next fused call on `workspace` for `reason` (a
 /// binding's own argument checks, made before it could call `ar_all_reduce_fused`): every
 /// peer's matching fused call fails with `AR_PEER_REJECTED` carrying `reason` (at once on
-/// the host, at its next `ar_comm_synchronize` on a GPU) instead of waiting out the deadline, and
-/// the group and the workspace stay usable. Call it where this rank would have called
-/// `ar_all_reduce_fused`, on that call's stream. `reason` is NULL (an unnamed refusal) or a
-/// NUL-terminated string.
+/// the host, at its next `ar_comm_synchronize` on a GPU) instead of waiting out the
+/// deadline, and the group and the workspace stay usable. Call it where this rank would have
+/// called `ar_all_reduce_fused`, on that call's stream. `reason` is NULL (an unnamed
+/// refusal) or a NUL-terminated string.
 ///
 /// Thread safety: as `ar_all_reduce_fused`.
 ///
