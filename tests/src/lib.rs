@@ -20,6 +20,7 @@ pub mod codec_data;
 pub mod codecs;
 pub mod data;
 pub mod expect;
+mod faults;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub mod fused;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
@@ -35,7 +36,7 @@ use allreduce::{BackendKind, Communicator, Device, Error, Result};
 use allreduce_gpu::device::{GpuDevice, GpuStream};
 use allreduce_gpu::GpuRuntime;
 
-pub use harness::{Harness, HostHarness, RankArgs};
+pub use harness::{FusedOutcome, FusedRankArgs, Harness, HostHarness, RankArgs};
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub use harness_gpu::GpuHarness;
 pub use suite::{Test, TESTS};

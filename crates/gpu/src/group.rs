@@ -21,9 +21,9 @@ use crate::abi::{
 use crate::kernels::{self, Kernel};
 use crate::GpuRuntime;
 use allreduce_core::{
-    Backend, BackendComm, Bootstrap, Call, Codec, DType, Deregister, Error, GroupConfig, Limits,
-    Precision, RegisteredInput, RegisteredMemory, RegisteredRange, RegistrationId, Registry,
-    Result, SelectionTable, Strategy, Stream,
+    Backend, BackendComm, Bootstrap, Call, CallDesc, Codec, DType, Deregister, Error, GroupConfig,
+    InputPath, Limits, Precision, RegisteredInput, RegisteredMemory, RegisteredRange,
+    RegistrationId, Registry, Result, SelectionTable, Strategy, Stream,
 };
 
 /// A GPU backend: the shared group logic over runtime `R`.
@@ -255,6 +255,14 @@ struct Group<R: GpuRuntime> {
     mapped: exchange::Mapped,
     /// Why a caller aborted the group ([`BackendComm::abort`]), if one did.
     caller_abort: Mutex<Option<String>>,
+    /// Per rank, why it last refused its own arguments (plain or fused): the kernels carry
+    /// only that a rank refused, so peers of this process read the reason here when they
+    /// report `PeerRejected`. A peer in another process reports a generic reason.
+    refusals: Mutex<Vec<Option<String>>>,
+    /// Per rank, the fused workspace its last fused call ran on: this rank's Lamport buffers'
+    /// address and the size of one of the three (0, 0: none). Where a fused poll timed out,
+    /// the call tags there say which ranks never arrived.
+    last_fused: Vec<[AtomicU64; 2]>,
 }
 
 /// The graph slots every local rank took, in capture order. Ranks capture the same calls in
@@ -594,7 +602,7 @@ impl<R: GpuRuntime> Group<R> {
     ) -> Result<Self> {
         let max_bytes = abi::round_max_bytes(config.max_bytes);
         let stage = stage_bytes(max_bytes);
-        let registered_min_bytes = registered_min_bytes(config)?;
+        let registered_min_bytes = config.resolved_registered_min_bytes()?;
         let mut group = Group {
             world,
             rank_device,
@@ -610,6 +618,8 @@ impl<R: GpuRuntime> Group<R> {
             vendor: Err("the vendor library is not initialised yet".into()),
             windows: Err("the vendor library is not initialised yet".into()),
             caller_abort: Mutex::new(None),
+            refusals: Mutex::new(vec![None; world]),
+            last_fused: (0..world).map(|_| Default::default()).collect(),
             grid,
             max_bytes,
             stage_bytes: stage,
@@ -681,10 +691,7 @@ impl<R: GpuRuntime> Group<R> {
     /// Whether `call` may read the peers' inputs where they are, given memory to read:
     /// out of place, exact, one-shot or two-shot, and not below the registered threshold.
     fn reads_in_place(&self, call: &Call) -> bool {
-        !call.in_place()
-            && call.precision == Precision::Exact
-            && matches!(call.strategy, Strategy::OneShot | Strategy::TwoShot)
-            && call.input.bytes() >= self.registered_min_bytes
+        allreduce_core::registration::reads_in_place(call, self.registered_min_bytes)
     }
 
     /// The next graph slot of `rank` for `call`, recorded for `register_graph_buffers`; `None`
@@ -920,27 +927,79 @@ impl<R: GpuRuntime> Group<R> {
             .map(|c| aborted_reason(&c))
     }
 
+    /// `bytes` of device memory at `addr` (on `rank`'s device), read through a stream of
+    /// its own: the caller's may be blocked. For reports after a failure, not for calls.
+    fn read_device(&self, rank: usize, addr: u64, bytes: usize) -> Result<Vec<u8>> {
+        let dev = &self.devices[self.rank_device[rank]];
+        R::bind(dev)?;
+        let stream = R::create_stream(dev)?;
+        // SAFETY: the stream outlives the copy (synchronised by the download).
+        let mem = unsafe { R::alloc(&stream, bytes)? };
+        let mut out = vec![0u8; bytes];
+        // SAFETY: `addr` holds `bytes` readable device bytes (the caller's promise), `mem`
+        // as many.
+        unsafe {
+            R::copy_async(R::memory_addr(&mem), addr, bytes, R::stream_handle(&stream))?;
+            R::download(&mem, 0, &mut out, &stream)?;
+        }
+        R::stream_synchronize(&stream)?;
+        Ok(out)
+    }
+
+    /// The ranks whose arrival `rank`'s kernel waited for in vain, by what it recorded in
+    /// `c` (a timeout): the peers whose barrier flag in our workspace is behind the epoch
+    /// waited for, or, for a fused poll, whose call tag of that call is missing from our
+    /// Lamport buffer. Empty where they cannot be read.
+    fn missing_ranks(&self, rank: usize, c: &Control) -> Vec<usize> {
+        let world = self.world;
+        let word = |b: &[u8], at: usize| u32::from_ne_bytes(b[at..at + 4].try_into().expect("4"));
+        let others = (0..world).filter(|&p| p != rank);
+        if c.theirs == abi::TIMEOUT_IN_FUSED {
+            let [base, comm] = self.last_fused[rank]
+                .each_ref()
+                .map(|a| a.load(Ordering::Relaxed));
+            if base == 0 {
+                return Vec::new();
+            }
+            let buffer = u64::from(c.epoch % 3);
+            let tags = base + (buffer + 1) * comm - allreduce_core::fused::TAG_BYTES as u64;
+            let Ok(b) = self.read_device(rank, tags, 16 * world) else {
+                return Vec::new();
+            };
+            // A tag holds the call count + 1 of the call its rank sent it in.
+            let want = c.epoch.wrapping_add(1);
+            return others.filter(|&p| word(&b, 16 * p) != want).collect();
+        }
+        let flags =
+            self.peers[rank] + (abi::FLAGS_OFFSET + c.block as usize * MAX_WORLD * 4) as u64;
+        let Ok(b) = self.read_device(rank, flags, 4 * world) else {
+            return Vec::new();
+        };
+        // Epochs only grow (and wrap): a peer arrived once its flag reached the one awaited.
+        others
+            .filter(|&p| (word(&b, 4 * p).wrapping_sub(c.epoch) as i32) < 0)
+            .collect()
+    }
+
+    /// Remember why `rank` refused its arguments, for the peers' `PeerRejected`.
+    fn record_refusal(&self, rank: usize, reason: &Error) {
+        let mut r = self.refusals.lock().unwrap_or_else(|e| e.into_inner());
+        r[rank] = Some(reason.to_string());
+    }
+
+    /// Why `rank` refused its arguments, as [`Error::PeerRejected`] carries it.
+    fn refusal(&self, rank: usize) -> String {
+        let r = self.refusals.lock().unwrap_or_else(|e| e.into_inner());
+        r.get(rank)
+            .cloned()
+            .flatten()
+            .unwrap_or_else(|| "its arguments were refused (see that rank's own error)".into())
+    }
+
     /// Read a Control written by kernels. Volatile: the device writes it behind our back.
     fn read_control(m: &R::HostMapped) -> Control {
         // SAFETY: a live, aligned, host-mapped Control.
         unsafe { std::ptr::read_volatile(R::host_mapped_ptrs(m).0 as *const Control) }
-    }
-}
-
-/// `ALLREDUCE_REGISTERED_MIN_BYTES`: the default of [`GroupConfig::registered_min_bytes`].
-pub const REGISTERED_MIN_BYTES_ENV: &str = "ALLREDUCE_REGISTERED_MIN_BYTES";
-
-fn registered_min_bytes(config: &GroupConfig) -> Result<usize> {
-    if let Some(n) = config.registered_min_bytes {
-        return Ok(n);
-    }
-    match std::env::var(REGISTERED_MIN_BYTES_ENV) {
-        Err(_) => Ok(GroupConfig::DEFAULT_REGISTERED_MIN_BYTES),
-        Ok(v) => v.trim().parse().map_err(|_| {
-            Error::InvalidConfig(format!(
-                "{REGISTERED_MIN_BYTES_ENV}={v:?}: want a byte count"
-            ))
-        }),
     }
 }
 
@@ -1025,6 +1084,23 @@ impl<R: GpuRuntime> GroupView<R> {
     pub fn aborted(&self) -> Option<String> {
         self.0.aborted()
     }
+    /// Remember why `rank` refused its arguments, for the peers' `PeerRejected`.
+    pub fn record_refusal(&self, rank: usize, reason: &Error) {
+        self.0.record_refusal(rank, reason)
+    }
+    /// `rank`'s fused calls now run on the workspace whose Lamport buffers (for this rank)
+    /// start at `lamport`, `comm_bytes` each: where a fused timeout's report looks.
+    pub fn note_fused(&self, rank: usize, lamport: u64, comm_bytes: u64) {
+        let [base, comm] = &self.0.last_fused[rank];
+        base.store(lamport, Ordering::Relaxed);
+        comm.store(comm_bytes, Ordering::Relaxed);
+    }
+    /// The workspace at `lamport` is gone: forget it wherever a rank last ran on it.
+    pub fn forget_fused(&self, lamport: u64) {
+        for [base, _] in &self.0.last_fused {
+            let _ = base.compare_exchange(lamport, 0, Ordering::Relaxed, Ordering::Relaxed);
+        }
+    }
 }
 
 /// One rank of a GPU group.
@@ -1083,30 +1159,52 @@ fn describe(call: &Call) -> Desc {
     )
 }
 
-/// Turn two differing descriptors into the error the host backend would give.
-fn mismatch_error(me: usize, peer: usize, call: u64, mine: Desc, theirs: Desc) -> Error {
-    if theirs == Desc::REJECTED {
-        return Error::PeerRejected {
-            rank: peer,
-            call,
-            reason: "its arguments were refused".into(),
-        };
+/// A descriptor word as core's [`CallDesc`], with `input` for where it reads its input
+/// (the word itself says only staged or registered), or `None` for codes no call of this
+/// build makes.
+fn call_desc_of(d: Desc, input: InputPath) -> Option<CallDesc> {
+    let code = |c: u64| (c as usize).checked_sub(1);
+    Some(CallDesc {
+        len: d.len() as usize,
+        dtype: *DType::ALL.get(code(d.dtype())?)?,
+        strategy: *STRATEGIES.get(code(d.strategy())?)?,
+        precision: match code(d.precision()) {
+            None => Precision::Exact,
+            Some(c) => Precision::Lossy(*Codec::ALL.get(c)?),
+        },
+        input,
+        fused: None,
+    })
+}
+
+/// Where a registered call's second word says its input is.
+fn input_of(d: Desc2) -> InputPath {
+    if d.id() & Desc2::GRAPH_SLOT != 0 {
+        InputPath::GraphSlot((d.id() & !Desc2::GRAPH_SLOT) as usize)
+    } else {
+        InputPath::Registered {
+            id: RegistrationId(d.id()),
+            offset: d.offset() as usize,
+        }
     }
-    let name =
-        |table: &[&str], code: u64| table.get(code as usize).copied().unwrap_or("?").to_string();
-    let dtypes = ["?", "f32", "f16", "bf16"];
-    let strategies = [
-        "?",
-        "oneshot",
-        "twoshot",
-        "quantized",
-        "vendor",
-        "hierarchical",
-        "vendor-symmetric",
-    ];
-    let mut precisions = vec!["exact"];
-    precisions.extend(Codec::ALL.iter().map(|c| c.name()));
-    if mine.is_desc2() {
+}
+
+/// Turn two differing descriptors into the error the host backend gives for the same calls:
+/// both are decoded into core's [`CallDesc`] and compared there ([`CallDesc::mismatch`]).
+/// A peer's refusal ([`Desc::REJECTED`]) is the caller's to report, with its reason.
+fn mismatch_error(me: usize, peer: usize, call: u64, mine: Desc, theirs: Desc) -> Error {
+    let staged_or_registered = |d: Desc| {
+        if d.registered() {
+            // Which registration is the second word's to say (compared separately).
+            InputPath::Registered {
+                id: RegistrationId(0),
+                offset: 0,
+            }
+        } else {
+            InputPath::Staged
+        }
+    };
+    let pair = if mine.is_desc2() {
         let (m, t) = (Desc2(mine.0), Desc2(theirs.0));
         if m == Desc2::UNREGISTERED || t == Desc2::UNREGISTERED {
             let who = if m == Desc2::UNREGISTERED { me } else { peer };
@@ -1116,54 +1214,22 @@ fn mismatch_error(me: usize, peer: usize, call: u64, mine: Desc, theirs: Desc) -
                  register the graph's buffers after capture and before its first replay"
             ));
         }
-        let name = |d: Desc2| {
-            if d.id() & Desc2::GRAPH_SLOT != 0 {
-                format!("graph slot {}", d.id() & !Desc2::GRAPH_SLOT)
-            } else {
-                format!("registration {} at offset {}", d.id(), d.offset())
-            }
-        };
-        return Error::RankMismatch {
-            what: "registered input",
-            call,
-            detail: format!("rank {me} reads {}, rank {peer} {}", name(m), name(t)),
-        };
-    }
-    let path = |d: Desc| {
-        if d.registered() {
-            "a registered input".to_string()
-        } else {
-            "a staged input".to_string()
-        }
-    };
-    let (what, a, b) = if mine.len() != theirs.len() {
-        ("length", mine.len().to_string(), theirs.len().to_string())
-    } else if mine.dtype() != theirs.dtype() {
-        (
-            "dtype",
-            name(&dtypes, mine.dtype()),
-            name(&dtypes, theirs.dtype()),
-        )
-    } else if mine.strategy() != theirs.strategy() {
-        (
-            "strategy",
-            name(&strategies, mine.strategy()),
-            name(&strategies, theirs.strategy()),
-        )
-    } else if mine.registered() != theirs.registered() {
-        ("path", path(mine), path(theirs))
+        // The first words agreed: only the input's place differs.
+        let base = Desc::new(0, 1, 1, 0);
+        call_desc_of(base, input_of(m)).zip(call_desc_of(base, input_of(t)))
     } else {
-        (
-            "precision",
-            name(&precisions, mine.precision()),
-            name(&precisions, theirs.precision()),
-        )
+        call_desc_of(mine, staged_or_registered(mine))
+            .zip(call_desc_of(theirs, staged_or_registered(theirs)))
     };
-    Error::RankMismatch {
-        what,
+    let found = pair.and_then(|(m, t)| m.mismatch(me, peer, call, &t));
+    found.unwrap_or_else(|| Error::RankMismatch {
+        what: "call descriptor",
         call,
-        detail: format!("rank {me} has {a}, rank {peer} has {b}"),
-    }
+        detail: format!(
+            "rank {me} sent {:#x}, rank {peer} {:#x} (a build that numbers calls differently?)",
+            mine.0, theirs.0
+        ),
+    })
 }
 
 impl<R: GpuRuntime> GpuComm<R> {
@@ -1668,12 +1734,13 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
         }
     }
 
-    fn reject(&self, _reason: &Error, stream: Stream) {
+    fn reject(&self, reason: &Error, stream: Stream) {
         // Join the call's first barrier with a "rejected" descriptor and nothing to move, so
         // the peers skip the call and report PeerRejected instead of waiting out the deadline.
         if self.aborted().is_some() {
             return;
         }
+        self.group.record_refusal(self.rank, reason);
         self.calls.fetch_add(1, Ordering::Relaxed);
         let g = &*self.group;
         let kernels = g.kernels[g.rank_device[self.rank]].as_ref().expect("alive");
@@ -1761,9 +1828,21 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
                 )
             };
             if c.error == abi::ERROR_FUSED_MISMATCH {
-                return Err(fused_mismatch_error(self.rank, &c));
+                return match fused_mismatch_error(self.rank, &c, |r| self.group.refusal(r)) {
+                    Some(e) => Err(e),
+                    None => self
+                        .aborted()
+                        .map_or(Ok(()), |reason| Err(Error::Aborted { reason })),
+                };
             }
             let call = self.calls.load(Ordering::Relaxed).saturating_sub(1);
+            if Desc(c.theirs) == Desc::REJECTED {
+                return Err(Error::PeerRejected {
+                    rank: c.rank as usize,
+                    call,
+                    reason: self.group.refusal(c.rank as usize),
+                });
+            }
             return Err(mismatch_error(
                 self.rank,
                 c.rank as usize,
@@ -1773,12 +1852,21 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
             ));
         }
         if c.error == abi::ERROR_TIMEOUT {
-            return Err(Error::Timeout {
-                rank: c.rank as usize,
-                call: self.calls.load(Ordering::Relaxed).saturating_sub(1),
-                waited: Duration::from_nanos(c.waited_ns),
-                waiting_for: format!("peers' flags at block {}, epoch {}", c.block, c.epoch),
-            });
+            let waiting_for = if c.theirs == abi::TIMEOUT_IN_FUSED {
+                format!(
+                    "the peers' call tags of fused call {} at block {}",
+                    c.epoch, c.block
+                )
+            } else {
+                format!("the peers' flags at block {}, epoch {}", c.block, c.epoch)
+            };
+            return Err(Error::timeout(
+                c.rank as usize,
+                self.calls.load(Ordering::Relaxed).saturating_sub(1),
+                Duration::from_nanos(c.waited_ns),
+                &waiting_for,
+                &self.group.missing_ranks(self.rank, &c),
+            ));
         }
         if c.error == abi::ERROR_ABORTED {
             // The caller's reason where a caller aborted the group (`abort`); else the
@@ -1917,17 +2005,38 @@ fn registration_across_processes() -> Error {
     }
 }
 
-/// Ranks that disagreed on a fused call's shape: every rank skipped it, the group is usable.
-fn fused_mismatch_error(me: usize, c: &Control) -> Error {
-    Error::RankMismatch {
-        what: "a fused call's shape",
-        call: c.epoch as u64,
-        detail: format!(
-            "rank {me} called with {}, rank {} with {}; every rank skipped the call",
-            allreduce_core::fused::describe_desc(c.mine),
-            c.rank,
-            allreduce_core::fused::describe_desc(c.theirs)
-        ),
+/// What a rank whose fused call the ranks skipped reports (`ERROR_FUSED_MISMATCH`): the
+/// peer's refusal (`refusal` gives its reason) as `PeerRejected`, nothing where this rank was
+/// the one that refused (its caller had the error at the call), else the shapes' difference
+/// as core compares them. Every rank skipped the call; the group is usable.
+fn fused_mismatch_error(
+    me: usize,
+    c: &Control,
+    refusal: impl Fn(usize) -> String,
+) -> Option<Error> {
+    use allreduce_core::fused::{call_desc_of, desc_is_rejection, describe_desc};
+    let (peer, call) = (c.rank as usize, c.epoch as u64);
+    if desc_is_rejection(c.mine) {
+        return None;
+    }
+    if desc_is_rejection(c.theirs) {
+        return Some(Error::PeerRejected {
+            rank: peer,
+            call,
+            reason: refusal(peer),
+        });
+    }
+    match (call_desc_of(c.mine), call_desc_of(c.theirs)) {
+        (Some(mine), Some(theirs)) => mine.mismatch(me, peer, call, &theirs),
+        _ => Some(Error::RankMismatch {
+            what: "a fused call's shape",
+            call,
+            detail: format!(
+                "rank {me} called with {}, rank {peer} with {}; every rank skipped the call",
+                describe_desc(c.mine),
+                describe_desc(c.theirs)
+            ),
+        }),
     }
 }
 
