@@ -219,7 +219,7 @@ class Communicator(Handle):
         (a library built with that feature; otherwise ``BackendNotBuilt``). ``max_bytes``:
         the largest call in bytes per rank, which sizes each rank's workspace (default 64 MiB).
         ``timeout``: seconds any wait for a peer may last before the call fails with
-        ``Timeout`` (default 10). ``devices``: rank r's GPU ordinal (default 0..world-1; a
+        ``Timeout`` (default 60, the library's ``AR_DEFAULT_TIMEOUT_MS``). ``devices``: rank r's GPU ordinal (default 0..world-1; a
         device may repeat, several ranks on one GPU); ignored by the host backend.
         """
         code = _name_to_code(BACKENDS, backend, "backend")
@@ -665,10 +665,11 @@ class Communicator(Handle):
         the arrays given.
 
         Every rank makes the matching call. A refusal (by this binding or by the library) is
-        raised on the rank that made it before anything reaches the peers and, unlike
-        :meth:`all_reduce`, the peers are not told: the C fused call has no way to tell them,
-        so they wait until the group's timeout, raise ``Timeout``, and the group must be
-        rebuilt. Arguments refused alike on every rank leave the group intact.
+        raised on the rank that made it before anything is enqueued and, as with
+        :meth:`all_reduce`, the peers are told: their matching fused call raises
+        ``PeerRejected`` with the reason (at once on the host backend, at their next
+        synchronize on a GPU) instead of waiting for the group's timeout, and the group and
+        the workspace stay usable.
         """
         from . import _fused
 

@@ -106,3 +106,10 @@ def test_prototypes_match_the_header():
 @pytest.mark.parametrize("name", sorted(_lib.PROTOTYPES))
 def test_every_prototype_is_exported_by_the_loaded_library(name):
     assert getattr(_lib.lib(), name).argtypes is not None
+
+
+def test_the_default_timeout_is_the_headers():
+    """``timeout=None`` means the library's one default deadline, AR_DEFAULT_TIMEOUT_MS."""
+    found = re.search(r"#define AR_DEFAULT_TIMEOUT_MS (\d+)", HEADER.read_text())
+    assert found, f"AR_DEFAULT_TIMEOUT_MS not in {HEADER}"
+    assert int(found[1]) == round(_lib.DEFAULT_TIMEOUT_S * 1000)

@@ -169,7 +169,7 @@ def test_option_refusals_raise_and_leave_the_group_exact(group4, kwargs, exc, te
 
 def test_abort_releases_waiting_ranks_and_closes_the_communicator():
     """A rank that never calls aborts from another thread: its waiting peers raise Aborted
-    at once (not at the 10 s deadline), later calls too; the aborted rank is closed."""
+    at once (not at the deadline), later calls too; the aborted rank is closed."""
     comms = allreduce.Communicator.group(3, timeout=10.0)
     errors = [None] * 3
 

@@ -36,6 +36,7 @@ pub use allreduce_core::{
     codec, hierarchical, layout, Aftermath, AllReduceOptions, Bootstrap, BufMut, BufRef, Codec,
     DType, Device, Element, Error, GroupConfig, HostBytes, Link, Precision, RawBuffer, ReduceOp,
     Result, Rule, SelectionTable, Strategy, Stream, Topology, TopologyClass, BUFFER_ALIGN,
+    DEFAULT_TIMEOUT,
 };
 pub use allreduce_core::{Fp8BufMut, FusedArgs, FusedConfig, FusedMetadata, FusedPattern};
 pub use allreduce_core::{RegisteredRange, RegistrationId};

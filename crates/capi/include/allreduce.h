@@ -12,6 +12,12 @@
 // from another header.
 #define AR_VERSION_CODE 100
 
+// The deadline of every wait for a peer, in milliseconds, where `ar_config_t.timeout_ms` is
+// 0 or no config is given: the library's one default (Rust's `allreduce::DEFAULT_TIMEOUT`,
+// Python's `timeout=None`, the bench's and the bootstrap's). A rank that never calls makes
+// its peers fail with `AR_TIMEOUT`, naming it, this long after they called.
+#define AR_DEFAULT_TIMEOUT_MS 60000
+
 // Bytes in an `ar_unique_id_t` (NCCL's `NCCL_UNIQUE_ID_BYTES`).
 #define AR_UNIQUE_ID_BYTES 128
 
@@ -182,7 +188,7 @@ typedef struct {
   size_t size;
   // Largest call in bytes per rank; sizes each rank's workspace. 0: 64 MiB.
   size_t max_bytes;
-  // Deadline of every wait for a peer, in milliseconds. 0: 10 s.
+  // Deadline of every wait for a peer, in milliseconds. 0: `AR_DEFAULT_TIMEOUT_MS` (60 s).
   uint32_t timeout_ms;
 } ar_config_t;
 
@@ -456,9 +462,12 @@ ar_result_t ar_fused_workspace_destroy(ar_fused_workspace_t workspace);
 // The fused call on this rank (FlashInfer's `allreduce_fusion`): `allreduce_out = sum over
 // ranks of input`, then by pattern `residual_out = allreduce_out + residual_in`, `norm_out
 // = RMSNorm(residual_out) * gamma`, and FP8 codes of `norm_out`. `workspace` is this rank's
-// (from the same group as `comm`), `stream` as in `ar_all_reduce`. Arguments the workspace
-// cannot take are refused before anything is enqueued; unlike `ar_all_reduce`, the peers
-// are not told (they wait until the deadline), as with the facade's fused call.
+// (from the same group as `comm`), `stream` as in `ar_all_reduce`. Arguments this library
+// or the workspace cannot take are refused before anything is enqueued, and, as with
+// `ar_all_reduce`, the peers are told: their matching fused call fails with
+// `AR_PEER_REJECTED` (at once on the host, at their next `ar_synchronize` on a GPU) instead
+// of waiting out the deadline, and the group and the workspace stay usable. A workspace of
+// another rank or group is refused without telling anyone.
 //
 // Thread safety: as `ar_all_reduce`.
 //
@@ -469,6 +478,23 @@ ar_result_t ar_all_reduce_fused(const ar_fused_args_t *args,
                                 ar_fused_workspace_t workspace,
                                 ar_comm_t comm,
                                 void *stream);
+
+// Refuse this rank's part of the group's next fused call on `workspace` for `reason` (a
+// binding's own argument checks, made before it could call `ar_all_reduce_fused`): every
+// peer's matching fused call fails with `AR_PEER_REJECTED` carrying `reason` (at once on
+// the host, at its next `ar_synchronize` on a GPU) instead of waiting out the deadline, and
+// the group and the workspace stay usable. Call it where this rank would have called
+// `ar_all_reduce_fused`, on that call's stream. `reason` is NULL (an unnamed refusal) or a
+// NUL-terminated string.
+//
+// Thread safety: as `ar_all_reduce_fused`.
+//
+// # Safety
+// `reason` is NULL or a NUL-terminated string.
+ar_result_t ar_fused_reject(const char *reason,
+                            ar_fused_workspace_t workspace,
+                            ar_comm_t comm,
+                            void *stream);
 
 // Register memory the caller has, so that out-of-place exact one-shot and two-shot calls
 // whose input lies in it read every rank's input in place (no staging copy): `ptrs[i]` is

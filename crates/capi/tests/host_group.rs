@@ -781,7 +781,7 @@ fn fused_residual_rmsnorm_equals_the_reference_and_refuses_what_it_cannot_take()
         assert!(norm == want.norm, "rank {r}: norm_out differs");
     }
 
-    // Refusals every rank meets alike (the fused call does not tell peers of its own).
+    // Refusals every rank meets alike.
     let got = on_ranks(world, |r| run(r, max_tokens + 1, comms[r], ws[r]));
     for (code, text, ..) in got {
         assert_eq!(code, AR_WORKSPACE_EXCEEDED, "{text}");
@@ -791,19 +791,60 @@ fn fused_residual_rmsnorm_equals_the_reference_and_refuses_what_it_cannot_take()
         assert_eq!(code, AR_INVALID_ARGUMENT, "{text}");
         assert!(text.contains("another group or rank"), "{text}");
     }
+    // Rank 0's own refusals (by this library's checks) reach rank 1's matching call, which
+    // fails with AR_PEER_REJECTED carrying the reason instead of waiting for the deadline.
     let mut args = fused_args(tokens);
     args.pattern = 9;
-    // SAFETY: the pattern is refused before any buffer is used.
-    let code = unsafe { ar_all_reduce_fused(&args, ws[0].0, comms[0].0, ptr::null_mut()) };
-    assert_eq!(checked(code), AR_INVALID_ARGUMENT);
-    assert!(last_error().contains("fused pattern 9"), "{}", last_error());
-    args.size = 16;
-    // SAFETY: refused on its size.
-    let code = unsafe { ar_all_reduce_fused(&args, ws[0].0, comms[0].0, ptr::null_mut()) };
-    assert_eq!(checked(code), AR_INVALID_USAGE);
-    // SAFETY: refused: the args pointer is null.
-    let code = unsafe { ar_all_reduce_fused(ptr::null(), ws[0].0, comms[0].0, ptr::null_mut()) };
-    assert_eq!(checked(code), AR_INVALID_USAGE);
+    let mut small = fused_args(tokens);
+    small.size = 16;
+    let bad: [(*const ar_fused_args_t, ar_result_t, &str); 3] = [
+        (&args, AR_INVALID_ARGUMENT, "fused pattern 9"),
+        (&small, AR_INVALID_USAGE, "ar_fused_args_t.size is 16"),
+        (ptr::null(), AR_INVALID_USAGE, "args is null"),
+    ];
+    for (args, want, text) in bad {
+        let args = args as usize;
+        let got = on_ranks(world, |r| match r {
+            // SAFETY: refused (pattern, size, null) before any buffer is used.
+            0 => unsafe {
+                let code = ar_all_reduce_fused(
+                    args as *const ar_fused_args_t,
+                    ws[0].0,
+                    comms[0].0,
+                    ptr::null_mut(),
+                );
+                (checked(code), last_error())
+            },
+            _ => {
+                let (code, text, ..) = run(r, tokens, comms[r], ws[r]);
+                (code, text)
+            }
+        });
+        assert_eq!(got[0].0, want, "{}", got[0].1);
+        assert!(got[0].1.contains(text), "{}", got[0].1);
+        assert_eq!(got[1].0, AR_PEER_REJECTED, "{}", got[1].1);
+        assert!(
+            got[1].1.contains("rank 0") && got[1].1.contains(text),
+            "{}",
+            got[1].1
+        );
+    }
+    // A binding's own refusal, with its message.
+    let got = on_ranks(world, |r| match r {
+        // SAFETY: a NUL-terminated reason.
+        0 => unsafe {
+            let why = c"x has shape (3, 60)".as_ptr();
+            let code = ar_fused_reject(why, ws[0].0, comms[0].0, ptr::null_mut());
+            (code, String::new())
+        },
+        _ => {
+            let (code, text, ..) = run(r, tokens, comms[r], ws[r]);
+            (code, text)
+        }
+    });
+    assert_eq!(got[0].0, AR_SUCCESS);
+    assert_eq!(got[1].0, AR_PEER_REJECTED, "{}", got[1].1);
+    assert!(got[1].1.contains("x has shape (3, 60)"), "{}", got[1].1);
     // A workspace needs the whole group, in rank order.
     let reversed = [handles[1], handles[0]];
     let mut more = [ptr::null_mut(); 2];
