@@ -3,9 +3,9 @@
 //! baseline) and mixed calls at 8 ranks with bad arguments among them (see
 //! `allreduce_conformance::soak`). A backend that is absent is skipped with the reason.
 //!
-//! CI runs 1,000 cycles and 40,000 calls on the host (each about 10 and 40 s on 2 cores);
-//! `ALLREDUCE_SOAK_FULL=1` runs 100,000 calls (`ALLREDUCE_SOAK_CYCLES` /
-//! `ALLREDUCE_SOAK_CALLS` set either count). Arguments that do not start with `-` filter
+//! CI runs 1,000 cycles and 40,000 calls on the host (each about 10 and 40 s on 2 cores), a
+//! GPU 200 cycles and 20,000 calls; `ALLREDUCE_SOAK_FULL=1` runs 1,000 cycles and 100,000
+//! calls everywhere (`ALLREDUCE_SOAK_CYCLES` / `ALLREDUCE_SOAK_CALLS` set either count). Arguments that do not start with `-` filter
 //! tests by substring.
 
 use std::process::ExitCode;
@@ -20,7 +20,10 @@ const CI_CALLS: usize = 40_000;
 /// What `ALLREDUCE_SOAK_FULL=1` runs.
 const FULL_CYCLES: usize = 1000;
 const FULL_CALLS: usize = 100_000;
-/// The GPU's counts in a default run: the GPU is fast, but its time is shared.
+/// The GPU's counts in a default run: each cycle there also starts the vendor library, and
+/// GPU time is shared.
+#[cfg(feature = "cuda")]
+const GPU_CYCLES: usize = 200;
 #[cfg(feature = "cuda")]
 const GPU_CALLS: usize = 20_000;
 
@@ -33,9 +36,11 @@ fn main() -> ExitCode {
         .filter(|a| !a.starts_with('-'))
         .collect();
     #[allow(unused_mut)] // only the GPU features push more
-    let mut targets: Vec<(String, Box<dyn Target>, usize)> = vec![(
+    // (name, target, default cycles, default calls)
+    let mut targets: Vec<(String, Box<dyn Target>, usize, usize)> = vec![(
         "host".into(),
         Box::new(soak::HostTarget(HostHarness)),
+        CI_CYCLES,
         CI_CALLS,
     )];
     #[cfg(feature = "cuda")]
@@ -45,17 +50,17 @@ fn main() -> ExitCode {
         if gpu_available::<R>("soak") {
             let h = GpuHarness::<R>::from_env();
             let name = allreduce_conformance::Harness::name(&h);
-            targets.push((name, Box::new(soak::GpuTarget(h)), GPU_CALLS));
+            targets.push((name, Box::new(soak::GpuTarget(h)), GPU_CYCLES, GPU_CALLS));
         }
     }
     #[cfg(not(feature = "cuda"))]
     println!("[cuda] skipped: backend not compiled in (build with --features cuda)");
 
     let mut failed = Vec::new();
-    for (name, t, ci_calls) in &targets {
+    for (name, t, ci_cycles, ci_calls) in &targets {
         let tests: [(&str, Run); 2] = [
             ("create_destroy", &|| {
-                let cycles = soak::count(soak::CYCLES_ENV, CI_CYCLES, FULL_CYCLES);
+                let cycles = soak::count(soak::CYCLES_ENV, *ci_cycles, FULL_CYCLES);
                 let r = soak::create_destroy(t.as_ref(), 8, cycles)?;
                 Ok(format!(
                     "{} cycles of a group of 8 ranks and one of 1 in {:.2} s ({:.1} ms each, \
