@@ -28,6 +28,7 @@ pub mod graphs;
 pub mod harness;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 mod harness_gpu;
+pub mod soak;
 mod suite;
 pub mod tolerance;
 
@@ -48,6 +49,16 @@ pub trait GpuTestRuntime: GpuRuntime {
     fn device_count() -> Result<usize>;
     /// Process settings to make before the runtime initialises (the first call into it).
     fn before_init() {}
+    /// Bytes of device memory in use on `ordinal` (the whole device's), where the runtime
+    /// says; for the soak tests.
+    fn device_memory_used(_ordinal: u32) -> Option<usize> {
+        None
+    }
+    /// Peers' allocations this process holds mapped by IPC handle, where the backend counts
+    /// them; for the soak tests.
+    fn open_ipc_mappings() -> Option<usize> {
+        None
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -55,6 +66,12 @@ impl GpuTestRuntime for allreduce::cuda::CudaRuntime {
     const KIND: BackendKind = BackendKind::Cuda;
     fn device_count() -> Result<usize> {
         allreduce::cuda::driver::device_count()
+    }
+    fn device_memory_used(ordinal: u32) -> Option<usize> {
+        allreduce::cuda::driver::memory_in_use(ordinal).ok()
+    }
+    fn open_ipc_mappings() -> Option<usize> {
+        Some(allreduce::cuda::open_ipc_mappings())
     }
 }
 

@@ -981,6 +981,42 @@ impl<R: GpuRuntime> Group<R> {
             .collect()
     }
 
+    /// The peers whose barrier flag for block `block` in `rank`'s workspace is behind the
+    /// most advanced peer's: after an abort (the epoch waited for is not recorded then), the
+    /// ranks that never reached the barrier the others were waiting at. A dead or stuck rank's
+    /// flags stop where it stopped, while every live peer stores its flag before it waits.
+    /// Empty where the flags cannot be read, or where every peer is level (an abort between
+    /// barriers names nobody rather than the wrong rank).
+    fn ranks_behind(&self, rank: usize, block: u32) -> Vec<usize> {
+        let world = self.world;
+        let flags = self.peers[rank] + (abi::FLAGS_OFFSET + block as usize * MAX_WORLD * 4) as u64;
+        let Ok(b) = self.read_device(rank, flags, 4 * world) else {
+            return Vec::new();
+        };
+        let word = |p: usize| u32::from_ne_bytes(b[4 * p..4 * p + 4].try_into().expect("4"));
+        let others: Vec<usize> = (0..world).filter(|&p| p != rank).collect();
+        // Epochs only grow (and wrap): compare by signed difference.
+        let Some(&lead) = others
+            .iter()
+            .max_by(|&&a, &&b| (word(a).wrapping_sub(word(b)) as i32).cmp(&0))
+        else {
+            return Vec::new();
+        };
+        let top = word(lead);
+        others
+            .into_iter()
+            .filter(|&p| (word(p).wrapping_sub(top) as i32) < 0)
+            .collect()
+    }
+
+    /// Why a caller aborted the group ([`GpuComm::abort`]), if one did.
+    fn caller_abort_reason(&self) -> Option<String> {
+        self.caller_abort
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     /// Remember why `rank` refused its arguments, for the peers' `PeerRejected`.
     fn record_refusal(&self, rank: usize, reason: &Error) {
         let mut r = self.refusals.lock().unwrap_or_else(|e| e.into_inner());
@@ -1871,9 +1907,20 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
         if c.error == abi::ERROR_ABORTED {
             // The caller's reason where a caller aborted the group (`abort`); else the
             // kernel's: a peer timed out.
-            return Err(Error::Aborted {
-                reason: self.aborted().unwrap_or_else(|| aborted_reason(&c)),
-            });
+            let mut reason = self.aborted().unwrap_or_else(|| aborted_reason(&c));
+            if self.group.caller_abort_reason().is_none() {
+                // The rank that timed out may be in another process, with the names of the
+                // ranks it missed: say who this rank's own flags show behind.
+                let behind = self.group.ranks_behind(self.rank, c.block);
+                if !behind.is_empty() {
+                    reason.push_str(&format!(
+                        "; {} had not arrived at block {} where the other ranks had",
+                        allreduce_core::error::rank_list(&behind),
+                        c.block
+                    ));
+                }
+            }
+            return Err(Error::Aborted { reason });
         }
         match self.aborted() {
             Some(reason) => Err(Error::Aborted { reason }),

@@ -2547,3 +2547,49 @@ fn a_fused_timeout_names_the_ranks_whose_call_tags_never_came() {
     assert!(text.contains("fused call 4"), "{text}");
     assert!(text.contains("(rank 2 never arrived)"), "{text}");
 }
+
+#[test]
+fn an_aborted_rank_names_the_peers_its_flags_show_behind() {
+    // A rank of a multi-process group whose kernel left on the abort word (a peer in another
+    // process timed out): its own workspace's flags at that block show who never came. Here
+    // ranks 0 and 3 reached epoch 9, rank 2 stopped at 8 (killed), rank 1 is the reader.
+    let comms = group(vec![0, 1, 2, 3]);
+    let flags = comms[1].group.peers[1] + (abi::FLAGS_OFFSET + 4 * MAX_WORLD * 4) as u64;
+    for (p, epoch) in [(0u64, 9u32), (1, 9), (2, 8), (3, 9)] {
+        // SAFETY: inside rank 1's mock workspace (host memory).
+        unsafe { std::ptr::write((flags + 4 * p) as *mut u32, epoch) };
+    }
+    write_control(
+        &comms[1],
+        1,
+        Control {
+            error: abi::ERROR_ABORTED,
+            rank: 1,
+            block: 4,
+            ..Default::default()
+        },
+    );
+    match comms[1].synchronize(Stream::NULL) {
+        Err(Error::Aborted { reason }) => assert!(
+            reason.contains("rank 2 had not arrived at block 4"),
+            "{reason}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    // Level flags (an abort between barriers) name nobody rather than the wrong rank.
+    let comms = group(vec![0, 1]);
+    write_control(
+        &comms[0],
+        0,
+        Control {
+            error: abi::ERROR_ABORTED,
+            rank: 0,
+            block: 2,
+            ..Default::default()
+        },
+    );
+    match comms[0].synchronize(Stream::NULL) {
+        Err(Error::Aborted { reason }) => assert!(!reason.contains("had not arrived"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+}
