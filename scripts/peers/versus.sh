@@ -15,7 +15,7 @@ for w in $what; do
   for r in 2 4 8; do
     case $w in
       exact)
-        timeout 240 "$BENCH" --backend cuda --peers --ranks $r -b 16 -e 64M -f 4 -d bf16 --timeout 10 \
+        timeout 360 "$BENCH" --backend cuda --peers --ranks $r -b 16 -e 64M -f 4 -d bf16 --timeout 10 \
           >>"$OUT/peers_exact.txt" 2>&1; echo "peers exact $r rc=$?" >>"$OUT/peers_exact.txt" ;;
       fused)
         for p in residual_rmsnorm residual_rmsnorm_fp8 residual_rmsnorm_fp8_static; do

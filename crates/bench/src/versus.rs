@@ -331,7 +331,8 @@ impl SglangSetup {
             lines.insert(
                 0,
                 format!(
-                    "# sglang: its Hopper table, {} MiB workspaces, no multicast; grids: push {}                      blocks, pull {}; blocks of 128-1024 threads by its rule over {} SMs; PDL",
+                    "# sglang: its Hopper table, {} MiB workspaces, no multicast; grids: push {} \
+                     blocks, pull {}; blocks of 128-1024 threads by its rule over {} SMs; PDL",
                     SGLANG_MAX_SIZE >> 20,
                     c.push_blocks,
                     c.pull_blocks,
