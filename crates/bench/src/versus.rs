@@ -719,13 +719,11 @@ fn rank_loop(
         // Graphs.
         for (g, &w) in GRAPH.iter().enumerate() {
             if let Who::Sglang | Who::SglangKernel(_) = w {
-                // SGLang's choice in graphs may not be its eager one: it runs where its graph
-                // launch exists and every SGLang column that ran eagerly was right.
-                let right = EAGER.iter().enumerate().all(|(i, &x)| {
-                    !matches!(x, Who::Sglang | Who::SglangKernel(_)) || row.wrong[i] == 0
-                });
+                // SGLang's choice in graphs may not be its eager one: a graph column runs
+                // where its graph launch exists and the kernel it launches ran right eagerly
+                // (its forced column, which runs at every size it takes).
                 let Ok(l) = sgl_launch(w, true) else { continue };
-                if sgl.is_err() || !right {
+                if !timed[eager_col(Who::SglangKernel(l.algo))] {
                     continue;
                 }
                 let bufs = b.sgl.as_ref().ok_or("no SGLang buffers")?;

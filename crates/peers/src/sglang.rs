@@ -523,6 +523,7 @@ impl Sglang {
     /// `input` and `output` are device buffers of `bytes` on the current device, 16-byte
     /// aligned; `graph_row` is device memory of `world` pointers; every rank makes the same
     /// calls.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn all_reduce(
         &self,
         stream: u64,
