@@ -731,4 +731,59 @@ mod tests {
             );
         }
     }
+
+    /// The restated Hopper table against the fetched file itself (configs/custom_all_reduce_v2.py
+    /// in .peers/, from scripts/peers/fetch.sh), so a new pin that retunes it fails here.
+    #[test]
+    fn hopper_table_matches_the_fetched_config_file() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../.peers/sglang/configs/custom_all_reduce_v2.py");
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            eprintln!(
+                "skipped: {} not fetched (scripts/peers/fetch.sh)",
+                path.display()
+            );
+            return;
+        };
+        let sm90 = &text[text.find("def _sm90_configs").expect("the Hopper table")..];
+        let sm90 = &sm90[..sm90.find("\n@cache").unwrap_or(sm90.len())];
+        // One term of a row: "384.0 * KB", "16.00 * MB" or "0"; a row's trailing Range(a, b).
+        let term = |t: &str| -> usize {
+            let t = t.trim();
+            let (x, unit) = match t.split_once('*') {
+                Some((x, u)) => (x.trim(), if u.trim() == "MB" { MB } else { KB }),
+                None => (t, 1),
+            };
+            (x.parse::<f64>().unwrap() * unit as f64) as usize
+        };
+        let row = |line: &str| -> SglangHeuristic {
+            let inner = &line[line.find('(').unwrap() + 1..line.rfind(')').unwrap()];
+            let (plain, mc) = match inner.find("Range(") {
+                Some(i) => {
+                    let r = &inner[i + 6..inner.rfind(')').unwrap()];
+                    let (a, b) = r.split_once(',').unwrap();
+                    (&inner[..i], (term(a), term(b)))
+                }
+                None => (inner, (0, 0)),
+            };
+            let v: Vec<usize> = plain
+                .split(',')
+                .filter(|t| !t.trim().is_empty())
+                .map(term)
+                .collect();
+            SglangHeuristic::row(v[0], v[1], v[2], mc)
+        };
+        let mut worlds = 0;
+        for block in sm90.split("config(\n").skip(1) {
+            let world: usize = block.split(',').next().unwrap().trim().parse().unwrap();
+            let line = |key: &str| block.lines().find(|l| l.trim().starts_with(key)).unwrap();
+            let ours = SglangConfig::hopper(world, 132).unwrap();
+            assert_eq!(ours.graph, row(line("graph=")), "{world} ranks, graphs");
+            assert_eq!(ours.eager, row(line("eager=")), "{world} ranks, eager");
+            worlds += 1;
+        }
+        assert_eq!(worlds, 7, "the table's rows: 2 to 8 ranks");
+        assert!(sm90.contains("num_pull_blocks=64"));
+        assert!(sm90.contains("num_mc_blocks=None if world_size < 4 else 128 // world_size"));
+    }
 }
