@@ -19,7 +19,7 @@ import json, shutil, sys
 for line in open(sys.argv[1]):
     try: m = json.loads(line)
     except ValueError: continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("conformance", "cuda_graphs", "cuda_codecs", "cuda_processes", "cuda_fused", "cuda_cudarc"):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("conformance", "cuda_graphs", "cuda_codecs", "cuda_processes", "cuda_fused", "cuda_cudarc", "soak"):
         shutil.copy2(m["executable"], "gpu-bin/" + m["target"]["name"])
 PY
 rm -f "$json"
@@ -27,7 +27,7 @@ rm -f "$json"
 if [ -f .peers/VERSIONS ]; then bench_features=peers; else bench_features=cuda; fi
 cargo build --release -p allreduce-bench --features "$bench_features"
 cp "${CARGO_TARGET_DIR:-target}/release/allreduce-bench" gpu-bin/
-strip gpu-bin/cuda_cudarc gpu-bin/conformance gpu-bin/cuda_graphs gpu-bin/cuda_codecs gpu-bin/cuda_processes gpu-bin/cuda_fused gpu-bin/allreduce-bench
+strip gpu-bin/soak gpu-bin/cuda_cudarc gpu-bin/conformance gpu-bin/cuda_graphs gpu-bin/cuda_codecs gpu-bin/cuda_processes gpu-bin/cuda_fused gpu-bin/allreduce-bench
 cat >gpu-bin/run.sh <<'RUN'
 #!/usr/bin/env bash
 # On the GPU machine: OUT=$OUT gpu-bin/run.sh (logs under $OUT).
@@ -45,9 +45,12 @@ timeout 60 ./cuda_codecs >"$T" 2>&1; echo "codecs rc=$?" >>"$T"
 # server gave only 3 clients a context (README).
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog CUDA_DEVICE_MAX_CONNECTIONS=1
 mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY; nvidia-cuda-mps-control -d
-timeout 120 ./cuda_processes >>"$T" 2>&1; echo "processes rc=$?" >>"$T"
+# The scenarios in order; the SIGKILL one last (a fault it provoked could take the other
+# MPS clients down with it).
+timeout 300 ./cuda_processes >>"$T" 2>&1; echo "processes rc=$?" >>"$T"
 echo quit | nvidia-cuda-mps-control; sleep 1; unset CUDA_DEVICE_MAX_CONNECTIONS
 timeout 200 ./cuda_graphs >>"$T" 2>&1; echo "graphs rc=$?" >>"$T"
+timeout 300 ./soak "[cuda" >>"$T" 2>&1; echo "soak rc=$?" >>"$T"
 timeout 300 ./cuda_fused >>"$T" 2>&1; echo "fused rc=$?" >>"$T"
 for r in 2 4 8; do
   timeout 120 ./allreduce-bench --backend cuda --fused --ranks $r -d bf16 --tokens 1,8,32,64,128,512 \

@@ -1,7 +1,8 @@
 //! Compiles the shims in shim/ against the peers' headers that scripts/peers/fetch.sh put in
 //! .peers/ at the workspace root, with the same pinned nvcc as our kernels, and links them with
 //! the CUDA runtime (static, from that nvcc's release). Without .peers/ nothing is compiled and
-//! every baseline reports, as an error value, how to fetch it.
+//! every baseline reports, as an error value, how to fetch it; SGLang's shim is compiled when
+//! its sources are there too.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -20,18 +21,40 @@ fn main() {
     println!("cargo:rerun-if-changed=shim");
     println!("cargo:rerun-if-env-changed={ARCHS_ENV}");
     println!("cargo::rustc-check-cfg=cfg(peers_built)");
+    println!("cargo::rustc-check-cfg=cfg(peers_sglang)");
     let Ok(versions) = std::fs::read_to_string(peers.join("VERSIONS")) else {
         return; // lib.rs's unavailable() says how to fetch them
     };
     let nvcc = find_nvcc().unwrap_or_else(|e| panic!("allreduce-peers needs nvcc: {e}"));
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
     let archs = std::env::var(ARCHS_ENV).unwrap_or_else(|_| "sm_90".into());
+    let archs: Vec<&str> = archs
+        .split([',', ' '])
+        .map(|a| a.trim_start_matches("sm_"))
+        .filter(|a| !a.is_empty())
+        .collect();
+    // SGLang's sources (a later fetch.sh than the other peers'): compiled when present, so a
+    // .peers/ fetched before them still builds the rest.
+    let sglang = peers.join("sglang/include").is_dir();
+    let shims: &[&str] = if sglang {
+        &["vllm", "trtllm", "pcie", "sglang"]
+    } else {
+        &["vllm", "trtllm", "pcie"]
+    };
     let mut objects = Vec::new();
-    for shim in ["vllm", "trtllm", "pcie"] {
+    for &shim in shims {
         let src = manifest.join(format!("shim/{shim}.cu"));
         let obj = out.join(format!("{shim}.o"));
         let mut cmd = Command::new(&nvcc);
-        cmd.args(["-c", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-w"])
+        // SGLang's headers are C++20 (concepts, ranges) and, as its JIT builds them, compiled
+        // for one architecture named to them (SGL_CUDA_ARCH, checked against __CUDA_ARCH__):
+        // the first of the list.
+        let std = if shim == "sglang" {
+            "-std=c++20"
+        } else {
+            "-std=c++17"
+        };
+        cmd.args(["-c", "-O3", std, "-Xcompiler", "-fPIC", "-w"])
             // As FlashInfer's own JIT builds compile these headers.
             .arg("--expt-relaxed-constexpr")
             .arg("-I")
@@ -43,9 +66,20 @@ fn main() {
             .arg(peers.join("cccl/cccl"))
             .arg("-I")
             .arg(peers.join("spdlog"));
-        for arch in archs.split([',', ' ']).filter(|a| !a.is_empty()) {
-            let n = arch.trim_start_matches("sm_");
-            cmd.arg(format!("-gencode=arch=compute_{n},code=sm_{n}"));
+        if shim == "sglang" {
+            let n = archs.first().copied().unwrap_or("90");
+            cmd.arg(format!("-DSGL_CUDA_ARCH={n}0"))
+                .arg("-I")
+                .arg(peers.join("sglang/include"))
+                .arg("-I")
+                .arg(peers.join("sglang/csrc"))
+                .arg("-I")
+                .arg(peers.join("tvm-ffi"))
+                .arg(format!("-gencode=arch=compute_{n},code=sm_{n}"));
+        } else {
+            for n in &archs {
+                cmd.arg(format!("-gencode=arch=compute_{n},code=sm_{n}"));
+            }
         }
         let status = cmd.arg(&src).arg("-o").arg(&obj).status();
         match status {
@@ -86,4 +120,7 @@ fn main() {
         versions.trim()
     );
     println!("cargo:rustc-cfg=peers_built");
+    if sglang {
+        println!("cargo:rustc-cfg=peers_sglang");
+    }
 }

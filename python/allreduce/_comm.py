@@ -26,9 +26,12 @@ STRATEGIES = {"auto": 0, "oneshot": 1, "twoshot": 2, "quantized": 3, "hierarchic
               "vendor": 5, "vendor_symmetric": 6, "push_oneshot": 7}
 
 _AR_SUM = 0
-# A dtype code that names nothing: how a refusal of the binding's own reaches the peers (see
-# `Communicator._reject`).
-_REJECTED_DTYPE = -1
+# The codes `ar_reject` takes: those of a refused argument. A refusal of another kind (an
+# exception no check of this package raised) is sent as AR_INVALID_ARGUMENT.
+_REFUSAL_CODES = frozenset(_errors.CODES[name] for name in (
+    "AR_LENGTH_MISMATCH", "AR_DTYPE_MISMATCH", "AR_TOO_LARGE", "AR_MISALIGNED",
+    "AR_WRONG_DEVICE", "AR_UNSUPPORTED_CODEC", "AR_STRATEGY_UNAVAILABLE",
+    "AR_WORKSPACE_EXCEEDED", "AR_INVALID_ARGUMENT"))
 
 _UINT32_MAX = 2**32 - 1
 _INT_MAX = 2**31 - 1
@@ -219,7 +222,7 @@ class Communicator(Handle):
         (a library built with that feature; otherwise ``BackendNotBuilt``). ``max_bytes``:
         the largest call in bytes per rank, which sizes each rank's workspace (default 64 MiB).
         ``timeout``: seconds any wait for a peer may last before the call fails with
-        ``Timeout`` (default 10). ``devices``: rank r's GPU ordinal (default 0..world-1; a
+        ``Timeout`` (default 60, the library's ``AR_DEFAULT_TIMEOUT_MS``). ``devices``: rank r's GPU ordinal (default 0..world-1; a
         device may repeat, several ranks on one GPU); ignored by the host backend.
         """
         code = _name_to_code(BACKENDS, backend, "backend")
@@ -272,8 +275,10 @@ class Communicator(Handle):
         ``torch.device``; default torch's current device when torch is loaded, else 0).
         ``max_bytes`` and ``timeout`` (seconds any wait for a peer in a call may last) as in
         :meth:`group`; ``timeout`` does not shorten the rendezvous. A rank that disagrees
-        with rank 0 on ``world`` is refused at once (``BootstrapError``); a rank whose peers
-        never arrive, or that holds another group's id, fails at the deadline (``Timeout``).
+        with rank 0 on ``world``, or a ``rank`` given twice, stops the rendezvous at once on
+        itself, rank 0 and every rank already joined (``BootstrapError`` with the reason); a
+        rank whose peers never arrive, or that holds another group's id, fails at the
+        deadline (``Timeout``).
 
         Arguments are checked before any C call: ``UnsupportedType`` (a ``TypeError``) for a
         wrong type, ``InvalidArgument`` / ``InvalidConfig`` (``ValueError``) for a bad value.
@@ -310,7 +315,10 @@ class Communicator(Handle):
         deadline, 60 s by default), ``ALLREDUCE_BOOTSTRAP_PORT`` (instead of ``MASTER_PORT``,
         which torch.distributed's store may already hold) and
         ``ALLREDUCE_BOOTSTRAP_ALLOW_REMOTE=1`` (on every rank, for a group across hosts). A
-        missing or malformed variable is ``InvalidConfig`` naming it.
+        missing or malformed variable is ``InvalidConfig`` naming it. Launch mistakes that
+        rank 0 refuses (another ``WORLD_SIZE`` or secret, a ``RANK`` given twice, two
+        processes with ``RANK=0``) raise ``BootstrapError`` with the reason at once on every
+        process that has reached rank 0, not at the deadline.
 
         Backends: ``"cuda"`` and ``"rocm"`` only; the host backend refuses with
         ``InvalidConfig`` once the rendezvous has met, as in :meth:`init_rank`. ``device``:
@@ -527,14 +535,28 @@ class Communicator(Handle):
             raise _errors.WrongDevice(
                 f"{what} is on device {buf.device}; this rank runs on device {self.device}")
 
-    def _reject(self, stream: int) -> None:
-        """Make this rank's part of the call with an argument the library refuses, so the
-        peers' matching call fails at once with ``PeerRejected`` instead of waiting for the
-        deadline, and the group stays usable: the same path the C ABI takes for its own
-        refusals. The peers' message names the invalid dtype code, as the C ABI carries no
-        message of the binding's."""
-        lib = _lib.lib()
-        lib.ar_all_reduce(None, None, 0, _REJECTED_DTYPE, _AR_SUM, 0, 0, self._handle, stream)
+    def _refusal_stream(self, stream: Any) -> int:
+        """The stream of a call refused before ``x`` named one: the caller's, else the one a
+        valid call would default to (torch's current stream on a GPU backend), so this rank's
+        part of the call stays ordered with its other calls on that stream. A ``stream`` that
+        is itself the refused argument falls back to the legacy default stream."""
+        try:
+            return self._resolve_stream(stream, None)
+        except Exception:  # noqa: BLE001 - the refusal being reported is the caller's error
+            return 0
+
+    def _reject(self, stream: int, error: BaseException) -> None:
+        """Make this rank's part of the call a refusal carrying ``error``'s message
+        (``ar_reject``), so the peers' matching call fails at once with ``PeerRejected`` naming
+        this rank's reason, instead of waiting for the deadline, and the group stays usable."""
+        if isinstance(error, _errors.Error) and error.code in _REFUSAL_CODES:
+            code, message = error.code, error.message
+        else:
+            code = _errors.CODES["AR_INVALID_ARGUMENT"]
+            message = f"{type(error).__name__}: {error}"
+        # The caller raises its own error; a failure here (a closed handle) reached no peer,
+        # whose call then ends at its deadline, as for any rank that never calls.
+        _lib.lib().ar_reject(self._handle, code, message.encode("utf-8", "replace"), stream)
 
     def all_reduce(self, x: Any, out: Any = None, precision: str = "exact",
                    strategy: str = "auto", stream: Any = None) -> Any:
@@ -587,7 +609,7 @@ class Communicator(Handle):
                 f"rank {self.rank} is already in a call on another thread; drive each "
                 "communicator from one thread at a time")
         try:
-            stream_value = 0
+            stream_value = None
             try:
                 src = _buffers.describe(x, "x")
                 stream_value = self._resolve_stream(stream, src.stream)
@@ -595,8 +617,10 @@ class Communicator(Handle):
                 self._check_call(src, dst, out is None)
                 p = _name_to_code(PRECISIONS, precision, "precision")
                 s = _name_to_code(STRATEGIES, strategy, "strategy")
-            except Exception:
-                self._reject(stream_value)
+            except Exception as e:
+                if stream_value is None:
+                    stream_value = self._refusal_stream(stream)
+                self._reject(stream_value, e)
                 raise
             _lib.check(_lib.lib().ar_all_reduce(
                 src.ptr, dst.ptr, src.count, src.dtype, _AR_SUM, p, s, handle, stream_value))
@@ -665,10 +689,11 @@ class Communicator(Handle):
         the arrays given.
 
         Every rank makes the matching call. A refusal (by this binding or by the library) is
-        raised on the rank that made it before anything reaches the peers and, unlike
-        :meth:`all_reduce`, the peers are not told: the C fused call has no way to tell them,
-        so they wait until the group's timeout, raise ``Timeout``, and the group must be
-        rebuilt. Arguments refused alike on every rank leave the group intact.
+        raised on the rank that made it before anything is enqueued and, as with
+        :meth:`all_reduce`, the peers are told: their matching fused call raises
+        ``PeerRejected`` with the reason (at once on the host backend, at their next
+        synchronize on a GPU) instead of waiting for the group's timeout, and the group and
+        the workspace stay usable.
         """
         from . import _fused
 

@@ -292,84 +292,90 @@ def all_reduce_fused(comm: Communicator, ws: Any, x: Any, residual_in: Any, resi
             f"rank {comm.rank} is already in a call on another thread; drive each "
             "communicator from one thread at a time")
     try:
-        given = {
-            "allreduce_out": allreduce_out is not None,
-            "residual_in": residual_in is not None,
-            "residual_out": residual_out is not None,
-            "rms_gamma": rms_gamma is not None,
-            "norm_out": norm_out is not None,
-            "quant_out": quant_out is not None,
-            "scale_out": scale_out is not None,
-            "static_scale": static_scale is not None,
-        }
-        name = _resolve_pattern(pattern, given)
-        strategy = _strategy(use_oneshot)
-        eps = _eps(rms_eps)
-        bias = _weight_bias(weight_bias)
-        if residual_out is not None and residual_in is None:
-            raise InvalidArgument(
-                "residual_out needs residual_in (without a residual the norm is of the "
-                "all-reduce output, which allreduce_out holds)")
-        if bias != 0.0 and name == "allreduce":
-            raise InvalidArgument("pattern allreduce has no norm for a weight_bias")
-
-        call = _Call(comm, ws)
-        src = _buffers.describe(x, "x")
-        comm._check_device(src, "x")
-        if src.dtype != ws._dtype:
-            raise _errors.DTypeMismatch(
-                f"x is {_buffers.DTYPE_NAMES[src.dtype]}; the fused workspace is for "
-                f"{ws.dtype}")
-        if len(src.shape) != 2 or src.shape[1] != ws.hidden:
-            raise InvalidArgument(
-                f"x has shape {src.shape}; expected (tokens, {ws.hidden}), the workspace's "
-                "hidden")
-        tokens = src.shape[0]
-        if tokens > ws.max_tokens:
-            raise _errors.WorkspaceExceeded(
-                f"tokens {tokens} is over the workspace's max_tokens {ws.max_tokens}")
-        stream_value = comm._resolve_stream(stream, src.stream)
-
-        args = _lib.FusedArgs(size=ctypes.sizeof(_lib.FusedArgs), pattern=FUSED_PATTERNS[name],
-                              strategy=strategy, tokens=tokens, eps=eps, weight_bias=bias)
-        args.input = src.ptr
-        if allreduce_out is not None:
-            args.allreduce_out = call.rows(allreduce_out, "allreduce_out", src.shape, True)
-        elif name == "allreduce":
-            # In place, as `all_reduce(x)`: the library takes allreduce_out = input.
-            if not src.writable:
+        stream_value = None
+        try:
+            given = {
+                "allreduce_out": allreduce_out is not None,
+                "residual_in": residual_in is not None,
+                "residual_out": residual_out is not None,
+                "rms_gamma": rms_gamma is not None,
+                "norm_out": norm_out is not None,
+                "quant_out": quant_out is not None,
+                "scale_out": scale_out is not None,
+                "static_scale": static_scale is not None,
+            }
+            name = _resolve_pattern(pattern, given)
+            strategy = _strategy(use_oneshot)
+            eps = _eps(rms_eps)
+            bias = _weight_bias(weight_bias)
+            if residual_out is not None and residual_in is None:
                 raise InvalidArgument(
-                    "x is read-only; pattern allreduce without allreduce_out sums into x")
-            args.allreduce_out = src.ptr
-        if residual_in is not None:
-            args.residual_in = call.rows(residual_in, "residual_in", src.shape, False)
-        if residual_out is not None:
-            args.residual_out = call.rows(residual_out, "residual_out", src.shape, True)
-        if rms_gamma is not None:
-            args.gamma = call.rows(rms_gamma, "rms_gamma", (ws.hidden,), False)
-        if norm_out is not None:
-            args.norm_out = call.rows(norm_out, "norm_out", src.shape, True)
-        if quant_out is not None:
-            args.quant_out = call.codes(quant_out, tokens)
-        if scale_out is not None:
-            args.scale_out = call.floats(scale_out, "scale_out", tokens, True)
-        # A number's float, alive (a local) until the call has returned: the host backend reads
-        # it during the call.
-        scale_holder = None
-        if static_scale is not None:
-            if isinstance(static_scale, numbers.Real) and not isinstance(static_scale, bool):
-                if comm.backend != "host":
-                    # The library reads the scale on the device when the call runs: a host
-                    # float's address would be dereferenced there.
+                    "residual_out needs residual_in (without a residual the norm is of the "
+                    "all-reduce output, which allreduce_out holds)")
+            if bias != 0.0 and name == "allreduce":
+                raise InvalidArgument("pattern allreduce has no norm for a weight_bias")
+
+            call = _Call(comm, ws)
+            src = _buffers.describe(x, "x")
+            comm._check_device(src, "x")
+            if src.dtype != ws._dtype:
+                raise _errors.DTypeMismatch(
+                    f"x is {_buffers.DTYPE_NAMES[src.dtype]}; the fused workspace is for "
+                    f"{ws.dtype}")
+            if len(src.shape) != 2 or src.shape[1] != ws.hidden:
+                raise InvalidArgument(
+                    f"x has shape {src.shape}; expected (tokens, {ws.hidden}), the workspace's "
+                    "hidden")
+            tokens = src.shape[0]
+            if tokens > ws.max_tokens:
+                raise _errors.WorkspaceExceeded(
+                    f"tokens {tokens} is over the workspace's max_tokens {ws.max_tokens}")
+            stream_value = comm._resolve_stream(stream, src.stream)
+
+            args = _lib.FusedArgs(size=ctypes.sizeof(_lib.FusedArgs), pattern=FUSED_PATTERNS[name],
+                                  strategy=strategy, tokens=tokens, eps=eps, weight_bias=bias)
+            args.input = src.ptr
+            if allreduce_out is not None:
+                args.allreduce_out = call.rows(allreduce_out, "allreduce_out", src.shape, True)
+            elif name == "allreduce":
+                # In place, as `all_reduce(x)`: the library takes allreduce_out = input.
+                if not src.writable:
                     raise InvalidArgument(
-                        "static_scale as a number is taken on the host backend only; pass a "
-                        "one-element float32 tensor on this rank's device")
-                scale_holder = ctypes.c_float(static_scale)
-                args.scale_in = ctypes.addressof(scale_holder)
-            else:
-                args.scale_in = call.floats(static_scale, "static_scale", 1, False)
-        # No `_reject` on a refusal above, unlike `all_reduce`: the C fused call has no path
-        # that tells the peers, so there is nothing equivalent to send them.
+                        "x is read-only; pattern allreduce without allreduce_out sums into x")
+                args.allreduce_out = src.ptr
+            if residual_in is not None:
+                args.residual_in = call.rows(residual_in, "residual_in", src.shape, False)
+            if residual_out is not None:
+                args.residual_out = call.rows(residual_out, "residual_out", src.shape, True)
+            if rms_gamma is not None:
+                args.gamma = call.rows(rms_gamma, "rms_gamma", (ws.hidden,), False)
+            if norm_out is not None:
+                args.norm_out = call.rows(norm_out, "norm_out", src.shape, True)
+            if quant_out is not None:
+                args.quant_out = call.codes(quant_out, tokens)
+            if scale_out is not None:
+                args.scale_out = call.floats(scale_out, "scale_out", tokens, True)
+            # A number's float, alive (a local) until the call has returned: the host backend reads
+            # it during the call.
+            scale_holder = None
+            if static_scale is not None:
+                if isinstance(static_scale, numbers.Real) and not isinstance(static_scale, bool):
+                    if comm.backend != "host":
+                        # The library reads the scale on the device when the call runs: a host
+                        # float's address would be dereferenced there.
+                        raise InvalidArgument(
+                            "static_scale as a number is taken on the host backend only; pass a "
+                            "one-element float32 tensor on this rank's device")
+                    scale_holder = ctypes.c_float(static_scale)
+                    args.scale_in = ctypes.addressof(scale_holder)
+                else:
+                    args.scale_in = call.floats(static_scale, "static_scale", 1, False)
+        except _errors.Error as e:
+            # A refusal of the binding's own: tell the peers as the library tells them of the
+            # refusals it finds itself, so their matching fused call raises PeerRejected with
+            # this message instead of waiting for the deadline.
+            _lib.lib().ar_fused_reject(e.message.encode(), ws_handle, handle, stream_value)
+            raise
         _lib.check(_lib.lib().ar_all_reduce_fused(ctypes.byref(args), ws_handle, handle,
                                                   stream_value))
     finally:

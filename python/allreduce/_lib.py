@@ -31,6 +31,12 @@ else:
     LIB_NAME = "liballreduce_c.so"
 
 
+# The deadline of every wait for a peer when a group is built with ``timeout=None``, in
+# seconds: the header's AR_DEFAULT_TIMEOUT_MS, the library's one default (tests/test_errors.py
+# holds the two equal).
+DEFAULT_TIMEOUT_S = 60.0
+
+
 class Config(ctypes.Structure):
     """``ar_config_t``: its first field is its own size, which the library checks."""
 
@@ -95,6 +101,12 @@ PROTOTYPES = {
         Handle,  # comm
         ctypes.c_void_p,  # stream
     ]),
+    "ar_reject": (ctypes.c_int, [
+        Handle,  # comm
+        ctypes.c_int,  # code
+        ctypes.c_char_p,  # message
+        ctypes.c_void_p,  # stream
+    ]),
     "ar_comm_init_all": (ctypes.c_int, [
         ctypes.POINTER(Handle), ctypes.c_int, ctypes.c_int, _int_p, ctypes.POINTER(Config),
     ]),
@@ -142,6 +154,7 @@ PROTOTYPES = {
     "ar_all_reduce_fused": (ctypes.c_int, [
         ctypes.POINTER(FusedArgs), FusedHandle, Handle, ctypes.c_void_p,
     ]),
+    "ar_fused_reject": (ctypes.c_int, [ctypes.c_void_p, FusedHandle, Handle, ctypes.c_void_p]),
 }
 
 

@@ -212,6 +212,39 @@ def test_virtual_ranks_exact_in_and_out_of_place():
                     _assert_bitwise(x, want, f"{what}: in place")
 
 
+def test_virtual_ranks_a_refusal_of_the_bindings_reaches_the_peers():
+    """Rank 1 passes a list, which this binding refuses itself (``ar_reject``, on the rank's
+    current stream): rank 0's call fails with PeerRejected naming rank 1 (at synchronize),
+    well before the deadline, and the next call of both is exact. On a GPU the reason's text
+    does not travel, only the refusal."""
+    _skip_if_no_cuda()
+    world, n = 2, 4096
+    xs = [_gauss(r, n, torch.float32, seed=5) for r in range(world)]
+    want = _reference(xs)
+
+    def body(r, comm, s, ready):
+        x = xs[r].cuda()
+        ready.wait()
+        refused = None
+        try:
+            comm.all_reduce(xs[r].tolist() if r == 1 else x.clone())
+            comm.synchronize(s)
+        except allreduce.Error as e:
+            refused = e
+        comm.all_reduce(x)
+        comm.synchronize(s)
+        return refused, x.cpu()
+
+    start = time.monotonic()
+    results = _run_ranks(world, body)
+    assert time.monotonic() - start < TIMEOUT / 2, time.monotonic() - start
+    (e0, x0), (e1, x1) = results
+    assert isinstance(e1, allreduce.UnsupportedType), e1
+    assert isinstance(e0, allreduce.PeerRejected) and "rank 1" in e0.message, e0
+    _assert_bitwise(x0, want, "rank 0 after the refusal")
+    _assert_bitwise(x1, want, "rank 1 after the refusal")
+
+
 def test_virtual_ranks_lossy_is_the_host_backends_result():
     _skip_if_no_cuda()
     world, n = 4, 1 << 16

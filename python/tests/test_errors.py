@@ -90,7 +90,7 @@ def test_prototypes_match_the_header():
         assert len(params) == len(argtypes), name
         for param, argtype in zip(params, argtypes):
             is_pointer = "*" in param or re.search(r"\bar_(comm|fused_workspace)_t\b", param)
-            assert bool(is_pointer) == (argtype is ctypes.c_void_p or
+            assert bool(is_pointer) == (argtype in (ctypes.c_void_p, ctypes.c_char_p) or
                                         hasattr(argtype, "contents")), (name, param)
     fields = re.search(r"typedef struct \{([^}]*)\} ar_config_t;", text)[1]
     declared = re.findall(r"^\s*(size_t|uint32_t) (\w+);", fields, re.M)
@@ -106,3 +106,10 @@ def test_prototypes_match_the_header():
 @pytest.mark.parametrize("name", sorted(_lib.PROTOTYPES))
 def test_every_prototype_is_exported_by_the_loaded_library(name):
     assert getattr(_lib.lib(), name).argtypes is not None
+
+
+def test_the_default_timeout_is_the_headers():
+    """``timeout=None`` means the library's one default deadline, AR_DEFAULT_TIMEOUT_MS."""
+    found = re.search(r"#define AR_DEFAULT_TIMEOUT_MS (\d+)", HEADER.read_text())
+    assert found, f"AR_DEFAULT_TIMEOUT_MS not in {HEADER}"
+    assert int(found[1]) == round(_lib.DEFAULT_TIMEOUT_S * 1000)

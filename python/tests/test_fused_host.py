@@ -496,23 +496,27 @@ def test_another_ranks_workspace_is_refused_by_the_library(fused2):
     exact_fused_round(comms, wss)
 
 
-def test_one_ranks_refusal_leaves_its_peers_to_the_deadline():
-    """The C fused call tells no peer of a refusal (the binding has no path to either): the
-    peer times out and the group must be rebuilt, as the docstring says."""
-    comms, wss = fused_group(2, 64, np.float32, timeout=0.3)
+def test_one_ranks_refusal_reaches_its_peer_at_once():
+    """A refusal by the binding (rank 0's x is float16) or by the library (rank 0's x is
+    misaligned) is raised on that rank, and its peer's matching call raises PeerRejected
+    carrying the reason, long before the deadline; the group stays exact."""
+    comms, wss = fused_group(2, 64, np.float32, timeout=5.0)
     try:
-        start = time.monotonic()
+        cases = ((np.zeros((T, H), np.float16), allreduce.DTypeMismatch),
+                 (f32(T * H + 4)[1:T * H + 1].reshape(T, H), allreduce.Misaligned))
+        for bad, exc in cases:
+            start = time.monotonic()
 
-        def rank(r):
-            return comms[r].all_reduce_fused(
-                wss[r], **good(x=np.zeros((T, H), np.float16) if r == 0 else f32(T, H)))
+            def rank(r):
+                return comms[r].all_reduce_fused(wss[r], **good(x=bad if r == 0 else f32(T, H)))
 
-        results = on_ranks(comms, rank)
-        assert isinstance(results[0], allreduce.DTypeMismatch), results[0]
-        assert isinstance(results[1], allreduce.Timeout) and results[1].rebuild, results[1]
-        assert time.monotonic() - start >= 0.3
-        with pytest.raises(allreduce.Aborted):
-            comms[0].all_reduce(np.ones(8, np.float32))
+            results = on_ranks(comms, rank)
+            assert isinstance(results[0], exc), results[0]
+            assert isinstance(results[1], allreduce.PeerRejected), results[1]
+            assert not results[1].rebuild
+            assert results[0].message in results[1].message, (results[0], results[1])
+            assert time.monotonic() - start < 4.0
+        exact_fused_round(comms, wss)
     finally:
         close(comms, wss)
 
@@ -615,20 +619,24 @@ def test_residual_out_needs_residual_in_and_weight_bias_needs_a_norm():
     comms, wss = fused_group(2, hidden, dtype)
     try:
         xs, residual, gamma = case(2, dtype, tokens, hidden, seed=12)
-        out = np.zeros_like(xs[0])
-        with pytest.raises(allreduce.InvalidArgument, match="residual_out needs residual_in"):
-            comms[0].all_reduce_fused(wss[0], xs[0], rms_gamma=gamma, norm_out=out,
-                                      residual_out=np.zeros_like(out))
-        with pytest.raises(allreduce.InvalidArgument, match="no norm for a weight_bias"):
-            comms[0].all_reduce_fused(wss[0], xs[0], allreduce_out=out, weight_bias=1.0)
-        for bad in (float("nan"), float("inf")):
-            with pytest.raises(allreduce.InvalidArgument, match="weight_bias must be finite"):
-                comms[0].all_reduce_fused(wss[0], xs[0], rms_gamma=gamma, norm_out=out,
-                                          weight_bias=bad)
-        with pytest.raises(allreduce.UnsupportedType, match="weight_bias"):
-            comms[0].all_reduce_fused(wss[0], xs[0], rms_gamma=gamma, norm_out=out,
-                                      weight_bias="1")
-        # Refused before anything reached the peers: the group still gives right answers.
+        def refusals(r):
+            # Every rank makes each mistake: each refusal is a call the peers take part in.
+            out = np.zeros_like(xs[r])
+            with pytest.raises(allreduce.InvalidArgument, match="residual_out needs residual_in"):
+                comms[r].all_reduce_fused(wss[r], xs[r], rms_gamma=gamma, norm_out=out,
+                                          residual_out=np.zeros_like(out))
+            with pytest.raises(allreduce.InvalidArgument, match="no norm for a weight_bias"):
+                comms[r].all_reduce_fused(wss[r], xs[r], allreduce_out=out, weight_bias=1.0)
+            for bad in (float("nan"), float("inf")):
+                with pytest.raises(allreduce.InvalidArgument, match="weight_bias must be finite"):
+                    comms[r].all_reduce_fused(wss[r], xs[r], rms_gamma=gamma, norm_out=out,
+                                              weight_bias=bad)
+            with pytest.raises(allreduce.UnsupportedType, match="weight_bias"):
+                comms[r].all_reduce_fused(wss[r], xs[r], rms_gamma=gamma, norm_out=out,
+                                          weight_bias="1")
+
+        values(on_ranks(comms, refusals))
+        # Refused before anything moved: the group still gives right answers.
         want = reference(xs, residual, gamma)
         outs, _ = run_fused(comms, wss, xs, residual, gamma, ALL_OUTPUTS)
         check_outputs(outs, want, dtype, "after the refusals")

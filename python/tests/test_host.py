@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import allreduce
-from allreduce import Communicator
+from allreduce import Communicator, _lib
 from ranks import TIMEOUT, assert_bitwise, bits, inputs, on_ranks, reference, values
 
 try:
@@ -169,7 +169,7 @@ def test_option_refusals_raise_and_leave_the_group_exact(group4, kwargs, exc, te
 
 def test_abort_releases_waiting_ranks_and_closes_the_communicator():
     """A rank that never calls aborts from another thread: its waiting peers raise Aborted
-    at once (not at the 10 s deadline), later calls too; the aborted rank is closed."""
+    at once (not at the deadline), later calls too; the aborted rank is closed."""
     comms = allreduce.Communicator.group(3, timeout=10.0)
     errors = [None] * 3
 
@@ -203,27 +203,34 @@ def test_the_host_backend_has_no_vendor_window(group4):
 
 def test_one_ranks_refusal_reaches_its_peers_at_once(group4):
     """A refusal on one rank (the binding's or the library's) makes the peers' call fail with
-    PeerRejected within the deadline, not time out; the group stays exact."""
+    PeerRejected within the deadline, not time out, and with the refusing rank's own reason;
+    the group stays exact."""
     n = 256
     for culprit, bad, exc in [
-        (1, lambda x: x.astype(np.int32), allreduce.UnsupportedType),
-        (3, lambda x: x[::2], allreduce.InvalidArgument),
-        (2, lambda x: np.zeros(n + 4, np.float32)[1:n + 1], allreduce.Misaligned),
+        (1, lambda x: (x.astype(np.int32), {}), allreduce.UnsupportedType),
+        (3, lambda x: (x[::2], {}), allreduce.InvalidArgument),
+        (0, lambda x: (x.tolist(), {}), allreduce.UnsupportedType),
+        (0, lambda x: (x, {"precision": "q9"}), allreduce.InvalidArgument),
+        (2, lambda x: (x, {"out": np.zeros(n, np.float16)}), allreduce.DTypeMismatch),
+        (2, lambda x: (np.zeros(n + 4, np.float32)[1:n + 1], {}), allreduce.Misaligned),
     ]:
         start = time.monotonic()
 
         def rank(r):
             x = inputs(np.float32, n, r)
-            return group4[r].all_reduce(bad(x) if r == culprit else x)
+            x, options = bad(x) if r == culprit else (x, {})
+            return group4[r].all_reduce(x, **options)
 
         results = on_ranks(group4, rank)
         assert time.monotonic() - start < TIMEOUT / 2
+        reason = results[culprit]
+        assert isinstance(reason, exc), (culprit, reason)
         for r, e in enumerate(results):
-            if r == culprit:
-                assert isinstance(e, exc), (r, e)
-            else:
+            if r != culprit:
                 assert isinstance(e, allreduce.PeerRejected), (r, e)
-                assert f"rank {culprit}" in e.message, e.message
+                assert f"rank {culprit} rejected" in e.message, e.message
+                # The peers read the culprit's own reason, not a stand-in's.
+                assert reason.message in e.message, (reason.message, e.message)
         exact_round(group4, n=n)
 
 
@@ -349,7 +356,7 @@ def test_dropped_communicators_release_their_ranks():
 # codecs.md, "Error bound": per 32-element block, |out - sum| <= c·(2 + c)·A plus the output
 # rounding, with A the sum over ranks of each rank's largest magnitude in the block and c the
 # codec's step_bound slope.
-CODEC_SLOPE = {"q8": 255 / 16384, "fp8": (1 + 2**-7) / 28}
+CODEC_SLOPE = {"q8": 255 / 16384, "fp8": (1 + 2**-7) / 32}
 
 
 @pytest.mark.parametrize("precision", sorted(CODEC_SLOPE))
@@ -420,6 +427,41 @@ def test_registered_buffers_sum_exactly_and_are_checked():
             Communicator.register(comms, [b[2:514] for b in bufs])
         with pytest.raises(allreduce.UnsupportedType):
             Communicator.deregister(comms, "1")
+    finally:
+        for c in comms:
+            c.close()
+
+
+def test_a_refusal_before_x_names_a_stream_goes_on_the_calls_default_stream(monkeypatch):
+    """A call refused before ``x`` could say its stream (a list) is still refused on the
+    stream a valid call would default to (torch's current stream on a GPU), not the legacy
+    default stream, so this rank's part stays ordered with its other calls. The host ignores
+    streams, so the stream a GPU would get is stood in for and the C call is watched."""
+    comms = Communicator.group(2, timeout=TIMEOUT)
+    real = _lib.lib()
+    streams = []
+
+    class Watched:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def ar_reject(self, handle, code, message, stream):
+            streams.append(stream)
+            return real.ar_reject(handle, code, message, stream)
+
+    try:
+        monkeypatch.setattr(_lib, "lib", lambda: Watched())
+        monkeypatch.setattr(comms[1], "_resolve_stream",
+                            lambda stream, default: 77 if default is None else default)
+
+        def rank(r):
+            x = inputs(np.float32, 64, r)
+            return comms[r].all_reduce(x.tolist() if r == 1 else x)
+
+        results = on_ranks(comms, rank)
+        assert isinstance(results[1], allreduce.UnsupportedType), results
+        assert isinstance(results[0], allreduce.PeerRejected), results
+        assert streams == [77], streams
     finally:
         for c in comms:
             c.close()

@@ -87,16 +87,18 @@ def test_two_processes_meet_through_a_unique_id():
         assert MET in message, (rank, message)
 
 
-def test_a_rank_with_another_world_size_is_refused_at_once():
-    # Rank 0 expects 2 ranks and refuses rank 1's claim of 3; rank 0 itself then waits for
-    # the rendezvous deadline (60 s, not the timeout argument) and is killed.
+def test_a_rank_with_another_world_size_stops_both_at_once():
+    # Rank 0 expects 2 ranks and refuses rank 1's claim of 3; the group cannot form, so rank 0
+    # fails at once too, with the same reason, instead of waiting out the 60 s rendezvous.
     uid = allreduce.get_unique_id()
-    got = spawn_ranks([(uid, 2, 0), (uid, 3, 1)], want=[1])
-    assert 1 in got, "rank 1 was not refused"
-    cls, message, seconds = got[1]
-    assert cls == "BootstrapError", (cls, message)
-    assert "WORLD_SIZE 3, rank 0 has 2" in message
-    assert seconds < 10
+    got = spawn_ranks([(uid, 2, 0), (uid, 3, 1)], want=[0, 1])
+    for rank in (0, 1):
+        assert rank in got, f"rank {rank} did not fail in time"
+        cls, message, seconds = got[rank]
+        assert cls == "BootstrapError", (rank, cls, message)
+        assert "WORLD_SIZE 3, rank 0 has 2" in message, (rank, message)
+        assert seconds < 10, (rank, seconds)
+    assert "cannot form" in got[0][1], got[0]
 
 
 def test_an_id_not_made_by_get_unique_id_is_refused_before_the_rendezvous():
@@ -171,20 +173,23 @@ def test_two_processes_meet_through_torchrun_variables():
         assert v[0] == "InvalidConfig" and MET in v[1], (rank, v)
 
 
-@pytest.mark.parametrize("case", ["world", "secret"])
-def test_ranks_that_disagree_fail_by_the_rendezvous_deadline(case):
-    # ALLREDUCE_BOOTSTRAP_TIMEOUT_S=2 bounds rank 0's wait; the disagreeing rank 1 is refused
-    # by rank 0 at once.
+@pytest.mark.parametrize("case", ["world", "secret", "rank 0 twice"])
+def test_ranks_that_disagree_fail_at_once_on_both_sides(case):
+    # A rendezvous deadline of 30 s, beyond WAIT: a rank that waited it out would be killed
+    # and fail the test. Every side fails at once with the reason, through ar_comm_init_env.
     port, secret = free_port(), os.urandom(32).hex()
-    world1, secret1 = {"world": (3, secret), "secret": (2, os.urandom(32).hex())}[case]
-    envs = [torchrun_env(0, 2, port, secret, 2), torchrun_env(1, world1, port, secret1, 2)]
-    rank0, rank1 = env_ranks(envs)
-    assert rank0 is not None and rank1 is not None, (rank0, rank1)
-    assert rank0[0] == "Timeout", rank0
-    assert rank1[0] == "BootstrapError", rank1
-    why = "WORLD_SIZE 3, rank 0 has 2" if case == "world" else "authentication failed"
-    assert why in rank1[1], rank1
-    assert rank0[2] < 10 and rank1[2] < 10, (rank0, rank1)
+    rank1, world1, secret1 = {"world": (1, 3, secret),
+                              "secret": (1, 2, os.urandom(32).hex()),
+                              "rank 0 twice": (0, 2, secret)}[case]
+    envs = [torchrun_env(0, 2, port, secret, 30),
+            torchrun_env(rank1, world1, port, secret1, 30)]
+    why = {"world": "WORLD_SIZE 3, rank 0 has 2", "secret": "authentication failed",
+           "rank 0 twice": "rank 0 given twice"}[case]
+    for rank, v in enumerate(env_ranks(envs)):
+        assert v is not None, f"process {rank} waited for the deadline"
+        assert v[0] == "BootstrapError", (rank, v)
+        assert why in v[1], (rank, v)
+        assert v[2] < 10, (rank, v)
 
 
 def test_from_env_names_a_missing_variable():

@@ -242,9 +242,12 @@ def test_one_ranks_refusal_through_the_op_reaches_its_peers(threads):
             x = torch.ones(4, 16)
             return ops.all_reduce(x.int() if r == 2 else x, comms[r].key)
 
-        for r, e in enumerate(threads(comms, rank)):
+        results = threads(comms, rank)
+        for r, e in enumerate(results):
             want = allreduce.UnsupportedType if r == 2 else allreduce.PeerRejected
             assert isinstance(e, want), (r, e)
+            # The peers read rank 2's own reason.
+            assert results[2].message in e.message, (r, e.message)
         exact_round(threads, comms)
     finally:
         close(comms)

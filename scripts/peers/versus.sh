@@ -3,8 +3,8 @@
 # scripts/build-gpu-bin.sh): the "versus peers" tables of docs/benchmarks.md at 2, 4 and 8
 # virtual ranks, logs under $OUT.
 #   BENCH=gpu-bin/allreduce-bench OUT=/tmp/out scripts/peers/versus.sh [exact] [fused]
-# exact: ours against vLLM's custom all-reduce and FlashInfer's PCIe IPC all-reduce, 16 B to
-# 64 MiB, bf16, eager and graphs.
+# exact: ours against vLLM's custom all-reduce, FlashInfer's PCIe IPC all-reduce and SGLang's
+# custom all-reduce v2 (its choice and its four kernels), 16 B to 64 MiB, bf16, eager and graphs.
 # fused: ours against TensorRT-LLM's all-reduce fusion, tokens 1-2048 x hidden 2048-8192 (the
 # shapes the peers test), + residual + RMSNorm, and + FP8 (per-token and static scale).
 set -uo pipefail
@@ -15,7 +15,7 @@ for w in $what; do
   for r in 2 4 8; do
     case $w in
       exact)
-        timeout 240 "$BENCH" --backend cuda --peers --ranks $r -b 16 -e 64M -f 4 -d bf16 --timeout 10 \
+        timeout 360 "$BENCH" --backend cuda --peers --ranks $r -b 16 -e 64M -f 4 -d bf16 --timeout 10 \
           >>"$OUT/peers_exact.txt" 2>&1; echo "peers exact $r rc=$?" >>"$OUT/peers_exact.txt" ;;
       fused)
         for p in residual_rmsnorm residual_rmsnorm_fp8 residual_rmsnorm_fp8_static; do

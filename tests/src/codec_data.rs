@@ -50,6 +50,15 @@ pub fn adversarial_blocks() -> Vec<f32> {
     block(&|i| i as f32 * 8.0 - 128.0); // the integer grid of q4/q8
     block(&|_| 5.0); // constant
     block(&|_| -5.0);
+    // One nonzero magnitude beside zeros (the adaptive codecs keep it plain), zeros first
+    // and last, and a sign pattern of it.
+    block(&|i| if i < 19 { 0.0 } else { 15.0 });
+    block(&|i| if i < 13 { -0.75 } else { 0.0 });
+    block(&|i| match i % 3 {
+        0 => 6.0,
+        1 => -6.0,
+        _ => 0.0,
+    });
     block(&|i| if i == 9 { 100.0 } else { 0.01 * i as f32 }); // spike
     block(&|i| (i as f32 * 0.7).sin()); // smooth
     block(&|i| if i % 2 == 0 { 1.0 } else { -1.0 }); // alternating
@@ -134,6 +143,13 @@ pub fn adversarial_blocks() -> Vec<f32> {
         }
     });
     block(&|i| if i < 16 { 0.0 } else { (i as f32 - 20.0) * 0.3 });
+    // Halves of one magnitude (scale a quarter of it) beside halves that are not.
+    block(&|i| if i < 16 { 3.0 } else { (i as f32 - 20.0) * 0.3 });
+    block(&|i| match i {
+        _ if i < 16 => i as f32 * 0.1,
+        _ if i % 2 == 0 => -0.75,
+        _ => 0.75,
+    });
     block(&|i| if i >= 16 { 0.0 } else { (i as f32 - 4.0) * 0.3 });
     for ratio in [1e3f32, 1e5, 1e7, 1e9] {
         block(&|i| {
@@ -156,6 +172,17 @@ pub fn adversarial_blocks() -> Vec<f32> {
     // f32 extremes without Inf: the largest finite block scales.
     block(&|i| (i as f32 - 15.0) * 1e37);
     block(&|i| if i == 6 { f32::MAX } else { -f32::MAX / 3.0 });
+    // Within a rounding of f32's maximum, where a rounded-up scale or quotient would decode a
+    // code (or v2's K) to Inf: the codes there are one toward zero.
+    block(&|i| if i == 5 { f32::MAX } else { 0.0 });
+    block(&|i| if i % 3 == 0 { -f32::MAX } else { f32::MAX });
+    for a in [f32::MAX, -3.4e38] {
+        block(&|i| match i {
+            0 => a,
+            1 => -a / 2000.5,
+            _ => a / 4001.0,
+        });
+    }
     v
 }
 

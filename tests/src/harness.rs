@@ -3,8 +3,8 @@
 //! one that allocates device memory, uploads, enqueues, synchronizes and downloads.
 
 use allreduce::{
-    AllReduceOptions, BackendKind, BufRef, Communicator, DType, Device, GroupConfig, HostBytes,
-    Result,
+    AllReduceOptions, BackendKind, BufMut, BufRef, Communicator, DType, Device, FusedArgs,
+    FusedPattern, FusedWorkspace, GroupConfig, HostBytes, Result, Strategy,
 };
 
 /// One rank's part of one call.
@@ -96,6 +96,68 @@ pub fn alloc_registered(
 /// A call's outcome on one rank: the output bytes, or the error.
 pub type Outcome = Result<HostBytes>;
 
+/// One rank's part of one fused call ([`Communicator::all_reduce_fused`]) on a workspace of
+/// `hidden` elements per row: `allreduce_out` is always asked for, `residual_out` where a
+/// residual is given, `norm_out` where the pattern has a norm. No FP8 outputs.
+#[derive(Clone, Debug)]
+pub struct FusedRankArgs {
+    pub pattern: FusedPattern,
+    pub tokens: usize,
+    /// `tokens x hidden` elements of the workspace's dtype.
+    pub input: HostBytes,
+    pub residual: Option<HostBytes>,
+    /// `hidden` elements; `None` gives no gamma (a pattern with a norm then refuses the call).
+    pub gamma: Option<HostBytes>,
+    pub strategy: Strategy,
+}
+
+impl FusedRankArgs {
+    /// The bytes of one output of `hidden`-element rows.
+    fn out_bytes(&self, hidden: usize, dtype: DType) -> usize {
+        self.tokens * hidden * dtype.size()
+    }
+}
+
+/// A fused call's outputs on one rank: `allreduce_out`, `residual_out` and `norm_out` (empty
+/// where not asked for), or the error.
+pub type FusedOutcome = Result<[HostBytes; 3]>;
+
+/// Run one rank's fused call on host memory, or on device memory through `views` (the
+/// addresses of its input, residual, gamma and three outputs, each large enough).
+pub fn call_fused(
+    comm: &Communicator,
+    ws: &FusedWorkspace,
+    a: &FusedRankArgs,
+    addrs: [usize; 6],
+    stream: allreduce::Stream,
+) -> Result<allreduce::Strategy> {
+    let meta = ws.metadata();
+    let (hidden, dtype, dev) = (meta.hidden, meta.dtype, comm.device());
+    let n = a.tokens * hidden;
+    let [input, residual, gamma, ar, res_out, norm] = addrs;
+    // SAFETY: the caller's buffers at these addresses hold what the views claim (n elements,
+    // `hidden` for gamma) and outlive the call.
+    unsafe {
+        let mut args = FusedArgs::new(a.pattern, a.tokens, BufRef::from_raw(input, n, dtype, dev))
+            .allreduce_out(BufMut::from_raw(ar, n, dtype, dev))
+            .strategy(a.strategy)
+            .stream(stream);
+        if a.residual.is_some() {
+            args = args.residual(
+                BufRef::from_raw(residual, n, dtype, dev),
+                Some(BufMut::from_raw(res_out, n, dtype, dev)),
+            );
+        }
+        if a.pattern.has_norm() {
+            args.norm_out = Some(BufMut::from_raw(norm, n, dtype, dev));
+        }
+        if a.gamma.is_some() {
+            args.gamma = Some(BufRef::from_raw(gamma, hidden, dtype, dev));
+        }
+        comm.all_reduce_fused(ws, args)
+    }
+}
+
 pub trait Harness: Sync {
     fn name(&self) -> String;
     fn backend(&self) -> BackendKind;
@@ -109,6 +171,14 @@ pub trait Harness: Sync {
     /// Run `steps[k][r]` on rank r for each step k in order, every rank on its own thread.
     /// Returns `[k][r]`.
     fn run(&self, comms: &[Communicator], steps: &[Vec<RankArgs>]) -> Vec<Vec<Outcome>>;
+    /// The same for fused calls on `ws` (one workspace per rank), each call waited for before
+    /// the next.
+    fn run_fused(
+        &self,
+        comms: &[Communicator],
+        ws: &[FusedWorkspace],
+        steps: &[Vec<FusedRankArgs>],
+    ) -> Vec<Vec<FusedOutcome>>;
 }
 
 /// Ranks are threads and buffers are host memory.
@@ -165,6 +235,64 @@ impl Harness for HostHarness {
         });
         transpose(per_rank, steps.len())
     }
+
+    fn run_fused(
+        &self,
+        comms: &[Communicator],
+        ws: &[FusedWorkspace],
+        steps: &[Vec<FusedRankArgs>],
+    ) -> Vec<Vec<FusedOutcome>> {
+        let per_rank: Vec<Vec<FusedOutcome>> = std::thread::scope(|s| {
+            let handles: Vec<_> = comms
+                .iter()
+                .zip(ws)
+                .enumerate()
+                .map(|(r, (comm, ws))| {
+                    s.spawn(move || {
+                        steps
+                            .iter()
+                            .map(|step| run_fused_host(comm, ws, &step[r]))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("rank thread panicked"))
+                .collect()
+        });
+        transpose(per_rank, steps.len())
+    }
+}
+
+/// One rank's fused call on host memory.
+fn run_fused_host(comm: &Communicator, ws: &FusedWorkspace, a: &FusedRankArgs) -> FusedOutcome {
+    let meta = ws.metadata();
+    let bytes = a.out_bytes(meta.hidden, meta.dtype);
+    let empty = HostBytes::zeroed(0);
+    let (residual, gamma) = (
+        a.residual.as_ref().unwrap_or(&empty),
+        a.gamma.as_ref().unwrap_or(&empty),
+    );
+    let mut outs = [
+        HostBytes::zeroed(bytes),
+        HostBytes::zeroed(if a.residual.is_some() { bytes } else { 0 }),
+        HostBytes::zeroed(if a.pattern.has_norm() { bytes } else { 0 }),
+    ];
+    let addr = |b: &HostBytes| b.as_slice().as_ptr() as usize;
+    let [ar, res_out, norm] = outs
+        .each_mut()
+        .map(|o| o.as_mut_slice().as_mut_ptr() as usize);
+    let addrs = [
+        addr(&a.input),
+        addr(residual),
+        addr(gamma),
+        ar,
+        res_out,
+        norm,
+    ];
+    call_fused(comm, ws, a, addrs, allreduce::Stream::NULL)?;
+    Ok(outs)
 }
 
 fn run_one_host(comm: &Communicator, a: &RankArgs) -> Outcome {
@@ -221,8 +349,8 @@ fn run_one_registered(
 }
 
 /// `[rank][step]` -> `[step][rank]`.
-pub fn transpose(per_rank: Vec<Vec<Outcome>>, steps: usize) -> Vec<Vec<Outcome>> {
-    let mut out: Vec<Vec<Outcome>> = (0..steps).map(|_| Vec::new()).collect();
+pub fn transpose<T>(per_rank: Vec<Vec<T>>, steps: usize) -> Vec<Vec<T>> {
+    let mut out: Vec<Vec<T>> = (0..steps).map(|_| Vec::new()).collect();
     for rank in per_rank {
         for (k, o) in rank.into_iter().enumerate() {
             out[k].push(o);

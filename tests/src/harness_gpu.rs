@@ -10,12 +10,15 @@
 use std::marker::PhantomData;
 use std::sync::Barrier;
 
-use allreduce::{BackendKind, BufMut, BufRef, Communicator, HostBytes, RegisteredBuffer, Result};
+use allreduce::{
+    BackendKind, BufMut, BufRef, Communicator, FusedWorkspace, HostBytes, RegisteredBuffer, Result,
+};
 use allreduce_gpu::device::{DeviceBuffer, GpuStream};
 use allreduce_gpu::upload_registered;
 
 use crate::harness::{
-    alloc_registered, registered_at, registered_layout, transpose, Harness, Outcome, RankArgs,
+    alloc_registered, call_fused, registered_at, registered_layout, transpose, FusedOutcome,
+    FusedRankArgs, Harness, Outcome, RankArgs,
 };
 use crate::{open_rank, GpuTestRuntime};
 
@@ -108,6 +111,101 @@ impl<R: GpuTestRuntime> Harness for GpuHarness<R> {
         });
         transpose(per_rank, steps.len())
     }
+
+    fn run_fused(
+        &self,
+        comms: &[Communicator],
+        ws: &[FusedWorkspace],
+        steps: &[Vec<FusedRankArgs>],
+    ) -> Vec<Vec<FusedOutcome>> {
+        let barrier = Barrier::new(comms.len());
+        let per_rank: Vec<Vec<FusedOutcome>> = std::thread::scope(|s| {
+            let barrier = &barrier;
+            let handles: Vec<_> = comms
+                .iter()
+                .zip(ws)
+                .enumerate()
+                .map(|(r, (comm, ws))| {
+                    s.spawn(move || run_fused_rank::<R>(comm, ws, r, steps, barrier))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("rank thread panicked"))
+                .collect()
+        });
+        transpose(per_rank, steps.len())
+    }
+}
+
+/// One rank's fused sequence: every buffer allocated and filled before any rank calls (see
+/// the module docs), each call synchronized before the next.
+fn run_fused_rank<R: GpuTestRuntime>(
+    comm: &Communicator,
+    ws: &FusedWorkspace,
+    r: usize,
+    steps: &[Vec<FusedRankArgs>],
+    barrier: &Barrier,
+) -> Vec<FusedOutcome> {
+    let meta = ws.metadata();
+    let row_bytes = meta.hidden * meta.dtype.size();
+    let setup = (|| -> Result<_> {
+        let (dev, stream) = open_rank::<R>(comm)?;
+        stream.warm(&dev)?;
+        let bufs = steps
+            .iter()
+            .map(|step| {
+                let a = &step[r];
+                let bytes = (a.tokens * row_bytes).max(16);
+                let up = |b: Option<&HostBytes>, len: usize| match b {
+                    Some(b) => DeviceBuffer::<R>::from_host(b.as_slice(), &stream),
+                    None => DeviceBuffer::zeroed(len, &stream),
+                };
+                Ok([
+                    up(Some(&a.input), bytes)?,
+                    up(a.residual.as_ref(), bytes)?,
+                    up(a.gamma.as_ref(), row_bytes)?,
+                    DeviceBuffer::zeroed(bytes, &stream)?,
+                    DeviceBuffer::zeroed(bytes, &stream)?,
+                    DeviceBuffer::zeroed(bytes, &stream)?,
+                ])
+            })
+            .collect::<Result<Vec<_>>>()?;
+        stream.synchronize()?;
+        Ok((dev, stream, bufs))
+    })();
+    // Everyone is ready (or failed) before anyone calls.
+    barrier.wait();
+    let (_dev, stream, bufs) = match setup {
+        Ok(x) => x,
+        Err(e) => {
+            barrier.wait();
+            return steps.iter().map(|_| Err(e.clone())).collect();
+        }
+    };
+    let outcomes = steps
+        .iter()
+        .zip(&bufs)
+        .map(|(step, b)| {
+            let a = &step[r];
+            call_fused(comm, ws, a, b.each_ref().map(|d| d.addr()), stream.handle())?;
+            comm.synchronize(stream.handle())?;
+            let bytes = a.tokens * row_bytes;
+            let wanted = [
+                bytes,
+                if a.residual.is_some() { bytes } else { 0 },
+                if a.pattern.has_norm() { bytes } else { 0 },
+            ];
+            let mut outs = wanted.map(HostBytes::zeroed);
+            for (o, d) in outs.iter_mut().zip(&b[3..]) {
+                d.download(o.as_mut_slice(), &stream)?;
+            }
+            Ok(outs)
+        })
+        .collect();
+    // Nobody frees while a peer may still be calling.
+    barrier.wait();
+    outcomes
 }
 
 /// One rank's buffers for one step.

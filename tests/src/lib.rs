@@ -20,6 +20,7 @@ pub mod codec_data;
 pub mod codecs;
 pub mod data;
 pub mod expect;
+mod faults;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub mod fused;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
@@ -28,6 +29,7 @@ pub mod harness;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 mod harness_gpu;
 pub mod push;
+pub mod soak;
 mod suite;
 pub mod tolerance;
 
@@ -35,7 +37,7 @@ use allreduce::{BackendKind, Communicator, Device, Error, Result};
 use allreduce_gpu::device::{GpuDevice, GpuStream};
 use allreduce_gpu::GpuRuntime;
 
-pub use harness::{Harness, HostHarness, RankArgs};
+pub use harness::{FusedOutcome, FusedRankArgs, Harness, HostHarness, RankArgs};
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub use harness_gpu::GpuHarness;
 pub use suite::{Test, TESTS};
@@ -48,6 +50,16 @@ pub trait GpuTestRuntime: GpuRuntime {
     fn device_count() -> Result<usize>;
     /// Process settings to make before the runtime initialises (the first call into it).
     fn before_init() {}
+    /// Bytes of device memory in use on `ordinal` (the whole device's), where the runtime
+    /// says; for the soak tests.
+    fn device_memory_used(_ordinal: u32) -> Option<usize> {
+        None
+    }
+    /// Peers' allocations this process holds mapped by IPC handle, where the backend counts
+    /// them; for the soak tests.
+    fn open_ipc_mappings() -> Option<usize> {
+        None
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -55,6 +67,12 @@ impl GpuTestRuntime for allreduce::cuda::CudaRuntime {
     const KIND: BackendKind = BackendKind::Cuda;
     fn device_count() -> Result<usize> {
         allreduce::cuda::driver::device_count()
+    }
+    fn device_memory_used(ordinal: u32) -> Option<usize> {
+        allreduce::cuda::driver::memory_in_use(ordinal).ok()
+    }
+    fn open_ipc_mappings() -> Option<usize> {
+        Some(allreduce::cuda::open_ipc_mappings())
     }
 }
 

@@ -1,8 +1,9 @@
 //! The lossy tests peers run on their quantized all-reduces, through this library's API:
 //! vLLM's quick all-reduce test (integers 1..=22 per rank, `close(atol 2.5, rtol 0.1)`),
 //! QuickReduce's (the same `(rand() % 1024 - 512) / 1024` on every rank, a per-codec
-//! tolerance on the largest error) and constants, whose sums the v2 integer codecs must give
-//! exactly. The format v2 codecs must pass them at 2, 4 and 8 ranks, except where
+//! tolerance on the largest error) and constants, whose sums every codec must give exactly
+//! ([`lossy_constants_are_exact`]). The format v2 codecs must pass them at 2, 4 and 8 ranks,
+//! except where
 //! docs/codecs.md ("Peers' tolerances") records by how much a 4-bit codec cannot; the v1
 //! codecs are measured and printed, not held to them.
 
@@ -46,12 +47,6 @@ fn vllm_documented_excess(codec: Codec, world: usize) -> f64 {
         (Codec::Fp4E2M1, _) => 21.6,
         _ => 0.0,
     }
-}
-
-/// Whether every constant block sums exactly (the v2 integer codecs: a power-of-two-friendly
-/// scale with 16 significant bits; fp4's scale is a sixth of the block maximum, so it is not).
-fn constants_exact(codec: Codec) -> bool {
-    codec.is_v2() && codec != Codec::Fp4E2M1
 }
 
 fn from_f32(values: &[f32], dtype: DType) -> HostBytes {
@@ -184,10 +179,58 @@ pub fn lossy_peer_tolerances(h: &dyn Harness) -> Result<(), String> {
             }
             for (codec, max_err, _) in case(&consts, "constants")? {
                 println!("    world {world} {dtype} constants {codec}: max error {max_err:e}");
-                if constants_exact(codec) && max_err != 0.0 {
+                if max_err != 0.0 {
                     misses.push(format!(
                         "world {world} {dtype} constants {codec}: {max_err:e}, not exact"
                     ));
+                }
+            }
+        }
+    }
+    if misses.is_empty() {
+        Ok(())
+    } else {
+        Err(misses.join("; "))
+    }
+}
+
+/// vLLM's and QuickReduce's all-ones test, widened: the same constant on every rank comes back
+/// as exactly the world size times it, for every codec, at 2, 4 and 8 ranks, f16 and bf16. The
+/// constants have at most 4 significant bits (fp4's E4M3 half scale holds no more); each is
+/// a run of whole blocks, and a few runs are not block-aligned (blocks of two constants).
+pub fn lossy_constants_are_exact(h: &dyn Harness) -> Result<(), String> {
+    let constants = [1.0f32, 0.5, -3.0, 2.0, 5.0, -7.0, 12.0, -0.75, 0.0, 15.0];
+    let run = 32 * 37;
+    let n = constants.len() * run + 45;
+    let mut misses = Vec::new();
+    for world in [2, 4, 8] {
+        if world > h.max_world() {
+            println!(
+                "    world {world} skipped: the backend runs at most {} ranks",
+                h.max_world()
+            );
+            continue;
+        }
+        let comms = crate::suite::group_of(h, world)?;
+        if !crate::suite::quantized_available(&comms) {
+            println!("    world {world} skipped: no quantized two-shot on this backend");
+            continue;
+        }
+        let codecs = crate::suite::codecs_run(&comms, Strategy::QuantizedTwoShot)?;
+        for dtype in [DType::F16, DType::BF16] {
+            // Runs of whole blocks, then the last few runs shifted off the block grid.
+            let values: Vec<f32> = (0..n)
+                .map(|i| {
+                    let j = if i < 7 * run { i } else { i + 13 };
+                    constants[(j / run).min(constants.len() - 1)]
+                })
+                .collect();
+            let inputs = vec![from_f32(&values, dtype); world];
+            let what = format!("world {world} {dtype} constants");
+            for (codec, max_err, _) in run_case(h, &comms, &codecs, &inputs, dtype, &what)? {
+                println!("    {what} {codec}: max error {max_err:e}");
+                if max_err != 0.0 {
+                    misses.push(format!("{what} {codec}: max error {max_err:e}, not exact"));
                 }
             }
         }

@@ -11,6 +11,16 @@
 //! mismatch), and a graph captured on plain memory replays exactly once its buffers are
 //! registered after capture (and fails on every rank before).
 //!
+//! Then the soak and fault scenarios: groups of 4 processes created and dropped over and over
+//! (each with registered memory, a checked call, and a call through the vendor library where
+//! it is present), after which each process's resident memory, the device memory in use and
+//! its open IPC mappings must be back at their baseline; and a rank killed with SIGKILL while
+//! the group calls: every survivor's call fails within the deadline with an error that names
+//! the dead rank, and the survivors build a new group in the same processes that works. The
+//! kill runs last: a fault it provoked could take the other MPS clients down with it.
+//! Arguments that do not start with `-` pick scenarios by substring (`calls`, `registered`,
+//! `quit`, `cycles`, `kill`).
+//!
 //! All ranks share GPU 0 by default (`ALLREDUCE_TEST_DEVICES=0,1,..` spreads them): start
 //! MPS first (`nvidia-cuda-mps-control -d`), or the processes' kernels only time-slice. Skips with the
 //! reason when there is no GPU.
@@ -46,6 +56,14 @@ mod procs {
     const TIMED_OUT: u8 = 3;
     /// The rank that leaves early in the failure scenario.
     const QUITTER: usize = 1;
+    /// The rank killed with SIGKILL in the kill scenario.
+    const VICTIM: usize = 2;
+    /// What the victim prints once it is making calls, which the launcher waits for.
+    const CALLING: &str = "KILL-ME-NOW";
+    /// The calls' deadline (`GroupConfig::timeout`) in every scenario.
+    const DEADLINE: Duration = Duration::from_secs(3);
+    /// Over the deadline, for a survivor to notice, report and return.
+    const SLACK: Duration = Duration::from_secs(2);
 
     fn ints(n: usize, dtype: DType, rank: usize, round: usize) -> HostBytes {
         let mut b = HostBytes::zeroed(n * dtype.size());
@@ -122,8 +140,13 @@ mod procs {
                 return ExitCode::SUCCESS;
             }
         }
+        let filters: Vec<String> = std::env::args()
+            .skip(1)
+            .filter(|a| !a.starts_with('-'))
+            .collect();
+        let wanted = |name: &str| filters.is_empty() || filters.iter().any(|f| name.contains(f));
         let mut ok = true;
-        for world in [2usize, 4, 8] {
+        for world in [2usize, 4, 8].into_iter().filter(|_| wanted("calls")) {
             let t = Instant::now();
             let codes = launch(world, "calls");
             let good = codes.iter().all(|&c| c == 0);
@@ -135,7 +158,7 @@ mod procs {
             );
             ok &= good;
         }
-        for world in [2usize, 4, 8] {
+        for world in [2usize, 4, 8].into_iter().filter(|_| wanted("registered")) {
             let t = Instant::now();
             let codes = launch(world, "registered");
             let good = codes.iter().all(|&c| c == 0);
@@ -148,22 +171,54 @@ mod procs {
             ok &= good;
         }
         let world = 4;
-        let t = Instant::now();
-        let codes = launch(world, "quit");
-        let good = codes
-            .iter()
-            .enumerate()
-            .all(|(r, &c)| c == if r == QUITTER { 0 } else { TIMED_OUT as i32 });
-        println!(
-            "{world} processes, rank {QUITTER} stops calling: the others {} ({:.2} s, exit codes {codes:?})",
-            if good {
-                "time out cleanly, then rebuild a group of 3 that works"
-            } else {
-                "FAILED"
-            },
-            t.elapsed().as_secs_f64()
-        );
-        ok &= good;
+        if wanted("quit") {
+            let t = Instant::now();
+            let codes = launch(world, "quit");
+            let good = codes
+                .iter()
+                .enumerate()
+                .all(|(r, &c)| c == if r == QUITTER { 0 } else { TIMED_OUT as i32 });
+            println!(
+                "{world} processes, rank {QUITTER} stops calling: the others {} ({:.2} s, exit codes {codes:?})",
+                if good {
+                    "time out cleanly, then rebuild a group of 3 that works"
+                } else {
+                    "FAILED"
+                },
+                t.elapsed().as_secs_f64()
+            );
+            ok &= good;
+        }
+        if wanted("cycles") {
+            let t = Instant::now();
+            let codes = launch(world, "cycles");
+            let good = codes.iter().all(|&c| c == 0);
+            println!(
+                "{world} processes, {} groups created and dropped (registered memory, a call,                  the vendor library's where present): RSS, device memory and IPC mappings {}                  ({:.2} s)",
+                soak_cycles(),
+                if good { "back at the baseline" } else { "FAILED" },
+                t.elapsed().as_secs_f64()
+            );
+            ok &= good;
+        }
+        if wanted("kill") {
+            let t = Instant::now();
+            let codes = launch_and_kill(world);
+            let good = codes
+                .iter()
+                .enumerate()
+                .all(|(r, &c)| c == if r == VICTIM { -9 } else { TIMED_OUT as i32 });
+            println!(
+                "{world} processes, rank {VICTIM} killed with SIGKILL mid-call: the others {}                  ({:.2} s, exit codes {codes:?}, -9: killed)",
+                if good {
+                    "fail within the deadline naming it, then rebuild a group of 3 that works"
+                } else {
+                    "FAILED"
+                },
+                t.elapsed().as_secs_f64()
+            );
+            ok &= good;
+        }
         if ok {
             ExitCode::SUCCESS
         } else {
@@ -171,8 +226,8 @@ mod procs {
         }
     }
 
-    /// Start `world` workers for `scenario`; their exit codes in rank order.
-    fn launch(world: usize, scenario: &str) -> Vec<i32> {
+    /// The commands that start `world` workers for `scenario`, in rank order.
+    fn workers(world: usize, scenario: &str) -> Vec<Command> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .expect("a free port")
@@ -183,25 +238,75 @@ mod procs {
             .port();
         let secret = Secret::generate().expect("random bytes");
         let exe = std::env::current_exe().expect("this program");
-        let children: Vec<_> = (0..world)
+        (0..world)
             .map(|rank| {
-                Command::new(&exe)
-                    .env("RANK", rank.to_string())
+                let mut c = Command::new(&exe);
+                c.env("RANK", rank.to_string())
                     .env("WORLD_SIZE", world.to_string())
                     .env("LOCAL_RANK", rank.to_string())
                     .env("MASTER_ADDR", "127.0.0.1")
                     .env("MASTER_PORT", port.to_string())
                     .env(SECRET_ENV, secret.to_hex())
                     .env("SCENARIO", scenario)
-                    .env("REBUILD_PORT", rebuild_port.to_string())
-                    .spawn()
-                    .expect("start a worker")
+                    .env("REBUILD_PORT", rebuild_port.to_string());
+                c
             })
+            .collect()
+    }
+
+    /// An exit status as a number: the code, or minus the signal that ended the process.
+    fn code(status: std::process::ExitStatus) -> i32 {
+        use std::os::unix::process::ExitStatusExt;
+        status.code().or(status.signal().map(|s| -s)).unwrap_or(-1)
+    }
+
+    /// Start `world` workers for `scenario`; their exit codes in rank order.
+    fn launch(world: usize, scenario: &str) -> Vec<i32> {
+        let children: Vec<_> = workers(world, scenario)
+            .iter_mut()
+            .map(|c| c.spawn().expect("start a worker"))
             .collect();
         children
             .into_iter()
-            .map(|mut c| c.wait().ok().and_then(|s| s.code()).unwrap_or(-1))
+            .map(|mut c| c.wait().map_or(-1, code))
             .collect()
+    }
+
+    /// The kill scenario: start `world` workers, and once the victim says it is making calls
+    /// (the others are too, in step with it), kill it with SIGKILL. Exit codes in rank order
+    /// (the victim's -9).
+    fn launch_and_kill(world: usize) -> Vec<i32> {
+        use std::io::BufRead;
+        let mut children: Vec<_> = workers(world, "kill")
+            .iter_mut()
+            .enumerate()
+            .map(|(r, c)| {
+                if r == VICTIM {
+                    c.stdout(std::process::Stdio::piped());
+                }
+                c.spawn().expect("start a worker")
+            })
+            .collect();
+        let out = children[VICTIM].stdout.take().expect("piped");
+        let mut lines = std::io::BufReader::new(out).lines();
+        let ready = lines.any(|l| l.is_ok_and(|l| l.starts_with(CALLING)));
+        if ready {
+            // Well into its calls: a few rounds of them run in the meantime.
+            std::thread::sleep(Duration::from_millis(200));
+            eprintln!("killing rank {VICTIM} (SIGKILL)");
+        } else {
+            eprintln!("rank {VICTIM} ended before it made its calls");
+        }
+        let _ = children[VICTIM].kill();
+        children
+            .into_iter()
+            .map(|mut c| c.wait().map_or(-1, code))
+            .collect()
+    }
+
+    /// Groups the cycles scenario creates and drops after its warm-up.
+    fn soak_cycles() -> usize {
+        allreduce_conformance::soak::count(allreduce_conformance::soak::CYCLES_ENV, 100, 1000)
     }
 
     fn ordinal(rank: usize) -> u32 {
@@ -285,7 +390,7 @@ mod procs {
         let config = GroupConfig::new(world)
             .devices(vec![ordinal(rank)])
             .max_bytes(4 << 20)
-            .timeout(Duration::from_secs(3));
+            .timeout(DEADLINE);
         Communicator::new_rank(BackendKind::Cuda, config, boot).map_err(|e| e.to_string())
     }
 
@@ -439,6 +544,11 @@ mod procs {
             allreduce::Bootstrap::all_gather(&mut boot, b"done").map_err(e)?;
             return Ok(ExitCode::SUCCESS);
         }
+        if scenario == "cycles" {
+            drop(comm);
+            cycles(&mut boot, &stream)?;
+            return Ok(ExitCode::SUCCESS);
+        }
         let mut bufs = Vec::new();
         for &(n, dtype, _, _) in &calls() {
             bufs.push((
@@ -451,6 +561,9 @@ mod procs {
         // device, which a peer's spinning kernel keeps busy).
         allreduce::Bootstrap::all_gather(&mut boot, b"ready").map_err(e)?;
 
+        if scenario == "kill" {
+            return killed(comm, &stream, &bufs, rank, world);
+        }
         let rounds = if scenario == "quit" { 2 } else { 3 };
         for r in 0..rounds {
             if scenario == "quit" && r == 1 && rank == QUITTER {
@@ -505,5 +618,195 @@ mod procs {
         // Nobody unmaps a peer's workspace while that peer may still run a call.
         allreduce::Bootstrap::all_gather(&mut boot, b"done").map_err(e)?;
         Ok(ExitCode::SUCCESS)
+    }
+
+    /// The survivors' new group without `dead` (ranks renumbered, a new rendezvous on
+    /// `REBUILD_PORT`): a round of calls on it, checked.
+    fn rebuild(
+        stream: &GpuStream<CudaRuntime>,
+        bufs: &[(DeviceBuffer<CudaRuntime>, DeviceBuffer<CudaRuntime>)],
+        rank: usize,
+        world: usize,
+        dead: usize,
+    ) -> Result<(), String> {
+        let e = |e: Error| e.to_string();
+        let port: u16 = std::env::var("REBUILD_PORT")
+            .ok()
+            .and_then(|p| p.parse().ok())
+            .ok_or("no REBUILD_PORT")?;
+        let secret = Secret::from_hex(&std::env::var(SECRET_ENV).unwrap_or_default()).map_err(e)?;
+        let (new_rank, new_world) = (rank - usize::from(rank > dead), world - 1);
+        let mut boot = TcpBootstrap::new(
+            TcpBootstrapConfig::new(new_rank, new_world, port)
+                .master_addr("127.0.0.1")
+                .secret(secret),
+        )
+        .map_err(e)?;
+        let comm = new_comm(&mut boot, new_rank, new_world)?;
+        allreduce::Bootstrap::all_gather(&mut boot, b"ready").map_err(e)?;
+        round(&comm, stream, bufs, new_rank, new_world, 7).map_err(|r| {
+            format!(
+                "the rebuilt group of {new_world}: {}",
+                r.map_or_else(|t| t, |e| e.to_string())
+            )
+        })?;
+        allreduce::Bootstrap::all_gather(&mut boot, b"done").map_err(e)?;
+        Ok(())
+    }
+
+    /// Whether `text` names rank `r`: "rank 2", or "ranks 1, 2" / "ranks [1, 2]".
+    fn names_rank(text: &str, r: usize) -> bool {
+        text.match_indices("rank").any(|(i, _)| {
+            let rest = text[i + 4..].trim_start_matches(['s', ' ', '[']);
+            let list: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_digit() || ", ]&and".contains(*c))
+                .collect();
+            list.split([',', ' ', ']', '&', 'a', 'n', 'd'])
+                .any(|n| n.parse() == Ok(r))
+        })
+    }
+
+    /// The kill scenario's worker: rounds of calls until one fails. The victim never sees
+    /// one fail (the launcher kills it in its calls); every survivor's must fail within the
+    /// deadline with an error naming the victim, and the survivors then regroup.
+    fn killed(
+        comm: Communicator,
+        stream: &GpuStream<CudaRuntime>,
+        bufs: &[(DeviceBuffer<CudaRuntime>, DeviceBuffer<CudaRuntime>)],
+        rank: usize,
+        world: usize,
+    ) -> Result<ExitCode, String> {
+        // Long enough for the launcher to have killed the victim many times over.
+        let give_up = Instant::now() + Duration::from_secs(60);
+        for r in 0.. {
+            if rank == VICTIM && r == 2 {
+                use std::io::Write;
+                println!("{CALLING}");
+                let _ = std::io::stdout().flush();
+            }
+            let start = Instant::now();
+            match round(&comm, stream, bufs, rank, world, r % 5) {
+                Ok(()) if Instant::now() < give_up => continue,
+                Ok(()) => return Err(format!("rank {VICTIM} was never killed")),
+                Err(Ok(err @ (Error::Timeout { .. } | Error::Aborted { .. }))) => {
+                    let took = start.elapsed();
+                    let text = err.to_string();
+                    eprintln!("rank {rank}: after {took:?}, as expected: {text}");
+                    if took > DEADLINE + SLACK {
+                        return Err(format!(
+                            "the failing round took {took:?}, past the {DEADLINE:?} deadline"
+                        ));
+                    }
+                    if !names_rank(&text, VICTIM) {
+                        return Err(format!(
+                            "the error does not name the killed rank {VICTIM}: {text}"
+                        ));
+                    }
+                    // The dead rank's mapping goes with the group; the survivors' new group
+                    // works.
+                    drop(comm);
+                    rebuild(stream, bufs, rank, world, VICTIM)?;
+                    return Ok(ExitCode::from(TIMED_OUT));
+                }
+                Err(Ok(err)) => return Err(format!("round {r}: {err}")),
+                Err(Err(text)) => return Err(format!("round {r}: {text}")),
+            }
+        }
+        unreachable!("the loop returns")
+    }
+
+    /// Peers' allocations mapped, RSS and device memory in use, at a point where no process
+    /// of the group holds a group (every rank measures between two all-gathers).
+    fn measure(boot: &mut TcpBootstrap) -> Result<allreduce_conformance::soak::Resources, String> {
+        let e = |e: Error| e.to_string();
+        let rank = allreduce::Bootstrap::rank(boot);
+        allreduce::Bootstrap::all_gather(boot, b"measure").map_err(e)?;
+        let r = allreduce_conformance::soak::Resources {
+            rss: allreduce_conformance::soak::rss_bytes(),
+            device_used: Some(allreduce::cuda::driver::memory_in_use(ordinal(rank)).map_err(e)?),
+            ipc_mappings: Some(allreduce::cuda::open_ipc_mappings()),
+        };
+        allreduce::Bootstrap::all_gather(boot, b"measured").map_err(e)?;
+        Ok(r)
+    }
+
+    /// The cycles scenario's worker: groups of one process per rank created over the same
+    /// bootstrap and dropped, each with registered memory and checked calls; after a warm-up,
+    /// this process's resources must come back to the baseline (the soak module's
+    /// tolerances; IPC mappings exactly). Device memory is the whole device's, measured when
+    /// every process has dropped its group.
+    fn cycles(boot: &mut TcpBootstrap, stream: &GpuStream<CudaRuntime>) -> Result<(), String> {
+        use allreduce_conformance::soak;
+        let e = |e: Error| e.to_string();
+        let (rank, world) = (
+            allreduce::Bootstrap::rank(boot),
+            allreduce::Bootstrap::world_size(boot),
+        );
+        let n = 4097;
+        let dtype = DType::BF16;
+        let out = DeviceBuffer::<CudaRuntime>::zeroed(n * dtype.size(), stream).map_err(e)?;
+        let input = DeviceBuffer::<CudaRuntime>::zeroed(n * dtype.size(), stream).map_err(e)?;
+        stream.synchronize().map_err(e)?;
+        let want = expected(n, dtype, Precision::Exact, world, 0);
+        let one = |boot: &mut TcpBootstrap, c: usize| -> Result<(), String> {
+            let comm = new_comm(boot, rank, world)?;
+            let mut reg = comm.alloc_registered(64 << 10, boot).map_err(e)?;
+            reg.upload(32, ints(n, dtype, rank, 0).as_slice())
+                .map_err(e)?;
+            input
+                .upload(ints(n, dtype, rank, 0).as_slice(), stream)
+                .map_err(e)?;
+            allreduce::Bootstrap::all_gather(boot, b"uploaded").map_err(e)?;
+            let mut strategies = vec![Strategy::OneShot, Strategy::TwoShot];
+            strategies.extend(
+                [Strategy::Vendor, Strategy::VendorSymmetric]
+                    .into_iter()
+                    .filter(|&s| comm.strategy_available(s, dtype, Precision::Exact).is_ok()),
+            );
+            for (i, &s) in strategies.iter().enumerate() {
+                // The registered input for our own strategies, a plain one for the vendor's.
+                let iv = if s.is_vendor() {
+                    // SAFETY: the buffer holds n elements and outlives the call.
+                    unsafe { BufRef::from_raw(input.addr(), n, dtype, comm.device()) }
+                } else {
+                    reg.view(32, n, dtype).map_err(e)?
+                };
+                // SAFETY: as above.
+                let ov = unsafe { BufMut::from_raw(out.addr(), n, dtype, comm.device()) };
+                let o = AllReduceOptions::default()
+                    .strategy(s)
+                    .stream(stream.handle());
+                comm.all_reduce(iv, ov, &o).map_err(e)?;
+                comm.synchronize(stream.handle()).map_err(e)?;
+                let mut got = HostBytes::zeroed(n * dtype.size());
+                out.download(got.as_mut_slice(), stream).map_err(e)?;
+                if got.as_slice() != want.as_slice() {
+                    return Err(format!("cycle {c}, call {i} ({s}): wrong sum"));
+                }
+            }
+            // Nobody unmaps a peer's memory while that peer may still run a call.
+            allreduce::Bootstrap::all_gather(boot, b"done").map_err(e)?;
+            drop(reg);
+            drop(comm);
+            Ok(())
+        };
+        for c in 0..soak::WARM_UP_CYCLES {
+            one(boot, c)?;
+        }
+        let baseline = measure(boot)?;
+        let cycles = soak_cycles();
+        let t = Instant::now();
+        for c in 0..cycles {
+            one(boot, soak::WARM_UP_CYCLES + c)?;
+        }
+        let elapsed = t.elapsed();
+        let end = measure(boot)?;
+        println!(
+            "rank {rank}: {cycles} groups in {:.2} s ({:.1} ms each): baseline {baseline}; after {end}",
+            elapsed.as_secs_f64(),
+            elapsed.as_secs_f64() * 1e3 / cycles.max(1) as f64
+        );
+        soak::within(&baseline, &end).map_err(|w| format!("after {cycles} groups: {w}"))
     }
 }

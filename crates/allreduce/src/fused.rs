@@ -35,7 +35,7 @@
 
 pub use allreduce_core::fused::*;
 
-use allreduce_core::{Error, Result, SelectionTable, Strategy};
+use allreduce_core::{Error, Result, SelectionTable, Strategy, Stream};
 
 use crate::Communicator;
 
@@ -111,8 +111,18 @@ impl Communicator {
     /// `allreduce_out = sum over ranks of input`, then, by `args.pattern`,
     /// `residual_out = allreduce_out + residual_in`, `norm_out = RMSNorm(residual_out) * gamma`
     /// and FP8 codes of `norm_out` with a scale per token. `ws` is this rank's workspace.
-    /// Returns the strategy that ran. Arguments the workspace cannot take are refused with an
-    /// error before anything is enqueued.
+    /// Returns the strategy that ran.
+    ///
+    /// Arguments the workspace cannot take (more tokens than `max_tokens`, a buffer missing
+    /// for the pattern, a wrong size, device or alignment) are refused before anything is
+    /// enqueued: this rank gets the error, and every peer's matching fused call fails with
+    /// `Error::PeerRejected` naming this rank and carrying the same reason (on the host at
+    /// once; on GPU backends at the peer's next `synchronize`, since its call was enqueued)
+    /// instead of waiting for the deadline. Every rank skips that call; the group and the
+    /// workspace stay usable, and the next calls, fused or plain, are exact. Ranks that call
+    /// with different shapes, patterns or strategies all get `Error::RankMismatch` and stay
+    /// usable likewise. The one refusal the peers are not told of is a workspace of another
+    /// rank (nothing of this rank's to tell them through): they time out.
     pub fn all_reduce_fused(&self, ws: &FusedWorkspace, args: FusedArgs<'_>) -> Result<Strategy> {
         let comm = &*self.comm;
         if ws.meta.rank != comm.rank() || ws.meta.world != comm.world_size() {
@@ -125,7 +135,16 @@ impl Communicator {
             )));
         }
         let limits = comm.limits();
-        let call = prepare_fused(&args, &ws.meta, &ws.table, limits.device, limits.align)?;
+        let call = match prepare_fused(&args, &ws.meta, &ws.table, limits.device, limits.align) {
+            Ok(call) => call,
+            Err(e) => {
+                tracing::debug!(rank = comm.rank(), error = %e, "fused call rejected");
+                if let Some(n) = &ws.native {
+                    n.reject(&e, args.stream);
+                }
+                return Err(e);
+            }
+        };
         let _span = tracing::debug_span!(
             "all_reduce_fused",
             rank = comm.rank(),
@@ -144,5 +163,29 @@ impl Communicator {
             }
         }
         Ok(call.strategy)
+    }
+
+    /// Refuse this rank's part of the group's next fused call on `ws` for a reason found
+    /// before the call could be built (a language binding's own checks: a pattern code that
+    /// names nothing, a null pointer), the way [`Communicator::all_reduce_fused`] refuses
+    /// arguments it checks itself: every peer's matching fused call fails with
+    /// `Error::PeerRejected` carrying `reason`, and the group and the workspace stay usable.
+    /// Call it where this rank would have called `all_reduce_fused`, with that call's stream.
+    /// A workspace of another rank is refused with `Error::InvalidArgument` and tells nobody.
+    pub fn reject_fused(&self, ws: &FusedWorkspace, reason: &Error, stream: Stream) -> Result<()> {
+        if ws.meta.rank != self.rank() || ws.meta.world != self.world_size() {
+            return Err(Error::InvalidArgument(format!(
+                "workspace of rank {} of {} used by rank {} of {}",
+                ws.meta.rank,
+                ws.meta.world,
+                self.rank(),
+                self.world_size()
+            )));
+        }
+        tracing::debug!(rank = self.rank(), error = %reason, "fused call rejected by the caller");
+        if let Some(n) = &ws.native {
+            n.reject(reason, stream);
+        }
+        Ok(())
     }
 }

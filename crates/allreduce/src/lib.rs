@@ -36,6 +36,7 @@ pub use allreduce_core::{
     codec, hierarchical, layout, Aftermath, AllReduceOptions, Bootstrap, BufMut, BufRef, Codec,
     DType, Device, Element, Error, GroupConfig, HostBytes, Link, Precision, RawBuffer, ReduceOp,
     Result, Rule, SelectionTable, Strategy, Stream, Topology, TopologyClass, BUFFER_ALIGN,
+    DEFAULT_TIMEOUT,
 };
 pub use allreduce_core::{Fp8BufMut, FusedArgs, FusedConfig, FusedMetadata, FusedPattern};
 pub use allreduce_core::{RegisteredRange, RegistrationId};
@@ -376,6 +377,14 @@ impl Communicator {
     pub fn reject(&self, reason: &Error, stream: Stream) {
         tracing::debug!(rank = self.comm.rank(), error = %reason, "rejected by the caller");
         self.comm.reject(reason, stream);
+    }
+
+    /// [`Communicator::reject`] for a call that would have asked for `strategy`: a GPU
+    /// group's push one-shot (`Strategy::PushOneShot`) agrees through its own protocol, so
+    /// its peers learn of the refusal only when it is made there.
+    pub fn reject_call(&self, reason: &Error, stream: Stream, strategy: Strategy) {
+        tracing::debug!(rank = self.comm.rank(), error = %reason, %strategy, "rejected by the caller");
+        self.comm.reject_call(reason, stream, strategy);
     }
 
     /// Register memory the caller already has with every rank of an in-process group:

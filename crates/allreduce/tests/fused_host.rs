@@ -227,13 +227,26 @@ fn host_fused_refuses_what_the_workspace_cannot_take() {
     assert_eq!(m.lamport_buffer_size, 3 * (3 * 4 * 64 * 2 + 128));
     let x = HostBytes::zeroed(8 * 64 * 2);
     let mut out = HostBytes::zeroed(8 * 64 * 2);
-    let e = comms[0]
-        .all_reduce_fused(
-            &ws[0],
-            FusedArgs::new(FusedPattern::AllReduce, 8, x.view(DType::BF16))
-                .allreduce_out(out.view_mut(DType::BF16)),
-        )
-        .unwrap_err();
+    // Rank 0 asks for 8 rows; rank 1's matching call of 2 rows learns of the refusal at once.
+    let (e, peer) = std::thread::scope(|s| {
+        let peer = s.spawn(|| {
+            let x = HostBytes::zeroed(2 * 64 * 2);
+            let mut out = HostBytes::zeroed(2 * 64 * 2);
+            comms[1].all_reduce_fused(
+                &ws[1],
+                FusedArgs::new(FusedPattern::AllReduce, 2, x.view(DType::BF16))
+                    .allreduce_out(out.view_mut(DType::BF16)),
+            )
+        });
+        let e = comms[0]
+            .all_reduce_fused(
+                &ws[0],
+                FusedArgs::new(FusedPattern::AllReduce, 8, x.view(DType::BF16))
+                    .allreduce_out(out.view_mut(DType::BF16)),
+            )
+            .unwrap_err();
+        (e, peer.join().unwrap().unwrap_err())
+    });
     assert!(
         matches!(
             e,
@@ -245,6 +258,12 @@ fn host_fused_refuses_what_the_workspace_cannot_take() {
         ),
         "{e}"
     );
+    match peer {
+        Error::PeerRejected {
+            rank: 0, reason, ..
+        } => assert_eq!(reason, e.to_string()),
+        other => panic!("{other}"),
+    }
     // The other rank's workspace.
     let e = comms[0]
         .all_reduce_fused(

@@ -77,6 +77,22 @@ pub fn device_count() -> Result<usize> {
     Ok(n as usize)
 }
 
+/// Bytes of device memory in use on device `ordinal` (total - free, as cuMemGetInfo reports
+/// them for the whole device: every process's allocations and the driver's own), with the
+/// device's primary context current on the calling thread afterwards. For soak tests that
+/// check that nothing leaks.
+pub fn memory_in_use(ordinal: u32) -> Result<usize> {
+    let dev = Device::open(ordinal)?;
+    dev.bind()?;
+    let (mut free, mut total) = (0, 0);
+    // SAFETY: out-pointers to locals; a context is current.
+    check(
+        unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) },
+        "cuMemGetInfo",
+    )?;
+    Ok(total - free)
+}
+
 /// One line naming a device for benchmark reports: model, compute capability, SMs, the
 /// kernel driver's version and the CUDA version the driver supports. Figures are only
 /// comparable between runs on the same model and driver, so a report must say which.

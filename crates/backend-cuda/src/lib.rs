@@ -17,4 +17,4 @@ mod runtime;
 
 pub use driver::device_description;
 pub use fused::{CudaFused, NormBuffers, RmsNormKernel};
-pub use runtime::{Cuda, CudaComm, CudaRuntime};
+pub use runtime::{open_ipc_mappings, Cuda, CudaComm, CudaRuntime};

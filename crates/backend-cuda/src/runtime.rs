@@ -22,6 +22,17 @@ pub type CudaComm = GpuComm<CudaRuntime>;
 /// The CUDA driver API (through cudarc's `sys` layer, loaded at run time).
 pub struct CudaRuntime;
 
+/// Peers' allocations this process has mapped by IPC handle and not yet unmapped: what a
+/// group of one process per rank must give back when it is dropped.
+static OPEN_IMPORTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many peer allocations this process holds mapped by CUDA IPC handle now (workspaces
+/// and registered memory of groups of one process per rank). Every group's are unmapped when
+/// it is dropped, so between groups this returns to what it was; soak tests check that.
+pub fn open_ipc_mappings() -> usize {
+    OPEN_IMPORTS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// A non-blocking stream of the device API, destroyed on drop.
 pub struct OwnedStream(CUstream);
 
@@ -360,12 +371,13 @@ impl GpuRuntime for CudaRuntime {
             ),
             "cuIpcOpenMemHandle",
         )?;
+        OPEN_IMPORTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(ptr)
     }
 
     unsafe fn close_import(dev: &driver::Device, addr: u64) {
-        if dev.bind().is_ok() {
-            let _ = sys::cuIpcCloseMemHandle(addr);
+        if dev.bind().is_ok() && sys::cuIpcCloseMemHandle(addr) == sys::CUresult::CUDA_SUCCESS {
+            OPEN_IMPORTS.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         }
     }
 

@@ -1,8 +1,9 @@
 //! A barrier whose every wait has a deadline.
 //!
 //! The host backend's counterpart of the GPU flag barrier: if a rank does not arrive within
-//! the group's timeout, the waiter reports `Error::Timeout` and aborts the group, so every
-//! other rank (waiting now or arriving later) gets `Error::Aborted` instead of hanging.
+//! the group's timeout, the waiter reports `Error::Timeout` naming the ranks that had not
+//! arrived and aborts the group, so every other rank (waiting now or arriving later) gets
+//! `Error::Aborted` instead of hanging.
 //! Waiting parks the thread (condvar), which matters when ranks outnumber cores.
 
 use std::sync::{Condvar, Mutex, MutexGuard};
@@ -18,6 +19,9 @@ pub struct DeadlineBarrier {
 
 struct State {
     arrived: usize,
+    /// Which ranks have arrived in this generation: the ones that have not are what a timeout
+    /// names.
+    present: Vec<bool>,
     generation: u64,
     aborted: Option<String>,
 }
@@ -28,6 +32,7 @@ impl DeadlineBarrier {
             parties,
             state: Mutex::new(State {
                 arrived: 0,
+                present: vec![false; parties],
                 generation: 0,
                 aborted: None,
             }),
@@ -63,8 +68,10 @@ impl DeadlineBarrier {
         }
         let generation = st.generation;
         st.arrived += 1;
+        st.present[rank] = true;
         if st.arrived == self.parties {
             st.arrived = 0;
+            st.present.iter_mut().for_each(|p| *p = false);
             st.generation = st.generation.wrapping_add(1);
             self.cv.notify_all();
             return Ok(());
@@ -72,15 +79,16 @@ impl DeadlineBarrier {
         loop {
             let waited = start.elapsed();
             if waited >= timeout {
-                let reason = format!("rank {rank} timed out in call {call} waiting for {what}");
-                st.aborted = Some(reason);
+                let missing: Vec<usize> = (0..self.parties).filter(|&r| !st.present[r]).collect();
+                let err = Error::timeout(rank, call, waited, what, &missing);
+                let Error::Timeout { waiting_for, .. } = &err else {
+                    unreachable!("Error::timeout makes a Timeout")
+                };
+                st.aborted = Some(format!(
+                    "rank {rank} timed out in call {call} waiting for {waiting_for}"
+                ));
                 self.cv.notify_all();
-                return Err(Error::Timeout {
-                    rank,
-                    call,
-                    waited,
-                    waiting_for: what.to_string(),
-                });
+                return Err(err);
             }
             st = self
                 .cv
@@ -123,6 +131,7 @@ mod tests {
     fn missing_party_times_out_then_aborts() {
         let b = DeadlineBarrier::new(2);
         let err = b.wait(0, 7, Duration::from_millis(50), "peer").unwrap_err();
+        assert!(err.to_string().contains("(rank 1 never arrived)"), "{err}");
         assert!(
             matches!(
                 err,

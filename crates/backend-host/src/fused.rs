@@ -9,8 +9,8 @@
 
 use allreduce_core::fused::{epilogue, FusedCall, FusedComm, FusedConfig, FusedMetadata};
 use allreduce_core::{
-    prepare, AllReduceOptions, BackendComm, BufMut, BufRef, Device, Error, HostBytes, Limits,
-    RawBuffer, Result,
+    prepare, AllReduceOptions, BackendComm, BufMut, BufRef, CallDesc, Device, Error, HostBytes,
+    Limits, RawBuffer, Result, Stream,
 };
 
 use crate::HostComm;
@@ -60,7 +60,9 @@ impl HostFused {
             |s, d, p| comm.strategy_available(s, d, p),
         );
         match prepared {
-            Ok(c) => comm.all_reduce(&c),
+            // Described as the fused call it is, so ranks that differ in its pattern or shape
+            // skip it together, as the GPU kernels' call tags make them.
+            Ok(c) => comm.run_described(&c, CallDesc::fused(call)),
             Err(e) => {
                 // The peers are in the same all-reduce: tell them rather than let them time out.
                 comm.reject(&e, call.stream);
@@ -81,10 +83,12 @@ impl FusedComm for HostFused {
 
     fn run(&self, call: &FusedCall) -> Result<()> {
         if call.input.device != Device::Host {
-            return Err(Error::StrategyUnavailable {
+            let e = Error::StrategyUnavailable {
                 strategy: call.strategy,
                 reason: "the host backend's fused call runs on host memory only".into(),
-            });
+            };
+            self.reject(&e, call.stream);
+            return Err(e);
         }
         let n = call.tokens * call.hidden;
         // Without an allreduce_out the sums are still needed, by the epilogue.
@@ -135,6 +139,12 @@ impl FusedComm for HostFused {
         }
         drop(scratch);
         Ok(())
+    }
+
+    /// The fused call's all-reduce is the rank's own, so the plain path's refusal tells the
+    /// peers: they meet it at the same per-call agreement.
+    fn reject(&self, reason: &Error, stream: Stream) {
+        self.comm.reject(reason, stream);
     }
 }
 

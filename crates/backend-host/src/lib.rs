@@ -16,9 +16,10 @@
 //!   two-shot above, then core's epilogue on the summed rows (composed, the reference the
 //!   GPU's fused kernels are held to).
 //!
-//! Every call starts by publishing a descriptor (length, dtype, strategy, precision) with the
-//! first copy; after the first barrier all ranks compare descriptors and, if any differ or a
-//! rank rejected its arguments, all return an error before any output is written.
+//! Every call starts by publishing a descriptor (core's [`CallDesc`]: length, dtype, strategy,
+//! precision, where the input is read from, a fused call's shape) with the first copy; after
+//! the first barrier all ranks compare descriptors as the GPU kernels do and, if any differ or
+//! a rank rejected its arguments, all return the same error before any output is written.
 
 mod barrier;
 mod fused;
@@ -34,9 +35,9 @@ use std::time::Duration;
 use allreduce_core::codec;
 use allreduce_core::layout::{exact_granule, shard_range, QUANT_GRANULE};
 use allreduce_core::{
-    Backend, BackendComm, Call, Codec, DType, Deregister, Device, Element, Error, FusedComm,
-    FusedConfig, GroupConfig, Limits, Precision, RegisteredMemory, RegisteredRange, RegistrationId,
-    Registry, Result, SelectionTable, Strategy, Stream, Topology,
+    Backend, BackendComm, Call, CallDesc, Codec, DType, Deregister, Device, Element, Error,
+    FusedComm, FusedConfig, GroupConfig, InputPath, Limits, Precision, RegisteredMemory,
+    RegisteredRange, RegistrationId, Registry, Result, SelectionTable, Strategy, Stream, Topology,
 };
 use half::{bf16, f16};
 
@@ -61,6 +62,7 @@ impl Backend for Host {
             slots: (0..world).map(|_| Slot::new()).collect(),
             calls: (0..world).map(|_| AtomicU64::new(0)).collect(),
             registry: Arc::new(Mutex::new(Registry::new())),
+            registered_min_bytes: config.resolved_registered_min_bytes()?,
         });
         let table = config.selection.clone().unwrap_or_default();
         Ok((0..world)
@@ -84,6 +86,9 @@ struct Group {
     /// Registered memory: validated and recorded so that code written for the GPU paths runs
     /// here too; the host reads every input where it is anyway.
     registry: Arc<Mutex<Registry>>,
+    /// Registered inputs smaller than this are described as staged, as on a GPU
+    /// ([`GroupConfig::registered_min_bytes`]).
+    registered_min_bytes: usize,
 }
 
 /// A registered host allocation: deregistered first, then freed.
@@ -180,7 +185,8 @@ impl HostComm {
         }
     }
 
-    /// After the first barrier: every rank reads every descriptor and reaches the same verdict.
+    /// After the first barrier: every rank reads every descriptor and reaches the same verdict,
+    /// the one the GPU kernels reach from the same descriptors ([`CallDesc::mismatch`]).
     fn agree(&self, ctx: Ctx) -> Result<()> {
         let descs: Vec<Option<Desc>> = self
             .group
@@ -188,7 +194,8 @@ impl HostComm {
             .iter()
             .map(|s| s.desc(ctx.parity))
             .collect();
-        for (rank, d) in descs.iter().enumerate() {
+        let mut calls = Vec::with_capacity(descs.len());
+        for (rank, d) in descs.into_iter().enumerate() {
             match d {
                 None => {
                     return Err(Error::RankMismatch {
@@ -197,67 +204,68 @@ impl HostComm {
                         detail: format!("rank {rank} published no descriptor"),
                     })
                 }
-                Some(Desc {
-                    rejected: Some(reason),
-                    ..
-                }) => {
+                Some(Desc::Rejected(reason)) => {
                     return Err(Error::PeerRejected {
                         rank,
                         call: ctx.call,
-                        reason: reason.clone(),
+                        reason,
                     })
                 }
-                Some(_) => {}
+                Some(Desc::Call(d)) => calls.push(d),
             }
         }
-        let first = descs[0].as_ref().expect("checked above");
-        for (rank, d) in descs.iter().enumerate().skip(1) {
-            let d = d.as_ref().expect("checked above");
-            let (what, a, b) = if d.len != first.len {
-                ("length", first.len.to_string(), d.len.to_string())
-            } else if d.dtype != first.dtype {
-                ("dtype", first.dtype.to_string(), d.dtype.to_string())
-            } else if d.strategy != first.strategy {
-                (
-                    "strategy",
-                    first.strategy.to_string(),
-                    d.strategy.to_string(),
-                )
-            } else if d.precision != first.precision {
-                (
-                    "precision",
-                    first.precision.to_string(),
-                    d.precision.to_string(),
-                )
-            } else {
-                continue;
-            };
-            return Err(Error::RankMismatch {
-                what,
-                call: ctx.call,
-                detail: format!("rank 0 has {a}, rank {rank} has {b}"),
-            });
+        match calls
+            .iter()
+            .enumerate()
+            .skip(1)
+            .find_map(|(rank, d)| calls[0].mismatch(0, rank, ctx.call, d))
+        {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
-        Ok(())
     }
 
-    fn publish(&self, ctx: Ctx, call: &Call) {
-        self.group.slots[self.rank].publish(
-            ctx.parity,
-            Desc {
-                len: call.len(),
-                dtype: call.dtype(),
-                op: call.op,
-                precision: call.precision,
-                strategy: call.strategy,
-                rejected: None,
+    fn publish(&self, ctx: Ctx, desc: CallDesc) {
+        self.group.slots[self.rank].publish(ctx.parity, Desc::Call(desc));
+    }
+
+    /// Where a plain call's input is read from, as the GPU engine decides it: in place from a
+    /// registration for out-of-place exact one-shot and two-shot calls at or above the
+    /// group's threshold, else staged. The host reads every input where it is anyway; the
+    /// path is described so that ranks that would disagree on a GPU disagree here too.
+    fn input_path(&self, call: &Call) -> InputPath {
+        if !allreduce_core::registration::reads_in_place(call, self.group.registered_min_bytes) {
+            return InputPath::Staged;
+        }
+        let reg = self
+            .group
+            .registry
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match reg.find(self.rank, call.input.addr, call.input.bytes()) {
+            Some(r) => InputPath::Registered {
+                id: r.id,
+                offset: r.offset,
             },
-        );
+            None => InputPath::Staged,
+        }
     }
 
-    fn run<T: Element>(&self, call: &Call) -> Result<()> {
+    /// Run a validated call that every rank describes as `desc`.
+    fn run_described(&self, call: &Call, desc: CallDesc) -> Result<()> {
+        if let Some(reason) = self.group.barrier.aborted() {
+            return Err(Error::Aborted { reason });
+        }
+        match call.dtype() {
+            DType::F32 => self.run::<f32>(call, desc),
+            DType::F16 => self.run::<f16>(call, desc),
+            DType::BF16 => self.run::<bf16>(call, desc),
+        }
+    }
+
+    fn run<T: Element>(&self, call: &Call, desc: CallDesc) -> Result<()> {
         let ctx = self.begin();
-        self.publish(ctx, call);
+        self.publish(ctx, desc);
         match call.strategy {
             Strategy::OneShot => self.one_shot::<T>(ctx, call),
             Strategy::PushOneShot => self.push_one_shot::<T>(ctx, call),
@@ -579,14 +587,7 @@ impl BackendComm for HostComm {
     }
 
     fn all_reduce(&self, call: &Call) -> Result<()> {
-        if let Some(reason) = self.group.barrier.aborted() {
-            return Err(Error::Aborted { reason });
-        }
-        match call.dtype() {
-            DType::F32 => self.run::<f32>(call),
-            DType::F16 => self.run::<f16>(call),
-            DType::BF16 => self.run::<bf16>(call),
-        }
+        self.run_described(call, CallDesc::plain(call, self.input_path(call)))
     }
 
     fn topology(&self) -> Option<&Topology> {
@@ -595,17 +596,7 @@ impl BackendComm for HostComm {
 
     fn reject(&self, reason: &Error, _stream: Stream) {
         let ctx = self.begin();
-        self.group.slots[self.rank].publish(
-            ctx.parity,
-            Desc {
-                len: 0,
-                dtype: DType::F32,
-                op: Default::default(),
-                precision: Precision::Exact,
-                strategy: Strategy::Auto,
-                rejected: Some(reason.to_string()),
-            },
-        );
+        self.group.slots[self.rank].publish(ctx.parity, Desc::Rejected(reason.to_string()));
         // The peers learn of the rejection at this barrier; our own error is what the caller
         // sees, so a failure here (timeout, abort) has nothing to add.
         let _ = self.barrier(ctx, "all ranks to publish their arguments");

@@ -11,7 +11,7 @@
 use std::cell::UnsafeCell;
 use std::sync::Mutex;
 
-use allreduce_core::{DType, Precision, ReduceOp, Strategy};
+use allreduce_core::CallDesc;
 
 /// A growable byte buffer with 16-byte alignment that one thread writes and others read,
 /// ordered by barriers rather than by the type system.
@@ -51,14 +51,11 @@ impl SharedBuf {
 
 /// What a rank says it is about to do; all ranks compare these before moving data.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Desc {
-    pub len: usize,
-    pub dtype: DType,
-    pub op: ReduceOp,
-    pub precision: Precision,
-    pub strategy: Strategy,
+pub enum Desc {
+    /// The call, as every backend describes it.
+    Call(CallDesc),
     /// The rank's own arguments were invalid (its error message).
-    pub rejected: Option<String>,
+    Rejected(String),
 }
 
 pub struct Slot {

@@ -192,8 +192,9 @@ pub struct Args {
     #[arg(long, default_value_t = 0.0, value_name = "F")]
     pub weight_bias: f32,
 
-    /// Deadline, in seconds, of every wait for a peer inside the library
-    #[arg(long, default_value_t = 60.0, value_name = "SECONDS")]
+    /// Deadline, in seconds, of every wait for a peer inside the library (default: the
+    /// library's, allreduce::DEFAULT_TIMEOUT)
+    #[arg(long, default_value_t = allreduce::DEFAULT_TIMEOUT.as_secs_f64(), value_name = "SECONDS")]
     pub timeout: f64,
 
     /// Print one JSON document (config, machine, git commit, rows) on stdout instead of the table

@@ -23,14 +23,26 @@
 //! - FlashInfer's PCIe IPC all-reduce ("flashinfer pcie") on the plain input, eager and in
 //!   graphs, with the launch FlashInfer picks untuned (`FlashinferPcie::launch`), no PDL (its
 //!   binding refuses it); bf16 and f16 only, and only sizes FlashInfer admits (whole 16-byte
-//!   packs, at least one per rank): elsewhere "-", with the reason printed above the table.
+//!   packs, at least one per rank): elsewhere "-", with the reason printed above the table;
+//! - SGLang's custom all-reduce v2 ("sglang"): its own choice of kernel by its Hopper table
+//!   (eager: its eager row, on the plain input, which its pull kernels copy in and out; graphs:
+//!   its graph row, the pull kernels reading the captured input through its pointer table,
+//!   filled after the capture as SGLang fills it), with the 16 MiB workspaces it allocates by
+//!   default and without multicast (ranks of one GPU have none): "-" where it calls NCCL; and
+//!   each of its four kernels forced at every size (as its `override_algo` forces them), with
+//!   PDL as SGLang launches them on Hopper. In graphs SGLang's 2shot_pull reduces into its
+//!   input, so SGLang's graphs capture their own copy of the input, and each is checked by a
+//!   graph of one call replayed on a fresh copy, then timed as a graph of `GRAPH_CALLS` calls.
 //!
 //! Every rank's grid gets the same share of the GPU: vLLM's block limit is our grid
 //! (min(36, SMs / ranks on the GPU)); FlashInfer's grid (at most 16 blocks) is capped at SMs /
-//! ranks, so all grids co-reside. Every contender's output is checked against the exact sum
+//! ranks, so all grids co-reside; SGLang's grids (its push grid is the GPU's SM count, its pull
+//! grid 64 blocks) are taken on a GPU of SMs / ranks SMs, which its block-size rule
+//! (`choose_block_size`) counts too. Every contender's output is checked against the exact sum
 //! of the integer inputs; a wrong one is reported, not timed. "Best peer" is the fastest of
-//! vLLM, vLLM on a registered input and flashinfer pcie. The peers' kernels have no deadline: a
-//! watchdog ends the process if a row stops progressing.
+//! vLLM, vLLM on a registered input, flashinfer pcie and sglang (its own choice; its forced
+//! kernels are shown, not ranked). The peers' kernels have no deadline: a watchdog ends the
+//! process if a row stops progressing.
 //!
 //! FlashInfer's 16-bit kernels add in the 16-bit type (a rounding per addition, in rank order;
 //! at 8 ranks by islands of 4), not in f32 as ours and vLLM do: on real data their sum is not
@@ -38,7 +50,7 @@
 //! most 8 ranks) make every partial sum an integer under 2^8, exact in bf16 and f16 in any
 //! order (`integer_sums_are_exact_in_any_order_and_precision` below). Its sentinel protocol
 //! publishes +0.0 as -0.0, so a zero sum may come back as -0.0: equal as a value, which is
-//! what the check compares.
+//! what the check compares. SGLang's push kernels do the same (their Lamport marker is +0.0).
 
 use std::sync::{Barrier, Mutex};
 use std::time::Duration;
@@ -47,7 +59,10 @@ use allreduce::{
     AllReduceOptions, BufMut, BufRef, Communicator, DType, GroupConfig, HostBytes,
     RegisteredBuffer, Strategy,
 };
-use allreduce_peers::{FlashinferPcie, PcieLaunch, Vllm};
+use allreduce_peers::{
+    FlashinferPcie, PcieLaunch, Sglang, SglangAlgo, SglangConfig, SglangLaunch, Vllm,
+    SGLANG_MAX_SIZE,
+};
 
 use crate::cli::Args;
 use crate::data::{DataSet, Inputs};
@@ -82,9 +97,22 @@ enum Who {
     /// Ours, the push one-shot (`Strategy::PushOneShot`), on the plain input, up to the
     /// largest call it takes.
     Push,
+    /// SGLang's custom all-reduce v2 with its own choice of kernel.
+    Sglang,
+    /// One of SGLang's kernels, forced.
+    SglangKernel(SglangAlgo),
 }
 
-const EAGER: [Who; 8] = [
+/// SGLang's columns after its own choice: its kernels, forced.
+const SGLANG_KERNELS: [Who; 4] = [
+    Who::SglangKernel(SglangAlgo::OneShotPush),
+    Who::SglangKernel(SglangAlgo::TwoShotPush),
+    Who::SglangKernel(SglangAlgo::OneShotPull),
+    Who::SglangKernel(SglangAlgo::TwoShotPull),
+];
+const NE: usize = 13;
+const NG: usize = 10;
+const EAGER: [Who; NE] = [
     Who::Auto,
     Who::OneShot,
     Who::TwoShot,
@@ -93,19 +121,30 @@ const EAGER: [Who; 8] = [
     Who::Pcie,
     Who::OursRegistered,
     Who::Push,
+    Who::Sglang,
+    SGLANG_KERNELS[0],
+    SGLANG_KERNELS[1],
+    SGLANG_KERNELS[2],
+    SGLANG_KERNELS[3],
 ];
 /// In graphs: ours (Auto), vLLM's captured calls (registered after capture), FlashInfer's
-/// PCIe all-reduce, ours on a registered input (captured after registration), and the push
-/// one-shot on the plain input.
-const GRAPH: [Who; 5] = [
+/// PCIe all-reduce, ours on a registered input (captured after registration), the push
+/// one-shot on the plain input, and SGLang's (its choice, then its kernels; their graph
+/// tables filled after capture).
+const GRAPH: [Who; NG] = [
     Who::Auto,
     Who::VllmRegistered,
     Who::Pcie,
     Who::OursRegistered,
     Who::Push,
+    Who::Sglang,
+    SGLANG_KERNELS[0],
+    SGLANG_KERNELS[1],
+    SGLANG_KERNELS[2],
+    SGLANG_KERNELS[3],
 ];
 /// The peers, in "best peer" (eager: every peer column; graphs: the peers' graph columns).
-const PEERS: [Who; 3] = [Who::Vllm, Who::VllmRegistered, Who::Pcie];
+const PEERS: [Who; 4] = [Who::Vllm, Who::VllmRegistered, Who::Pcie, Who::Sglang];
 
 /// `w`'s column among the eager contenders.
 fn eager_col(w: Who) -> usize {
@@ -139,10 +178,10 @@ fn best_peer(times: &[f64], graphs: bool) -> f64 {
 /// (NaN: not run), and each contender's wrong elements.
 #[derive(Clone, Debug, Default)]
 struct RowTimes {
-    eager: [f64; 8],
-    graph: [f64; 5],
-    wrong: [usize; 8],
-    graph_wrong: [usize; 5],
+    eager: [f64; NE],
+    graph: [f64; NG],
+    wrong: [usize; NE],
+    graph_wrong: [usize; NG],
     ran: Option<Strategy>,
 }
 
@@ -156,10 +195,162 @@ struct Bufs {
     rank_data: DeviceBuffer<R>,
     /// FlashInfer's workspace slab, zeroed (when some size runs it).
     pcie: Option<DeviceBuffer<R>>,
+    /// SGLang's buffers (when some size runs it).
+    sgl: Option<SglangBufs>,
 }
 
-/// Addresses every rank must know of every other: (meta, staging, input, FlashInfer slab).
-type Shared = Mutex<Vec<(u64, u64, u64, u64)>>;
+/// One rank's memory for SGLang, as `CustomAllReduceV2` allocates it.
+struct SglangBufs {
+    /// Push slots, pull workspace and semaphores, zeroed.
+    slab: DeviceBuffer<R>,
+    /// The push epoch counters, zeroed.
+    counter: DeviceBuffer<R>,
+    /// The graph pointer table: a row of every rank's input per captured pull call.
+    table: DeviceBuffer<R>,
+    /// The input its graphs capture (2shot_pull reduces into it): the integer pattern.
+    input: DeviceBuffer<R>,
+}
+
+/// Rows of SGLang's graph pointer table per rank: enough for every captured pull call of a
+/// run (its own table holds 131072).
+const SGLANG_TABLE_ROWS: usize = 8192;
+
+/// Addresses every rank must know of every other.
+#[derive(Clone, Copy, Default)]
+struct Addrs {
+    meta: u64,
+    staging: u64,
+    input: u64,
+    /// FlashInfer's slab.
+    pcie: u64,
+    /// SGLang's slab and graph input.
+    sgl_slab: u64,
+    sgl_input: u64,
+}
+type Shared = Mutex<Vec<Addrs>>;
+
+/// SGLang's custom all-reduce for one run: its choice and its kernels' launches per size (or
+/// why they do not run), its grids and its workspaces.
+struct SglangSetup {
+    /// Per size: its choice eager and in graphs, and each kernel's launch ([`SGLANG_KERNELS`]
+    /// order).
+    plan: Vec<SglangRow>,
+    /// Its grids (the table's, on a GPU of the grid share's SMs).
+    config: Result<SglangConfig, String>,
+    /// Per-slot push bytes and pull bytes: what the engine would allocate, or more, so that
+    /// every kernel runs at every size.
+    slot_bytes: usize,
+    pull_bytes: usize,
+}
+
+#[derive(Clone)]
+struct SglangRow {
+    eager: Result<SglangLaunch, String>,
+    graph: Result<SglangLaunch, String>,
+    kernels: [Result<SglangLaunch, String>; 4],
+}
+
+impl SglangSetup {
+    fn new(world: usize, sizes: &[usize], grid_share: u32) -> SglangSetup {
+        let config = match allreduce_peers::sglang_unavailable() {
+            Some(why) => Err(why),
+            None => SglangConfig::hopper(world, grid_share)
+                .ok_or_else(|| format!("SGLang's Hopper table has no row for {world} ranks")),
+        };
+        // The pull grid capped at the share too (the push grid is the share already).
+        let config = config.map(|c| SglangConfig {
+            pull_blocks: c.pull_blocks.min(grid_share.max(1)),
+            ..c
+        });
+        let plan = sizes
+            .iter()
+            .map(|&bytes| {
+                let launch = |algo| {
+                    let c = config.as_ref().map_err(|e| e.clone())?;
+                    SglangLaunch::new(c, algo, world, bytes, grid_share)
+                };
+                let pick = |graph| {
+                    let c = config.as_ref().map_err(|e| e.clone())?;
+                    let (engine, _, _) = c.engine(world, SGLANG_MAX_SIZE, false);
+                    match engine.pick(bytes, graph) {
+                        Some((algo, _)) => launch(algo),
+                        None => Err("NCCL in SGLang".to_string()),
+                    }
+                };
+                SglangRow {
+                    eager: pick(false),
+                    graph: pick(true),
+                    kernels: SglangAlgo::ALL.map(launch),
+                }
+            })
+            .collect::<Vec<_>>();
+        let align = |x: usize| x.max(1024).div_ceil(1024) * 1024;
+        let (mut slot, mut pull) = (0, 0);
+        for (&bytes, row) in sizes.iter().zip(&plan) {
+            if row.kernels.iter().any(|k| k.is_ok()) {
+                let two = allreduce_peers::two_shot_push_slot_bytes(bytes, world);
+                slot = slot.max(bytes).max(two);
+                pull = pull.max(bytes);
+            }
+        }
+        SglangSetup {
+            plan,
+            config,
+            slot_bytes: align(slot),
+            pull_bytes: align(pull),
+        }
+    }
+
+    /// Whether any size runs it.
+    fn runs(&self) -> bool {
+        self.plan
+            .iter()
+            .any(|r| r.kernels.iter().any(|k| k.is_ok()))
+    }
+
+    /// The `#` lines that say what its choice is at each size, consecutive sizes with the same
+    /// choice on one line.
+    fn notes(&self, sizes: &[usize]) -> Vec<String> {
+        let name = |l: &Result<SglangLaunch, String>| match l {
+            Ok(l) => l.algo.name().to_string(),
+            Err(why) => format!("- ({why})"),
+        };
+        let mut out: Vec<(usize, usize, String)> = Vec::new();
+        for (&bytes, r) in sizes.iter().zip(&self.plan) {
+            let what = format!("eager {}, graphs {}", name(&r.eager), name(&r.graph));
+            match out.last_mut() {
+                Some((_, to, w)) if *w == what => *to = bytes,
+                _ => out.push((bytes, bytes, what)),
+            }
+        }
+        let f = crate::cli::format_size;
+        let mut lines: Vec<String> = out
+            .into_iter()
+            .map(|(from, to, what)| {
+                let range = if from == to {
+                    f(from)
+                } else {
+                    format!("{}-{}", f(from), f(to))
+                };
+                format!("# sglang at {range} B: {what}")
+            })
+            .collect();
+        if let Ok(c) = &self.config {
+            lines.insert(
+                0,
+                format!(
+                    "# sglang: its Hopper table, {} MiB workspaces, no multicast; grids: push {} \
+                     blocks, pull {}; blocks of 128-1024 threads by its rule over {} SMs; PDL",
+                    SGLANG_MAX_SIZE >> 20,
+                    c.push_blocks,
+                    c.pull_blocks,
+                    c.push_blocks
+                ),
+            );
+        }
+        lines
+    }
+}
 
 /// FlashInfer's PCIe all-reduce for one run: its launch per size (or why it does not run
 /// that size), and its workspace.
@@ -242,9 +433,10 @@ fn rank_loop(
     shared: &Shared,
     heartbeat: &Heartbeat,
     expected: &[f32],
-    wrongs: &Mutex<Vec<[usize; 8]>>,
+    wrongs: &Mutex<Vec<[usize; NE]>>,
     registered: &RegisteredBuffer,
     pcie_setup: &PcieSetup,
+    sgl_setup: &SglangSetup,
 ) -> Result<(Vec<RowTimes>, Option<String>), String> {
     let e = |e: allreduce::Error| e.to_string();
     let rank = comm.rank();
@@ -268,22 +460,75 @@ fn rank_loop(
             Ok((_, bytes)) => Some(DeviceBuffer::zeroed(bytes, &stream).map_err(e)?),
             Err(_) => None,
         },
+        // Zeroed as SGLang zeroes its slab: its push slots start empty (+0.0) and its
+        // semaphores and counters at 0.
+        sgl: match (&sgl_setup.config, sgl_setup.runs()) {
+            (Ok(c), true) => Some(SglangBufs {
+                slab: DeviceBuffer::zeroed(
+                    Sglang::slab_bytes(
+                        comms.len(),
+                        sgl_setup.slot_bytes,
+                        sgl_setup.pull_bytes,
+                        c.pull_blocks,
+                    )
+                    .0,
+                    &stream,
+                )
+                .map_err(e)?,
+                counter: DeviceBuffer::zeroed(Sglang::counter_bytes(c.push_blocks), &stream)
+                    .map_err(e)?,
+                table: DeviceBuffer::zeroed(SGLANG_TABLE_ROWS * comms.len() * 8, &stream)
+                    .map_err(e)?,
+                input: DeviceBuffer::from_host(host.as_slice(), &stream).map_err(e)?,
+            }),
+            _ => None,
+        },
     };
     allreduce_gpu::upload_registered::<R>(registered.memory(), 0, host.as_slice(), &stream)
         .map_err(e)?;
     stream.synchronize().map_err(e)?;
-    shared.lock().unwrap()[rank] = (
-        b.meta.addr() as u64,
-        b.staging.addr() as u64,
-        b.input.addr() as u64,
-        b.pcie.as_ref().map_or(0, |s| s.addr() as u64),
-    );
+    shared.lock().unwrap()[rank] = Addrs {
+        meta: b.meta.addr() as u64,
+        staging: b.staging.addr() as u64,
+        input: b.input.addr() as u64,
+        pcie: b.pcie.as_ref().map_or(0, |s| s.addr() as u64),
+        sgl_slab: b.sgl.as_ref().map_or(0, |s| s.slab.addr() as u64),
+        sgl_input: b.sgl.as_ref().map_or(0, |s| s.input.addr() as u64),
+    };
     barrier.wait();
-    let peers: Vec<(u64, u64, u64, u64)> = shared.lock().unwrap().clone();
-    let metas: Vec<u64> = peers.iter().map(|p| p.0).collect();
-    let stagings: Vec<u64> = peers.iter().map(|p| p.1).collect();
-    let inputs: Vec<u64> = peers.iter().map(|p| p.2).collect();
-    let slabs: Vec<u64> = peers.iter().map(|p| p.3).collect();
+    let peers: Vec<Addrs> = shared.lock().unwrap().clone();
+    let metas: Vec<u64> = peers.iter().map(|p| p.meta).collect();
+    let stagings: Vec<u64> = peers.iter().map(|p| p.staging).collect();
+    let inputs: Vec<u64> = peers.iter().map(|p| p.input).collect();
+    let slabs: Vec<u64> = peers.iter().map(|p| p.pcie).collect();
+    // SGLang's graph table row: every rank's graph input, in rank order.
+    let sgl_row: Vec<u8> = peers
+        .iter()
+        .flat_map(|p| p.sgl_input.to_le_bytes())
+        .collect();
+    // Every rank's slab and counters were zeroed (and synchronized) before the barrier above.
+    let sgl = match (&b.sgl, &sgl_setup.config) {
+        (Some(s), Ok(c)) => {
+            let slabs: Vec<u64> = peers.iter().map(|p| p.sgl_slab).collect();
+            // SAFETY: every rank's slab is zeroed and laid out by slab_bytes for these sizes,
+            // the counters zeroed, and both live until the end of this function.
+            unsafe {
+                Sglang::new(
+                    &slabs,
+                    s.counter.addr() as u64,
+                    rank,
+                    *c,
+                    sgl_setup.slot_bytes,
+                    sgl_setup.pull_bytes,
+                )
+            }
+        }
+        (_, Err(why)) => Err(why.clone()),
+        (None, Ok(_)) => Err("no size runs it".into()),
+    };
+    // Rows of SGLang's graph table used so far, and those of the capture in progress.
+    let sgl_rows = std::cell::Cell::new(0usize);
+    let sgl_captured = std::cell::RefCell::new(Vec::<usize>::new());
     // Every rank's slab was zeroed (and synchronized) before the barrier above, as
     // FlashInfer requires before any rank pushes into a peer's.
     let pcie = pcie_setup.workspace.clone().and_then(|(max_numel, _)| {
@@ -311,12 +556,59 @@ fn rank_loop(
     // Other ranks may still be registering (host work, no kernels): start together.
     barrier.wait();
     let mut rows = Vec::with_capacity(sizes.len());
-    for (&bytes, pcie_launch) in sizes.iter().zip(&pcie_setup.plan) {
+    for ((&bytes, pcie_launch), sgl_plan) in sizes.iter().zip(&pcie_setup.plan).zip(&sgl_setup.plan)
+    {
         let n = bytes / dtype.size();
         let mut row = RowTimes {
-            eager: [f64::NAN; 8],
-            graph: [f64::NAN; 5],
+            eager: [f64::NAN; NE],
+            graph: [f64::NAN; NG],
             ..Default::default()
+        };
+        // SGLang's launch for a column: eager or in graphs (its choice differs between them).
+        let sgl_launch = |who: Who, graph: bool| -> Result<SglangLaunch, String> {
+            match who {
+                Who::Sglang if graph => sgl_plan.graph.clone(),
+                Who::Sglang => sgl_plan.eager.clone(),
+                Who::SglangKernel(a) => {
+                    sgl_plan.kernels[SglangAlgo::ALL.iter().position(|&x| x == a).unwrap()].clone()
+                }
+                _ => Err("not SGLang".into()),
+            }
+        };
+        // One SGLang call: eager on the plain input; in a capture on its graph input, its
+        // pull kernels on the next row of its table (filled after the capture).
+        let sgl_call = |l: &SglangLaunch, graph: bool| -> Result<(), String> {
+            let s = sgl.as_ref().map_err(|e| e.clone())?;
+            let bufs = b.sgl.as_ref().ok_or("no SGLang buffers")?;
+            let (input, graph_row) = if graph {
+                let row = if l.algo.uses_graph_table() {
+                    let i = sgl_rows.get();
+                    if i >= SGLANG_TABLE_ROWS {
+                        return Err("SGLang's graph table is full".into());
+                    }
+                    sgl_rows.set(i + 1);
+                    sgl_captured.borrow_mut().push(i);
+                    Some((bufs.table.addr() + i * sgl_row.len()) as u64)
+                } else {
+                    None
+                };
+                (bufs.input.addr() as u64, row)
+            } else {
+                (b.input.addr() as u64, None)
+            };
+            // SAFETY: the input and output hold `bytes`; the table row is in the table; every
+            // rank makes this call with the same launch (a pure function of the size).
+            unsafe {
+                s.all_reduce(
+                    stream.handle().as_raw() as u64,
+                    dtype,
+                    l,
+                    input,
+                    b.output.addr() as u64,
+                    bytes,
+                    graph_row,
+                )
+            }
         };
         let opts = |s: Strategy| {
             AllReduceOptions::default()
@@ -387,6 +679,7 @@ fn rank_loop(
                         launch,
                     )
                 },
+                Who::Sglang | Who::SglangKernel(_) => sgl_call(&sgl_launch(who, false)?, false),
             }
         };
         // Which contenders run at this size: vLLM needs a whole number of 16-byte vectors
@@ -397,6 +690,7 @@ fn rank_loop(
             Who::Vllm | Who::VllmRegistered => vllm_ok,
             Who::Pcie => pcie_ok,
             Who::Push => n > 0 && bytes <= Strategy::PUSH_MAX_BYTES,
+            Who::Sglang | Who::SglangKernel(_) => sgl.is_ok() && sgl_launch(w, false).is_ok(),
             _ => n > 0,
         };
         // Correctness first, each contender on a zeroed output: a wrong peer is not timed.
@@ -434,6 +728,63 @@ fn rank_loop(
         time_eager(&EAGER, &timed, iters, &time, &call, &mut row.eager)?;
         // Graphs.
         for (g, &w) in GRAPH.iter().enumerate() {
+            if let Who::Sglang | Who::SglangKernel(_) = w {
+                // SGLang's choice in graphs may not be its eager one: a graph column runs
+                // where its graph launch exists and the kernel it launches ran right eagerly
+                // (its forced column, which runs at every size it takes).
+                let Ok(l) = sgl_launch(w, true) else { continue };
+                if !timed[eager_col(Who::SglangKernel(l.algo))] {
+                    continue;
+                }
+                let bufs = b.sgl.as_ref().ok_or("no SGLang buffers")?;
+                // Captures `calls` calls, then fills the table rows they read (SGLang's
+                // `register_peer_mapped_inputs`), before any replay.
+                let capture = |calls: usize| -> Result<GpuGraph<R>, String> {
+                    barrier.wait();
+                    sgl_captured.borrow_mut().clear();
+                    let graph = GpuGraph::capture(&stream, || {
+                        (0..calls).try_for_each(|_| {
+                            sgl_call(&l, true).map_err(allreduce::Error::InvalidConfig)
+                        })
+                    })
+                    .map_err(e)?;
+                    for &i in sgl_captured.borrow().iter() {
+                        bufs.table
+                            .upload_at(i * sgl_row.len(), &sgl_row, &stream)
+                            .map_err(e)?;
+                    }
+                    stream.synchronize().map_err(e)?;
+                    Ok(graph)
+                };
+                // The check: one captured call on a fresh input and a zeroed output.
+                bufs.input.upload(host.as_slice(), &stream).map_err(e)?;
+                b.output.upload(&zeros, &stream).map_err(e)?;
+                let check = capture(1)?;
+                barrier.wait();
+                check.launch(&stream).map_err(e)?;
+                stream.synchronize().map_err(e)?;
+                let result = if l.algo.graph_in_place() && l.algo.uses_graph_table() {
+                    &bufs.input
+                } else {
+                    &b.output
+                };
+                result.download(out.as_mut_slice(), &stream).map_err(e)?;
+                row.graph_wrong[g] = count_wrong(dtype, out.as_slice(), expected);
+                heartbeat.beat();
+                drop(check);
+                // The timing: `GRAPH_CALLS` captured calls (in place, 2shot_pull's sums grow
+                // from replay to replay; its time does not depend on the values).
+                let graph = capture(GRAPH_CALLS)?;
+                barrier.wait();
+                graph.launch(&stream).map_err(e)?;
+                stream.synchronize().map_err(e)?;
+                for _ in 0..2 {
+                    let t = time(&|| graph.launch(&stream).map_err(e), GRAPH_REPLAYS)?
+                        / GRAPH_CALLS as f64;
+                    keep_min(&mut row.graph[g], t);
+                }
+                continue;
+            }
             if !timed[eager_col(w)] {
                 continue;
             }
@@ -530,19 +881,21 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
     // let several share an SM): capped at SMs / ranks, every rank's grid co-resides too.
     let share = (sms / busiest).max(1);
     let pcie_setup = PcieSetup::new(world, dtype, &sizes, share);
+    let sgl_setup = SglangSetup::new(world, &sizes, share);
     let json = args.json;
     if !json {
         println!(
             "# allreduce-bench --peers: {world} ranks (virtual, one GPU unless --devices says \
          otherwise), {dtype}, out of place, integer inputs; us per call, slowest rank; \
-         every grid {block_limit} blocks but flashinfer pcie's (its own, at most {share})"
+         every grid {block_limit} blocks but flashinfer pcie's (its own, at most {share}) and \
+         sglang's (its own over {share} SMs)"
         );
         crate::report::print_origin(&comms.iter().map(|c| c.device()).collect::<Vec<_>>());
         match allreduce_peers::versions() {
             Some(v) => println!(
-                "# peers: vLLM custom all-reduce and FlashInfer's PCIe IPC all-reduce (untuned \
-                 launch, no PDL) from {v}; best peer: the fastest of vllm, vllm reg and \
-                 flashinfer pcie"
+                "# peers: vLLM custom all-reduce, FlashInfer's PCIe IPC all-reduce (untuned \
+                 launch, no PDL) and SGLang's custom all-reduce v2 from {v}; best peer: the \
+                 fastest of vllm, vllm reg, flashinfer pcie and sglang (its choice)"
             ),
             None => println!(
                 "# peers: not built ({})",
@@ -552,8 +905,11 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
         for line in pcie_setup.notes(&sizes) {
             println!("{line}");
         }
+        for line in sgl_setup.notes(&sizes) {
+            println!("{line}");
+        }
         println!(
-        "# {:>10} {:>8} | {:>8} {:>8} {:>8} | {:>8} {:>8} {:>15} | {:>7} | {:>8} {:>8} {:>15} {:>7} | {:>8} {:>7} | {:>8} {:>7} | {:>8} {:>7} | {:>8} {:>7} | #wrong (auto 1s 2s vllm vllm-reg fi-pcie ours-reg push; graphs auto vllm fi-pcie ours-reg push)",
+        "# {:>10} {:>8} | {:>8} {:>8} {:>8} | {:>8} {:>8} {:>15} | {:>7} | {:>8} {:>8} {:>15} {:>7} | {:>8} {:>7} | {:>8} {:>7} | {:>8} {:>7} | {:>8} {:>7} | {:>8} {:>8} {:>8} {:>8} {:>8} | {:>8} {:>8} {:>8} {:>8} {:>8} | #wrong (auto 1s 2s vllm vllm-reg fi-pcie ours-reg push sglang sgl-1push sgl-2push sgl-1pull sgl-2pull; graphs auto vllm fi-pcie ours-reg push sglang sgl-1push sgl-2push sgl-1pull sgl-2pull)",
         "bytes",
         "auto ran",
         "auto",
@@ -574,7 +930,17 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
         "push",
         "ratio",
         "g.push",
-        "ratio"
+        "ratio",
+        "sglang",
+        "1push",
+        "2push",
+        "1pull",
+        "2pull",
+        "g.sglang",
+        "g.1push",
+        "g.2push",
+        "g.1pull",
+        "g.2pull"
     );
     }
     // The exact sum of the integer inputs, once for every rank to check against.
@@ -586,9 +952,9 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
         })
         .collect();
     let barrier = Barrier::new(world);
-    let shared: Shared = Mutex::new(vec![(0, 0, 0, 0); world]);
+    let shared: Shared = Mutex::new(vec![Addrs::default(); world]);
     let heartbeat = Heartbeat::default();
-    let wrongs = Mutex::new(vec![[0usize; 8]; world]);
+    let wrongs = Mutex::new(vec![[0usize; NE]; world]);
     // Collective, before the ranks' threads start (it allocates on every rank's device).
     let registered = Communicator::alloc_registered_group(&comms, max.max(16))?;
     type RankResult = Result<(Vec<RowTimes>, Option<String>), String>;
@@ -600,15 +966,15 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
             .iter()
             .zip(&registered)
             .map(|(c, reg)| {
-                let (barrier, shared, heartbeat, sizes, expected, wrongs, pcie_setup) = (
+                let (barrier, shared, heartbeat, sizes, expected, wrongs) = (
                     &barrier,
                     &shared,
                     &heartbeat,
                     &sizes,
                     &expected[..],
                     &wrongs,
-                    &pcie_setup,
                 );
+                let (pcie_setup, sgl_setup) = (&pcie_setup, &sgl_setup);
                 let comms = &comms[..];
                 s.spawn(move || {
                     rank_loop(
@@ -624,6 +990,7 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
                         wrongs,
                         reg,
                         pcie_setup,
+                        sgl_setup,
                     )
                 })
             })
@@ -694,6 +1061,21 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
         let graph_json = |w: Who| num(graph[gc(w)]);
         let w_eager = |w: Who| wrong[ec(w)];
         let w_graph = |w: Who| graph_wrong[gc(w)];
+        let sgl_launch = |l: &Result<SglangLaunch, String>| match l {
+            Ok(l) => serde_json::json!({
+                "algo": l.algo.name(), "blocks": l.blocks, "threads": l.threads,
+            }),
+            Err(why) => serde_json::json!({ "not_run": why }),
+        };
+        let sgl_kernels = |f: &dyn Fn(Who) -> serde_json::Value| {
+            serde_json::Value::Object(
+                SglangAlgo::ALL
+                    .iter()
+                    .map(|&a| (a.name().to_string(), f(Who::SglangKernel(a))))
+                    .collect(),
+            )
+        };
+        let sgl_plan = &sgl_setup.plan[k];
         rows_json.push(serde_json::json!({
             "bytes": bytes,
             "auto_ran": per_rank[0][k].ran.map(|s| s.to_string()),
@@ -704,12 +1086,21 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
                 "flashinfer_pcie": eager_json(Who::Pcie),
                 "ours_registered": eager_json(Who::OursRegistered),
                 "push_oneshot": eager_json(Who::Push),
+                "sglang": eager_json(Who::Sglang),
+                "sglang_kernels": sgl_kernels(&|w| serde_json::json!(eager_json(w))),
             },
             "graph_us": {
                 "auto": graph_json(Who::Auto), "vllm": graph_json(Who::VllmRegistered),
                 "flashinfer_pcie": graph_json(Who::Pcie),
                 "ours_registered": graph_json(Who::OursRegistered),
                 "push_oneshot": graph_json(Who::Push),
+                "sglang": graph_json(Who::Sglang),
+                "sglang_kernels": sgl_kernels(&|w| serde_json::json!(graph_json(w))),
+            },
+            "sglang_launch": {
+                "eager": sgl_launch(&sgl_plan.eager), "graph": sgl_launch(&sgl_plan.graph),
+                "kernels": serde_json::Value::Object(SglangAlgo::ALL.iter().zip(&sgl_plan.kernels)
+                    .map(|(a, l)| (a.name().to_string(), sgl_launch(l))).collect()),
             },
             "best_peer_eager_us": num(peer),
             "best_peer_graph_us": num(graph_peer),
@@ -720,18 +1111,22 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
                            "vllm_registered": w_eager(Who::VllmRegistered),
                            "flashinfer_pcie": w_eager(Who::Pcie),
                            "ours_registered": w_eager(Who::OursRegistered),
-                           "push_oneshot": w_eager(Who::Push) },
+                           "push_oneshot": w_eager(Who::Push),
+                           "sglang": w_eager(Who::Sglang),
+                           "sglang_kernels": sgl_kernels(&|w| serde_json::json!(w_eager(w))) },
                 "graph": { "auto": w_graph(Who::Auto), "vllm": w_graph(Who::VllmRegistered),
                            "flashinfer_pcie": w_graph(Who::Pcie),
                            "ours_registered": w_graph(Who::OursRegistered),
-                           "push_oneshot": w_graph(Who::Push) },
+                           "push_oneshot": w_graph(Who::Push),
+                           "sglang": w_graph(Who::Sglang),
+                           "sglang_kernels": sgl_kernels(&|w| serde_json::json!(w_graph(w))) },
             },
         }));
         if json {
             continue;
         }
         println!(
-            "  {:>10} {:>8} | {:>8} {:>8} {:>8} | {:>8} {:>8} {:>15} | {:>7} | {:>8} {:>8} {:>15} {:>7} | {:>8} {:>7} | {:>8} {:>7} | {:>8} {:>7} | {:>8} {:>7} | {:?}",
+            "  {:>10} {:>8} | {:>8} {:>8} {:>8} | {:>8} {:>8} {:>15} | {:>7} | {:>8} {:>8} {:>15} {:>7} | {:>8} {:>7} | {:>8} {:>7} | {:>8} {:>7} | {:>8} {:>7} | {:>8} {:>8} {:>8} {:>8} {:>8} | {:>8} {:>8} {:>8} {:>8} {:>8} | {:?}",
             bytes,
             per_rank[0][k]
                 .ran
@@ -755,6 +1150,16 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
             ratio(push, peer),
             us(g_push),
             ratio(g_push, graph_peer),
+            us(eager[ec(Who::Sglang)]),
+            us(eager[ec(SGLANG_KERNELS[0])]),
+            us(eager[ec(SGLANG_KERNELS[1])]),
+            us(eager[ec(SGLANG_KERNELS[2])]),
+            us(eager[ec(SGLANG_KERNELS[3])]),
+            us(graph[gc(Who::Sglang)]),
+            us(graph[gc(SGLANG_KERNELS[0])]),
+            us(graph[gc(SGLANG_KERNELS[1])]),
+            us(graph[gc(SGLANG_KERNELS[2])]),
+            us(graph[gc(SGLANG_KERNELS[3])]),
             wrong
         );
     }
@@ -762,8 +1167,8 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
         crate::plot::draw_lines(
             path,
             &format!(
-                "allreduce vs vLLM custom all-reduce and FlashInfer PCIe all-reduce, {world} \
-                 ranks, {dtype}"
+                "allreduce vs vLLM custom all-reduce, FlashInfer PCIe all-reduce and SGLang \
+                 custom all-reduce v2, {world} ranks, {dtype}"
             ),
             &crate::plot::Axes {
                 x_desc: "message size per rank (bytes, log2 scale)",
@@ -787,7 +1192,11 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
             "grid_blocks": block_limit,
             "flashinfer_pcie_grid_cap": share,
             "flashinfer_pcie_error": pcie_error,
-            "best_peer": ["vllm", "vllm_registered", "flashinfer_pcie"],
+            "best_peer": ["vllm", "vllm_registered", "flashinfer_pcie", "sglang"],
+            "sglang_grids": sgl_setup.config.as_ref().ok().map(|c| serde_json::json!({
+                "push_blocks": c.push_blocks, "pull_blocks": c.pull_blocks,
+            })),
+            "sglang_max_size": SGLANG_MAX_SIZE,
             "graph_calls": GRAPH_CALLS,
             "rows": rows_json,
         });
@@ -830,7 +1239,7 @@ mod tests {
     fn flashinfer_pcie_is_a_column_in_both_modes_and_in_best_peer() {
         assert!(EAGER.contains(&Who::Pcie) && GRAPH.contains(&Who::Pcie));
         assert!(GRAPH.iter().all(|w| EAGER.contains(w)));
-        let mut eager = [f64::NAN; 7];
+        let mut eager = [f64::NAN; NE];
         eager[eager_col(Who::Vllm)] = 3.0;
         eager[eager_col(Who::VllmRegistered)] = 2.0;
         eager[eager_col(Who::Pcie)] = 1.0;
@@ -838,7 +1247,7 @@ mod tests {
         assert_eq!(best_peer(&eager, false), 1.0);
         eager[eager_col(Who::Pcie)] = f64::NAN;
         assert_eq!(best_peer(&eager, false), 2.0);
-        let mut graph = [f64::NAN; 4];
+        let mut graph = [f64::NAN; NG];
         assert!(best_peer(&graph, true).is_nan());
         graph[graph_col(Who::Pcie).unwrap()] = 4.0;
         graph[graph_col(Who::OursRegistered).unwrap()] = 1.0;
@@ -884,5 +1293,89 @@ mod tests {
         let (n, bytes) = setup.workspace.clone().unwrap();
         assert_eq!(n, (1 << 20) / 2);
         assert!(bytes > 2 * 2 * 8 * (1 << 20), "{bytes}");
+    }
+
+    #[test]
+    fn push_is_ours_in_both_modes_beside_sglangs_columns() {
+        assert!(EAGER.contains(&Who::Push) && GRAPH.contains(&Who::Push));
+        assert!(!PEERS.contains(&Who::Push));
+        // Every contender has one column of its own in each mode it runs in.
+        for (i, w) in EAGER.iter().enumerate() {
+            assert_eq!(eager_col(*w), i);
+        }
+        for (i, w) in GRAPH.iter().enumerate() {
+            assert_eq!(graph_col(*w), Some(i));
+        }
+        let mut eager = [f64::NAN; NE];
+        eager[eager_col(Who::Push)] = 0.5;
+        eager[eager_col(Who::Sglang)] = 2.0;
+        assert_eq!(best_peer(&eager, false), 2.0);
+        let mut graph = [f64::NAN; NG];
+        graph[graph_col(Who::Push).unwrap()] = 0.5;
+        assert!(best_peer(&graph, true).is_nan());
+    }
+
+    #[test]
+    fn sglang_is_ranked_by_its_choice_and_its_kernels_are_shown() {
+        assert!(EAGER.contains(&Who::Sglang) && GRAPH.contains(&Who::Sglang));
+        for k in SGLANG_KERNELS {
+            assert!(EAGER.contains(&k) && GRAPH.contains(&k) && !PEERS.contains(&k));
+        }
+        let mut eager = [f64::NAN; NE];
+        eager[eager_col(Who::Vllm)] = 3.0;
+        eager[eager_col(Who::Sglang)] = 2.0;
+        eager[eager_col(SGLANG_KERNELS[0])] = 1.0;
+        assert_eq!(best_peer(&eager, false), 2.0);
+        let mut graph = [f64::NAN; NG];
+        graph[graph_col(SGLANG_KERNELS[3]).unwrap()] = 1.0;
+        assert!(best_peer(&graph, true).is_nan());
+        graph[graph_col(Who::Sglang).unwrap()] = 5.0;
+        assert_eq!(best_peer(&graph, true), 5.0);
+    }
+
+    #[test]
+    fn sglang_plan_says_what_it_picks_and_sizes_its_workspaces() {
+        let sizes = [16, 64 << 10, 256 << 10, 1 << 20, 32 << 20];
+        let setup = SglangSetup::new(8, &sizes, 16);
+        let notes = setup.notes(&sizes);
+        if let Some(why) = allreduce_peers::sglang_unavailable() {
+            assert_eq!(
+                notes,
+                vec![format!(
+                    "# sglang at 16-32M B: eager - ({why}), graphs - ({why})"
+                )]
+            );
+            assert!(!setup.runs());
+            return;
+        }
+        assert!(setup.runs());
+        // Eight ranks on an H100's share (132 / 8 SMs): the push to 128 KiB, 2shot_pull to the
+        // 16 MiB workspace, NCCL above.
+        assert_eq!(notes.len(), 4, "{notes:?}");
+        assert!(notes[0].contains("push 16 blocks, pull 16"), "{}", notes[0]);
+        assert_eq!(
+            notes[1],
+            "# sglang at 16-64K B: eager 1shot_push, graphs 1shot_push"
+        );
+        assert_eq!(
+            notes[2],
+            "# sglang at 256K-1M B: eager 2shot_pull, graphs 2shot_pull"
+        );
+        assert_eq!(
+            notes[3],
+            "# sglang at 32M B: eager - (NCCL in SGLang), graphs - (NCCL in SGLang)"
+        );
+        // Its kernels run at every size, so the workspaces hold the largest.
+        assert!(setup
+            .plan
+            .iter()
+            .all(|r| r.kernels.iter().all(|k| k.is_ok())));
+        assert_eq!((setup.slot_bytes, setup.pull_bytes), (32 << 20, 32 << 20));
+        // Not whole 16-byte vectors: nothing runs.
+        let odd = SglangSetup::new(2, &[8], 66);
+        assert!(!odd.runs());
+        // A world size without a Hopper row.
+        let nine = SglangSetup::new(9, &[1024], 14);
+        assert!(!nine.runs() && nine.config.is_err());
     }
 }

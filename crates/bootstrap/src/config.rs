@@ -47,7 +47,7 @@ pub struct TcpBootstrapConfig {
 }
 
 impl TcpBootstrapConfig {
-    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+    pub const DEFAULT_TIMEOUT: Duration = allreduce_core::DEFAULT_TIMEOUT;
     pub const DEFAULT_MAX_MESSAGE: usize = 16 << 20;
     pub const DEFAULT_ADDR: &'static str = "127.0.0.1";
 

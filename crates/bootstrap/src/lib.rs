@@ -56,21 +56,42 @@
 //! 2. rank r → rank 0, 80 bytes: `"ARBC"`, version (u16), 0 (u16), rank (u32), world size
 //!    (u32), its own nonce `Nc` (32 bytes), `HMAC("allreduce-bootstrap/1 client proof" || Ns
 //!    || Nc || rank || world)`.
-//! 3. rank 0 checks the proof (constant-time comparison) before anything else, then the world
-//!    size, the rank's range and that no other connection holds the rank. It answers `"ARBA"`,
-//!    status (u8: 0 accepted, 1 refused), 0 (u8), body length (u16), body: if accepted,
-//!    `HMAC("allreduce-bootstrap/1 server proof" || Ns || Nc || rank || world)`, which rank r
-//!    checks; if refused, the reason (at most 512 bytes), and rank r fails with it at once.
+//! 3. rank 0 checks the proof (constant-time comparison) before anything else, then that the
+//!    rank is not 0 (rank 0 is itself), the world size, the rank's range and that no other
+//!    connection holds the rank. It answers `"ARBA"`, status (u8: 0 accepted, 1 refused), 0
+//!    (u8), body length (u16), body: if accepted, `HMAC("allreduce-bootstrap/1 server proof"
+//!    || Ns || Nc || rank || world)`, which rank r checks; if refused, the reason (at most 512
+//!    bytes), and rank r fails with it at once.
 //! 4. When all ranks have joined, rank 0 sends each a `Ready` frame; [`TcpBootstrap::new`]
 //!    returns on every rank.
 //!
 //! Both nonces make every connection's proofs and keys fresh, so a recorded handshake or frame
-//! cannot be replayed. A connection that sends garbage (closed unanswered), fails the proof,
-//! claims a wrong world size, an impossible rank or a rank already taken, or stays silent
-//! (each handshake runs in its own thread with at most 10 s, so it blocks nobody) is dropped
-//! and logged with `tracing::warn!`; rank 0 keeps accepting, and
-//! [`TcpBootstrap::refused_connections`] lists them. The group is disturbed only when the
-//! deadline passes without every rank.
+//! cannot be replayed.
+//!
+//! # Refused joins
+//!
+//! A connection that speaks the protocol but is refused is a rank started with the wrong
+//! settings: another `WORLD_SIZE`, a `RANK` out of range or given twice (`RANK=0` included:
+//! rank 0 is the listener), another build of the protocol, or another secret while claiming a
+//! rank this group still waits for. Waiting cannot complete such a group, so rank 0 fails at
+//! once with `Error::Bootstrap` naming the connection and the reason, and sends the ranks
+//! already admitted a `Fail` frame, so they fail at once too with the same reason; the refused
+//! rank has its answer. Ranks that have not connected yet find no rank 0 and wait out their
+//! deadline (a launcher such as torchrun stops them when a rank fails). This makes any local
+//! process able to stop a group it can reach, which it already can by taking the port first:
+//! the secret guards who joins and what is exchanged, not whether the group forms.
+//!
+//! Connections that are no rank of this group are only dropped and logged with
+//! `tracing::warn!`, and rank 0 keeps accepting: garbage (closed unanswered), silence (each
+//! handshake runs in its own thread with at most 10 s, so it blocks nobody), or another secret
+//! with a claim that does not fit this group (another group's rank on the same port, which is
+//! told why). [`TcpBootstrap::refused_connections`] lists them, and a rendezvous that times
+//! out repeats the latest in its error.
+//!
+//! A rank 0 that cannot bind its port because it is taken asks the holder, with a hello
+//! claiming rank 0: this group's rank 0 refuses it as "rank 0 given twice" (and fails too),
+//! another group's rank 0 refuses its secret, and anything else does not greet like a rank
+//! 0; the error says which.
 //!
 //! # Frames
 //!

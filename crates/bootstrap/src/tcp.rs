@@ -23,6 +23,10 @@ const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
 const EXTRA_HANDSHAKES: usize = 64;
 /// How long rank 0 spends telling the other ranks that a collective failed.
 const NOTICE_LIMIT: Duration = Duration::from_secs(1);
+/// How long a rank 0 that cannot bind its port spends asking the port's holder who it is.
+const PROBE_LIMIT: Duration = Duration::from_secs(2);
+/// Refusals a rank 0 that times out repeats in its error (the latest ones).
+const REFUSALS_REPORTED: usize = 3;
 /// How often rank 0's accept loop looks at the clock and the finished handshakes.
 const ACCEPT_POLL: Duration = Duration::from_millis(5);
 /// Extra time a rank waits for rank 0's answer beyond its own deadline. Only rank 0 knows
@@ -302,7 +306,25 @@ fn resolve(config: &TcpBootstrapConfig) -> Result<Vec<SocketAddr>> {
 /// What a handshake thread reports to rank 0's accept loop.
 enum Outcome {
     Joined(usize, Link),
-    Refused(SocketAddr, String),
+    Refused(SocketAddr, Refusal),
+}
+
+/// Why rank 0 refused a connection, and whether the group can still form.
+struct Refusal {
+    why: String,
+    /// A rank of this group that rank 0 cannot admit (another world size, secret, or a rank
+    /// out of range or taken): every rank must be told at once, since waiting cannot help.
+    /// Connections that never spoke the protocol (a port scanner, a health check) are not.
+    fatal: bool,
+}
+
+impl Refusal {
+    fn stray(why: impl Into<String>) -> Self {
+        Refusal {
+            why: why.into(),
+            fatal: false,
+        }
+    }
 }
 
 /// Rank 0: listen, admit ranks 1..world, tell them all the group is complete.
@@ -322,11 +344,9 @@ fn rendezvous(
             Ok(l) => Some(l),
             Err(e) => {
                 let hint = if e.kind() == std::io::ErrorKind::AddrInUse {
-                    " (another process uses this port: torch.distributed or torchrun's store \
-                     may hold MASTER_PORT; give the bootstrap its own with \
-                     ALLREDUCE_BOOTSTRAP_PORT)"
+                    format!(" ({})", who_holds(config, secret, addr, deadline))
                 } else {
-                    ""
+                    String::new()
                 };
                 failures.push(format!("{addr}: {e}{hint}"));
                 None
@@ -355,10 +375,18 @@ fn rendezvous(
         let now = Instant::now();
         if now >= deadline {
             let missing: Vec<usize> = (1..world).filter(|r| links[r - 1].is_none()).collect();
-            let waiting_for = format!(
+            let mut waiting_for = format!(
                 "ranks {missing:?} to join the bootstrap at {addr} ({} of {world} ranks joined)",
                 joined + 1
             );
+            if refused.is_empty() {
+                // Nothing reached this port for them: the usual causes are on their side.
+                waiting_for += "; no connection claimed them: are they running, with the \
+                                same MASTER_ADDR and MASTER_PORT (or ALLREDUCE_BOOTSTRAP_PORT)?";
+            } else {
+                let latest = &refused[refused.len().saturating_sub(REFUSALS_REPORTED)..];
+                waiting_for += &format!("; refused meanwhile: {}", latest.join("; "));
+            }
             let mut live: Vec<Link> = links.into_iter().flatten().collect();
             notify(
                 &mut live,
@@ -398,11 +426,13 @@ fn rendezvous(
                     .spawn(move || {
                         let outcome = match admit(stream, &secret, world, &claimed, hs_deadline) {
                             Ok((rank, link)) => Outcome::Joined(rank, link),
-                            Err(why) => Outcome::Refused(peer, why),
+                            Err(refusal) => Outcome::Refused(peer, refusal),
                         };
-                        counter.fetch_sub(1, Ordering::SeqCst);
                         // The loop may be gone (deadline passed); the link then just closes.
                         let _ = tx.send(outcome);
+                        // After the send: once the count is zero, every outcome is queued,
+                        // which a failing rank 0 relies on to tell every admitted rank.
+                        counter.fetch_sub(1, Ordering::SeqCst);
                     });
                 if let Err(e) = spawned {
                     in_flight.fetch_sub(1, Ordering::SeqCst);
@@ -420,7 +450,42 @@ fn rendezvous(
                 links[rank - 1] = Some(link);
                 joined += 1;
             }
-            Ok(Outcome::Refused(peer, why)) => refuse(peer, why),
+            Ok(Outcome::Refused(peer, Refusal { why, fatal: false })) => refuse(peer, why),
+            Ok(Outcome::Refused(peer, Refusal { why, fatal: true })) => {
+                refuse(peer, why.clone());
+                // Ranks admitted meanwhile are told too, rather than left to find the
+                // connection closed: wait (briefly, a silent stray may never finish) for the
+                // handshakes in flight.
+                let settle = Instant::now() + NOTICE_LIMIT;
+                loop {
+                    // Read before draining: a count of zero means every outcome is queued.
+                    let settled = in_flight.load(Ordering::SeqCst) == 0 || Instant::now() >= settle;
+                    while let Ok(outcome) = rx.try_recv() {
+                        if let Outcome::Joined(rank, link) = outcome {
+                            links[rank - 1] = Some(link);
+                        }
+                    }
+                    if settled {
+                        break;
+                    }
+                    std::thread::sleep(ACCEPT_POLL);
+                }
+                let reason = format!(
+                    "rank 0 refused a joining process ({peer}): {why}; the group cannot form"
+                );
+                let mut live: Vec<Link> = links.into_iter().flatten().collect();
+                notify(
+                    &mut live,
+                    0,
+                    Failure {
+                        code: FailCode::Refused,
+                        rank: 0,
+                        waited: start.elapsed(),
+                        reason: reason.clone(),
+                    },
+                );
+                return Err(bootstrap_err(reason));
+            }
             Err(_) => {}
         }
     }
@@ -457,31 +522,42 @@ fn admit(
     world: usize,
     claimed: &Mutex<Vec<bool>>,
     deadline: Instant,
-) -> std::result::Result<(usize, Link), String> {
+) -> std::result::Result<(usize, Link), Refusal> {
     // Accepted sockets may inherit the listener's non-blocking mode on some platforms.
     stream
         .set_nonblocking(false)
         .and_then(|_| stream.set_nodelay(true))
-        .map_err(|e| format!("cannot configure the socket: {e}"))?;
-    let server_nonce = wire::nonce().map_err(|e| e.to_string())?;
+        .map_err(|e| Refusal::stray(format!("cannot configure the socket: {e}")))?;
+    let server_nonce = wire::nonce().map_err(|e| Refusal::stray(e.to_string()))?;
     wire::write_all_by(&mut stream, &wire::server_hello(&server_nonce), deadline)
-        .map_err(|e| format!("sending the greeting: {e}"))?;
+        .map_err(|e| Refusal::stray(format!("sending the greeting: {e}")))?;
     let mut hello = [0u8; CLIENT_HELLO_LEN];
-    wire::read_exact_by(&mut stream, &mut hello, deadline)
-        .map_err(|e| format!("no complete hello ({CLIENT_HELLO_LEN} bytes): {e}"))?;
-    let hello = wire::parse_client_hello(&hello)
-        .ok_or("not a bootstrap client (bad magic); closed without an answer")?;
-    let mut reply_refusal = |why: String| {
+    wire::read_exact_by(&mut stream, &mut hello, deadline).map_err(|e| {
+        Refusal::stray(format!("no complete hello ({CLIENT_HELLO_LEN} bytes): {e}"))
+    })?;
+    let hello = wire::parse_client_hello(&hello).ok_or_else(|| {
+        Refusal::stray("not a bootstrap client (bad magic); closed without an answer")
+    })?;
+    // From here the peer speaks the protocol: it is a rank started for some group, and is
+    // told why it is refused. Whether the refusal stops this group is decided per reason.
+    let mut reply_refusal = |why: String, fatal: bool| {
         let reply = wire::server_reply(STATUS_REFUSED, why.as_bytes());
         let _ = wire::write_all_by(&mut stream, &reply, deadline);
-        why
+        Refusal { why, fatal }
     };
+    let claims_a_rank_here =
+        hello.world as usize == world && (1..world).contains(&(hello.rank as usize));
     if hello.version != wire::VERSION {
-        return Err(reply_refusal(format!(
-            "protocol version {} (rank 0 speaks {})",
-            hello.version,
-            wire::VERSION
-        )));
+        return Err(reply_refusal(
+            format!(
+                "rank {} speaks bootstrap protocol version {} (rank 0 speaks {}): the ranks \
+                 run different builds of the library",
+                hello.rank,
+                hello.version,
+                wire::VERSION
+            ),
+            claims_a_rank_here,
+        ));
     }
     let t = Transcript {
         server_nonce,
@@ -492,38 +568,63 @@ fn admit(
     // Check the proof before anything else, so nothing about the group is revealed to a
     // connection that does not know the secret.
     if !t.client_proof_ok(secret, &hello.proof) {
-        return Err(reply_refusal(format!(
-            "authentication failed for a connection claiming rank {}: its secret differs from \
-             rank 0's (is {SECRET_ENV} the same for every rank?)",
-            hello.rank
-        )));
-    }
-    if hello.world as usize != world {
-        return Err(reply_refusal(format!(
-            "rank {} has WORLD_SIZE {}, rank 0 has {world}",
-            hello.rank, hello.world
-        )));
+        // A claim that fits this group (its world size, a rank still to come) is taken for
+        // one of its ranks given another secret, which stops the group; one that does not
+        // fit is most likely another group's process on the same port, which does not.
+        return Err(reply_refusal(
+            format!(
+                "authentication failed for a connection claiming rank {} of {}: its secret \
+                 differs from rank 0's (is {SECRET_ENV} the same for every rank, and is this \
+                 port this group's?)",
+                hello.rank, hello.world
+            ),
+            claims_a_rank_here,
+        ));
     }
     let rank = hello.rank as usize;
-    if rank == 0 || rank >= world {
-        return Err(reply_refusal(format!(
-            "rank {rank} is not a rank rank 0 expects (1..{world})"
-        )));
+    if rank == 0 {
+        return Err(reply_refusal(
+            "rank 0 given twice: this group's rank 0 already listens here, and another \
+             process of the group claims rank 0 too (two processes with RANK=0?)"
+                .into(),
+            true,
+        ));
+    }
+    if hello.world as usize != world {
+        return Err(reply_refusal(
+            format!(
+                "rank {rank} has WORLD_SIZE {}, rank 0 has {world}",
+                hello.world
+            ),
+            true,
+        ));
+    }
+    if rank >= world {
+        return Err(reply_refusal(
+            format!("rank {rank} is not a rank rank 0 expects (1..{world})"),
+            true,
+        ));
     }
     {
         let mut claimed = claimed.lock().unwrap_or_else(|p| p.into_inner());
         if claimed[rank] {
             drop(claimed);
-            return Err(reply_refusal(format!(
-                "rank {rank} has already joined (two processes with the same RANK?)"
-            )));
+            return Err(reply_refusal(
+                format!(
+                    "rank {rank} given twice: it has already joined (two processes with \
+                     RANK={rank}?)"
+                ),
+                true,
+            ));
         }
         claimed[rank] = true;
     }
     let reply = wire::server_reply(STATUS_ACCEPTED, &t.server_proof(secret));
     if let Err(e) = wire::write_all_by(&mut stream, &reply, deadline) {
         claimed.lock().unwrap_or_else(|p| p.into_inner())[rank] = false;
-        return Err(format!("rank {rank} left during its handshake: {e}"));
+        return Err(Refusal::stray(format!(
+            "rank {rank} left during its handshake: {e}"
+        )));
     }
     let (to_root, from_root) = t.keys(secret);
     Ok((rank, Link::new(stream, from_root, to_root)))
@@ -559,7 +660,7 @@ fn join(
                         .map(|()| (link, addr))
                 }
                 Err(Attempt::Retry(why)) => last_error = format!("{addr}: {why}"),
-                Err(Attempt::Fatal(e)) => return Err(e),
+                Err(fatal) => return Err(fatal.into_error(config)),
             }
         }
         let left = deadline.saturating_duration_since(Instant::now());
@@ -570,7 +671,8 @@ fn join(
                 waited: start.elapsed(),
                 waiting_for: format!(
                     "rank 0 to admit it at {}:{} (last attempt: {last_error}); is rank 0 \
-                     running with the same MASTER_ADDR and MASTER_PORT?",
+                     running with the same MASTER_ADDR and MASTER_PORT, or did it stop \
+                     after refusing another rank?",
                     config.master_addr, config.master_port
                 ),
             });
@@ -583,7 +685,31 @@ fn join(
 enum Attempt {
     /// Rank 0 may not be up yet, or was busy: try again.
     Retry(String),
+    /// Rank 0 answered and refused this rank, for the reason it gave.
+    Refused(String),
+    /// What listens there is no bootstrap rank 0 (the reason says how it showed).
+    Foreign(String),
     Fatal(Error),
+}
+
+impl Attempt {
+    /// The error a joining rank reports for an attempt that cannot succeed by retrying.
+    fn into_error(self, config: &TcpBootstrapConfig) -> Error {
+        let at = |why: String| {
+            bootstrap_err(format!(
+                "rank {} joining at {}:{}: {why}",
+                config.rank, config.master_addr, config.master_port
+            ))
+        };
+        match self {
+            Attempt::Retry(why) => at(why),
+            Attempt::Refused(why) => at(format!("rank 0 refused it: {why}")),
+            Attempt::Foreign(why) => {
+                at(format!("the process listening there is not rank 0: {why}"))
+            }
+            Attempt::Fatal(e) => e,
+        }
+    }
 }
 
 fn handshake(
@@ -606,8 +732,7 @@ fn handshake(
     // torn down and rebound. Worth another try.
     wire::read_exact_by(&mut stream, &mut greeting, deadline)
         .map_err(|e| Attempt::Retry(format!("no greeting from rank 0: {e}")))?;
-    let server_nonce = wire::parse_server_hello(&greeting)
-        .map_err(|why| fatal(format!("the process listening there is not rank 0: {why}")))?;
+    let server_nonce = wire::parse_server_hello(&greeting).map_err(Attempt::Foreign)?;
     let t = Transcript {
         server_nonce,
         client_nonce: wire::nonce().map_err(Attempt::Fatal)?,
@@ -644,10 +769,9 @@ fn handshake(
             let (to_root, from_root) = t.keys(secret);
             Ok(Link::new(stream, to_root, from_root))
         }
-        STATUS_REFUSED => Err(fatal(format!(
-            "rank 0 refused it: {}",
-            String::from_utf8_lossy(&body)
-        ))),
+        STATUS_REFUSED => Err(Attempt::Refused(
+            String::from_utf8_lossy(&body).into_owned(),
+        )),
         s => Err(fatal(format!("rank 0 answered with unknown status {s}"))),
     }
 }
@@ -707,6 +831,40 @@ fn failure_error(payload: &[u8], rank: usize, call: u64) -> Error {
         FailCode::Aborted => Error::Aborted {
             reason: format!("rank 0 reports: {}", f.reason),
         },
+        FailCode::Refused => bootstrap_err(format!("rank {rank}: rank 0 reports: {}", f.reason)),
+    }
+}
+
+/// Rank 0 cannot listen because `addr` is taken: ask the holder, as a joining rank 0 would,
+/// so the error can say whether it is this group's rank 0 (RANK=0 given twice), another
+/// group's, or no bootstrap at all. The probe claims rank 0, which no rank 0 admits.
+fn who_holds(
+    config: &TcpBootstrapConfig,
+    secret: &Secret,
+    addr: SocketAddr,
+    deadline: Instant,
+) -> String {
+    const NOT_A_BOOTSTRAP: &str = "torch.distributed or torchrun's store may hold MASTER_PORT; \
+        give the bootstrap its own with ALLREDUCE_BOOTSTRAP_PORT";
+    let deadline = deadline.min(Instant::now() + PROBE_LIMIT);
+    let left = deadline.saturating_duration_since(Instant::now());
+    let attempt = match TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1))) {
+        Ok(stream) => handshake(stream, config, secret, deadline),
+        Err(e) => Err(Attempt::Retry(format!("connecting to it: {e}"))),
+    };
+    match attempt {
+        Err(Attempt::Refused(why)) if why.starts_with("rank 0 given twice") => format!(
+            "rank 0 given twice: this group's rank 0 already listens there, so this process \
+             must not be rank 0 too (two processes with RANK=0?); it answered: {why}"
+        ),
+        Err(Attempt::Refused(why)) => format!(
+            "another allreduce bootstrap group's rank 0 listens there and refused this \
+             process ({why}); give this group its own MASTER_PORT or ALLREDUCE_BOOTSTRAP_PORT"
+        ),
+        Err(Attempt::Foreign(why)) => {
+            format!("the port's holder is not an allreduce bootstrap ({why}): {NOT_A_BOOTSTRAP}")
+        }
+        _ => format!("another process uses this port: {NOT_A_BOOTSTRAP}"),
     }
 }
 
@@ -1073,8 +1231,18 @@ mod tests {
         /// A hand-made rank: connects (retrying), runs the handshake, returns the link before
         /// the group is complete.
         fn raw_join(&self, rank: usize, world: usize) -> std::result::Result<Link, Attempt> {
+            self.raw_join_with(rank, world, &self.secret)
+        }
+
+        /// [`Setup::raw_join`] with the given secret.
+        fn raw_join_with(
+            &self,
+            rank: usize,
+            world: usize,
+            secret: &Secret,
+        ) -> std::result::Result<Link, Attempt> {
             let config = TcpBootstrapConfig::new(rank, world, self.port)
-                .secret(self.secret.clone())
+                .secret(secret.clone())
                 .timeout(self.timeout);
             let deadline = Instant::now() + self.timeout;
             let stream = loop {
@@ -1086,7 +1254,7 @@ mod tests {
                     Err(e) => panic!("rank 0 never listened: {e}"),
                 }
             };
-            handshake(stream, &config, &self.secret, deadline)
+            handshake(stream, &config, secret, deadline)
         }
 
         fn raw_member(&self, rank: usize) -> Link {
@@ -1156,31 +1324,154 @@ mod tests {
         }
     }
 
+    fn refusal(attempt: std::result::Result<Link, Attempt>) -> String {
+        match attempt {
+            Err(Attempt::Refused(why)) => why,
+            Err(Attempt::Retry(why)) => panic!("retry: {why}"),
+            Err(Attempt::Foreign(why)) => panic!("foreign: {why}"),
+            Err(Attempt::Fatal(e)) => panic!("fatal: {e}"),
+            Ok(_) => panic!("admitted"),
+        }
+    }
+
     #[test]
-    fn handshake_refusals_do_not_disturb_the_group() {
+    fn a_refused_rank_stops_the_group_on_every_side_at_once() {
+        let other = Secret::generate().unwrap();
+        type Mistake = fn(&Setup, &Secret) -> std::result::Result<Link, Attempt>;
+        let mistakes: [(Mistake, &str); 5] = [
+            (|s, _| s.raw_join(1, 3), "rank 1 given twice"),
+            (
+                |s, _| s.raw_join(2, 4),
+                "rank 2 has WORLD_SIZE 4, rank 0 has 3",
+            ),
+            (|s, _| s.raw_join(3, 3), "rank 3 is not a rank"),
+            (|s, _| s.raw_join(0, 3), "rank 0 given twice"),
+            (
+                |s, other| s.raw_join_with(2, 3, other),
+                "authentication failed for a connection claiming rank 2 of 3",
+            ),
+        ];
+        for (mistake, why) in mistakes {
+            let s = Setup::new(3);
+            let root = s.spawn(0, |_| Ok(()));
+            // Rank 1 is admitted (the group is not complete yet).
+            let mut first = s.raw_join(1, 3).ok().expect("admitted");
+            let t = Instant::now();
+            // The refused process is told why.
+            let told = refusal(mistake(&s, &other));
+            assert!(told.contains(why), "{told}");
+            // Rank 0 fails at once, naming the process and the reason.
+            let e = root.join().unwrap().unwrap_err();
+            assert!(
+                matches!(&e, Error::Bootstrap { detail }
+                    if detail.contains(why) && detail.contains("cannot form")),
+                "{e}"
+            );
+            // The rank already admitted is told too, not left waiting for the deadline.
+            let e1 = wait_ready(&mut first, 1, Instant::now(), soon()).unwrap_err();
+            assert!(
+                matches!(&e1, Error::Bootstrap { detail } if detail.contains(why)),
+                "{e1}"
+            );
+            assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        }
+    }
+
+    #[test]
+    fn strays_do_not_disturb_the_group() {
         let s = Setup::new(3);
         let root = s.spawn(0, |b| Ok(b.refused_connections().to_vec()));
-        // Rank 1 is admitted (the group is not complete yet).
         let mut first = s.raw_join(1, 3).ok().expect("admitted");
-        let refused = |r: std::result::Result<Link, Attempt>| match r {
-            Err(Attempt::Fatal(e)) => e.to_string(),
-            Err(Attempt::Retry(why)) => panic!("retry: {why}"),
-            Ok(_) => panic!("admitted"),
-        };
-        let dup = refused(s.raw_join(1, 3));
-        assert!(dup.contains("already joined"), "{dup}");
-        let world = refused(s.raw_join(2, 4));
-        assert!(world.contains("WORLD_SIZE 4, rank 0 has 3"), "{world}");
-        let range = refused(s.raw_join(3, 3));
-        assert!(range.contains("rank 3 is not a rank"), "{range}");
-        let zero = refused(s.raw_join(0, 3));
-        assert!(zero.contains("rank 0 is not a rank"), "{zero}");
+        // Another group's process on this port: another secret and a claim that does not fit
+        // this group. Told why, but the group goes on.
+        let other = Secret::generate().unwrap();
+        let told = refusal(s.raw_join_with(2, 5, &other));
+        assert!(told.contains("authentication failed"), "{told}");
+        // Garbage: closed unanswered.
+        let mut garbage = TcpStream::connect(("127.0.0.1", s.port)).unwrap();
+        garbage.write_all(&[0xff; CLIENT_HELLO_LEN]).unwrap();
         // The real rank 2 completes the group.
         let rank2 = s.spawn(2, |b| Ok(b.rank()));
         wait_ready(&mut first, 1, Instant::now(), soon()).unwrap();
         assert_eq!(rank2.join().unwrap().unwrap(), 2);
         let refused = root.join().unwrap().unwrap();
-        assert_eq!(refused.len(), 4, "{refused:?}");
+        assert_eq!(refused.len(), 2, "{refused:?}");
+    }
+
+    #[test]
+    fn a_second_rank_0_learns_that_rank_0_is_taken() {
+        let s = Setup::new(2);
+        let first = s.spawn(0, |_| Ok(()));
+        // Wait until the first rank 0 listens (it greets).
+        let t = Instant::now();
+        while TcpStream::connect(("127.0.0.1", s.port)).is_err() {
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "rank 0 never listened"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let t = Instant::now();
+        let second = TcpBootstrap::new(s.config(0)).unwrap_err().to_string();
+        assert!(second.contains("rank 0 given twice"), "{second}");
+        let first = first.join().unwrap().unwrap_err().to_string();
+        assert!(first.contains("rank 0 given twice"), "{first}");
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    }
+
+    #[test]
+    fn a_rank_0_on_another_groups_port_is_told_so_and_leaves_it_alone() {
+        let s = Setup::new(2);
+        let theirs = s.spawn(0, |b| b.all_gather(b"0"));
+        let t = Instant::now();
+        while TcpStream::connect(("127.0.0.1", s.port)).is_err() {
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "rank 0 never listened"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let mine = TcpBootstrapConfig::new(0, 2, s.port)
+            .secret(Secret::generate().unwrap())
+            .timeout(s.timeout);
+        let e = TcpBootstrap::new(mine).unwrap_err().to_string();
+        assert!(e.contains("another allreduce bootstrap group"), "{e}");
+        // The group that holds the port still forms.
+        let rank1 = s.spawn(1, |b| b.all_gather(b"1"));
+        assert_eq!(
+            rank1.join().unwrap().unwrap(),
+            vec![b"0".to_vec(), b"1".to_vec()]
+        );
+        assert_eq!(theirs.join().unwrap().unwrap().len(), 2);
+    }
+
+    #[test]
+    fn a_rank_0_whose_port_is_held_by_something_else_says_so() {
+        let s = Setup::new(2);
+        let listener = TcpListener::bind(("127.0.0.1", s.port)).unwrap();
+        let other = std::thread::spawn(move || {
+            let (mut c, _) = listener.accept().unwrap();
+            let _ = c.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n".repeat(2).as_slice());
+        });
+        let e = TcpBootstrap::new(s.config(0)).unwrap_err().to_string();
+        assert!(e.contains("not an allreduce bootstrap"), "{e}");
+        assert!(e.contains("ALLREDUCE_BOOTSTRAP_PORT"), "{e}");
+        other.join().unwrap();
+    }
+
+    #[test]
+    fn a_timeout_names_the_connections_refused_meanwhile() {
+        let mut s = Setup::new(2);
+        s.timeout = Duration::from_millis(600);
+        let root = s.spawn(0, |_| Ok(()));
+        let other = Secret::generate().unwrap();
+        let _ = refusal(s.raw_join_with(1, 7, &other));
+        let e = root.join().unwrap().unwrap_err().to_string();
+        assert!(e.contains("waiting for ranks [1]"), "{e}");
+        assert!(
+            e.contains("refused meanwhile") && e.contains("authentication failed"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -411,6 +411,8 @@ pub enum FailCode {
     Mismatch = 2,
     PeerRejected = 3,
     Aborted = 4,
+    /// Rank 0 refused a joining rank while the group assembled, so it cannot form.
+    Refused = 5,
 }
 
 #[derive(Debug)]
@@ -442,6 +444,7 @@ impl Failure {
             2 => FailCode::Mismatch,
             3 => FailCode::PeerRejected,
             4 => FailCode::Aborted,
+            5 => FailCode::Refused,
             _ => return None,
         };
         Some(Failure {

@@ -11,7 +11,7 @@ use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use allreduce_bootstrap::{Secret, TcpBootstrap};
+use allreduce_bootstrap::{Secret, TcpBootstrap, TcpBootstrapConfig};
 use allreduce_core::{Bootstrap, Error};
 
 const CHILD_ENV: &str = "ALLREDUCE_BOOTSTRAP_CHILD";
@@ -20,6 +20,10 @@ const SCENARIO_ENV: &str = "ALLREDUCE_BOOTSTRAP_SCENARIO";
 const FAILED: i32 = 3;
 /// Longest any child may run before the test calls it hung and kills it.
 const HANG_LIMIT: Duration = Duration::from_secs(20);
+/// The rank the parent kills in the `killed_while_waiting` scenario.
+const VICTIM_ENV: &str = "ALLREDUCE_BOOTSTRAP_VICTIM";
+/// Where the survivors of a killed rank meet again (a new rendezvous, ranks renumbered).
+const REBUILD_PORT_ENV: &str = "ALLREDUCE_BOOTSTRAP_REBUILD_PORT";
 
 // ------------------------------------------------------------------------------------------
 // The child side.
@@ -125,6 +129,46 @@ fn run_scenario(scenario: &str) -> Result<String, Error> {
             }
             boot.all_gather(b"hello")?;
             panic!("all_gather succeeded without the last rank")
+        }
+        "killed_while_waiting" => {
+            // Everyone has joined and made one call; then the victim says so and waits to be
+            // killed (SIGKILL: no goodbye on its sockets beyond what the kernel sends), while
+            // the others enter the next collective and wait for its part.
+            boot.all_gather(b"joined")?;
+            let victim: usize = std::env::var(VICTIM_ENV).unwrap().parse().unwrap();
+            if rank == victim {
+                println!("VICTIM-READY");
+                std::io::stdout().flush().unwrap();
+                std::thread::sleep(HANG_LIMIT);
+                panic!("the victim was not killed");
+            }
+            let err = match boot.all_gather(b"after") {
+                Ok(_) => panic!("all_gather succeeded with rank {victim} killed"),
+                Err(e) => e,
+            };
+            // Wall-clock milliseconds, so the parent can measure from the moment it killed.
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_millis();
+            println!("KILLED-ERR {now} {err}");
+            // The survivors build a new group in the same processes, as a serving process
+            // would after losing a peer, and it works.
+            let port: u16 = std::env::var(REBUILD_PORT_ENV).unwrap().parse().unwrap();
+            let secret = Secret::from_hex(&std::env::var("ALLREDUCE_BOOTSTRAP_SECRET").unwrap())?;
+            let new_rank = rank - usize::from(rank > victim);
+            let mut again = TcpBootstrap::new(
+                TcpBootstrapConfig::new(new_rank, world - 1, port)
+                    .secret(secret)
+                    .timeout(Duration::from_secs(10)),
+            )?;
+            let got = again.all_gather(&message(new_rank, 7))?;
+            let want: Vec<Vec<u8>> = (0..world - 1).map(|r| message(r, 7)).collect();
+            assert_eq!(got, want, "the rebuilt group's all_gather");
+            Ok(format!(
+                "rank {rank} rebuilt as rank {new_rank} of {}",
+                world - 1
+            ))
         }
         other => panic!("unknown scenario {other}"),
     }
@@ -352,34 +396,67 @@ fn refusals(rank0: &Finished) -> Vec<&str> {
         .collect()
 }
 
+/// How soon every side of a refused join must fail: far below the groups' deadline below, so
+/// a side that waits it out fails the test.
+const FAST_MS: u64 = 3000;
+const LONG_DEADLINE: Duration = Duration::from_secs(15);
+
+/// Every rank failed cleanly with `needle` in its error, within [`FAST_MS`].
+fn all_fail_fast_with(done: &[Finished], needle: &str) {
+    for f in done {
+        f.assert_failed_with(needle);
+        assert!(
+            f.error_ms() < FAST_MS,
+            "rank {} took {} ms: {f:#?}",
+            f.rank,
+            f.error_ms()
+        );
+    }
+}
+
 #[test]
-fn wrong_secret_is_refused_and_the_group_completes() {
-    let group = Group::new(3, "collectives", Duration::from_secs(15));
+fn a_rank_with_another_secret_fails_every_side_fast() {
+    let group = Group::new(2, "collectives", LONG_DEADLINE);
     let rank0 = group.spawn(0);
-    // An impostor claiming rank 1 with another secret: refused with a clear reason (it exits
-    // at once rather than retrying), and rank 1's place stays free.
-    let impostor = finish(group.spawn_with(1, |c| {
+    // A stale secret on rank 1: refused with the reason, and rank 0 cannot form the group.
+    let rank1 = group.spawn_with(1, |c| {
         c.env(
             "ALLREDUCE_BOOTSTRAP_SECRET",
             Secret::generate().unwrap().to_hex(),
         );
-    }));
-    impostor.assert_failed_with("authentication failed");
-    assert!(
-        impostor.elapsed < Duration::from_secs(10),
-        "{:?}",
-        impostor.elapsed
-    );
-    let mut done = finish_all(group.spawn_all([1, 2]));
-    done.insert(0, finish(rank0));
-    for f in &done {
-        f.assert_ok();
-    }
-    let refused = refusals(&done[0]);
-    assert!(
-        refused.iter().any(|l| l.contains("authentication failed")),
-        "{refused:?}"
-    );
+    });
+    let done = finish_all(vec![rank0, rank1]);
+    all_fail_fast_with(&done, "authentication failed");
+    done[0].assert_failed_with("cannot form");
+}
+
+#[test]
+fn ranks_that_disagree_on_world_size_fail_every_side_fast() {
+    let group = Group::new(2, "collectives", LONG_DEADLINE);
+    let running = vec![
+        group.spawn(0),
+        group.spawn_with(1, |c| {
+            c.env("WORLD_SIZE", "3");
+        }),
+    ];
+    let done = finish_all(running);
+    all_fail_fast_with(&done, "rank 1 has WORLD_SIZE 3, rank 0 has 2");
+}
+
+#[test]
+fn rank_0_given_twice_fails_both_fast() {
+    let group = Group::new(2, "collectives", LONG_DEADLINE);
+    let done = finish_all(vec![group.spawn(0), group.spawn(0)]);
+    all_fail_fast_with(&done, "rank 0 given twice");
+}
+
+#[test]
+fn a_rank_given_twice_fails_every_side_fast() {
+    // Rank 2 is missing and rank 1 comes twice, as with a launcher's off-by-one. Whichever rank
+    // 1 is admitted first is told by rank 0; the other is refused.
+    let group = Group::new(3, "collectives", LONG_DEADLINE);
+    let done = finish_all(group.spawn_all([0, 1, 1]));
+    all_fail_fast_with(&done, "rank 1 given twice");
 }
 
 /// Connects to rank 0's port, retrying until it listens.
@@ -422,7 +499,10 @@ fn stray_connections_are_refused_and_the_group_completes() {
     hello[..4].copy_from_slice(b"ARBC");
     hello[4] = 1; // version 1
     hello[8] = 1; // rank 1
-    hello[12] = 3; // world 3
+
+    // Of a group of 9: a claim that does not fit this group is taken for another group's
+    // process on the port, which does not stop this one.
+    hello[12] = 9;
     forger.write_all(&hello).unwrap();
     let mut reply = Vec::new();
     forger.read_to_end(&mut reply).unwrap();
@@ -481,6 +561,11 @@ fn a_rank_that_never_arrives_times_out_everywhere() {
         );
     }
     assert!(done[0].stdout.contains("[2]"), "{:#?}", done[0]);
+    assert!(
+        done[0].stdout.contains("same MASTER_ADDR and MASTER_PORT"),
+        "{:#?}",
+        done[0]
+    );
     eprintln!("timeout reported after {:?}", t.elapsed());
 }
 
@@ -521,6 +606,91 @@ fn a_rank_that_leaves_fails_the_others_fast() {
         f.assert_failed_with("rank 3");
         assert!(f.elapsed < Duration::from_secs(8), "{f:#?}");
     }
+}
+
+/// A rank killed with SIGKILL while the others wait in a collective: every survivor fails
+/// within the deadline (at once, in fact: the kernel closes the dead process's sockets), its
+/// error names the dead rank, and the survivors build a new group that works. Rank 0 is the
+/// hub of the star, so both cases: a member killed, and rank 0 killed.
+fn killed_while_waiting(world: usize, victim: usize) {
+    let timeout = Duration::from_secs(10);
+    let group = Group::new(world, "killed_while_waiting", timeout);
+    let rebuild = free_port().to_string();
+    let mut running: Vec<Running> = (0..world)
+        .map(|r| {
+            group.spawn_with(r, |c| {
+                c.env(VICTIM_ENV, victim.to_string())
+                    .env(REBUILD_PORT_ENV, &rebuild);
+            })
+        })
+        .collect();
+    let mut v = running.remove(victim);
+    let mut out = std::io::BufReader::new(v.child.stdout.take().unwrap());
+    let mut line = String::new();
+    loop {
+        line.clear();
+        let n = std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+        assert!(
+            n > 0,
+            "rank {victim} ended before it was ready: {:?}",
+            v.child.wait()
+        );
+        if line.starts_with("VICTIM-READY") {
+            break;
+        }
+    }
+    // Give the survivors time to enter the collective (one that arrives later fails the same
+    // way: the dead rank's connection is gone either way).
+    std::thread::sleep(Duration::from_millis(300));
+    let killed_at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis();
+    v.child.kill().unwrap(); // SIGKILL
+    let status = v.child.wait().unwrap();
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(9),
+        "{status:?}"
+    );
+    let named = format!("rank {victim}");
+    for f in finish_all(running) {
+        f.assert_ok();
+        let line = f
+            .stdout
+            .lines()
+            .find(|l| l.starts_with("KILLED-ERR "))
+            .unwrap_or_else(|| panic!("no error line: {f:#?}"));
+        let mut words = line.splitn(3, ' ');
+        let at: u128 = words.nth(1).unwrap().parse().unwrap();
+        let err = words.next().unwrap();
+        let after = at.saturating_sub(killed_at);
+        assert!(
+            after <= timeout.as_millis() + SLACK_MS as u128,
+            "rank {} failed {after} ms after the kill: {err}",
+            f.rank
+        );
+        // "rank 2" but not "rank 20": the error names the dead rank itself.
+        let names = err
+            .match_indices(&named)
+            .any(|(i, _)| !err[i + named.len()..].starts_with(|c: char| c.is_ascii_digit()));
+        assert!(
+            names,
+            "rank {}'s error does not name {named}: {err}",
+            f.rank
+        );
+        eprintln!("rank {}: {after} ms after the kill: {err}", f.rank);
+    }
+}
+
+#[test]
+fn a_member_killed_while_the_others_wait_is_named_and_the_survivors_regroup() {
+    killed_while_waiting(4, 2);
+}
+
+#[test]
+fn rank_0_killed_while_the_others_wait_is_named_and_the_survivors_regroup() {
+    killed_while_waiting(3, 0);
 }
 
 #[test]

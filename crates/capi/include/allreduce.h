@@ -12,6 +12,12 @@
 // from another header.
 #define AR_VERSION_CODE 100
 
+// The deadline of every wait for a peer, in milliseconds, where `ar_config_t.timeout_ms` is
+// 0 or no config is given: the library's one default (Rust's `allreduce::DEFAULT_TIMEOUT`,
+// Python's `timeout=None`, the bench's and the bootstrap's). A rank that never calls makes
+// its peers fail with `AR_TIMEOUT`, naming it, this long after they called.
+#define AR_DEFAULT_TIMEOUT_MS 60000
+
 // Bytes in an `ar_unique_id_t` (NCCL's `NCCL_UNIQUE_ID_BYTES`).
 #define AR_UNIQUE_ID_BYTES 128
 
@@ -185,7 +191,7 @@ typedef struct {
   size_t size;
   // Largest call in bytes per rank; sizes each rank's workspace. 0: 64 MiB.
   size_t max_bytes;
-  // Deadline of every wait for a peer, in milliseconds. 0: 10 s.
+  // Deadline of every wait for a peer, in milliseconds. 0: `AR_DEFAULT_TIMEOUT_MS` (60 s).
   uint32_t timeout_ms;
 } ar_config_t;
 
@@ -288,6 +294,28 @@ ar_result_t ar_all_reduce(const void *sendbuff,
                           ar_comm_t comm,
                           void *stream);
 
+// Refuse this rank's part of the group's next `ar_all_reduce` for a reason the caller found
+// itself, before it could make the call: a language binding's own checks (an object that is
+// no array, a strided view, an option name it does not know). The peers' matching call
+// returns `AR_PEER_REJECTED` at once, its message carrying `message`, as it does for the
+// arguments `ar_all_reduce` refuses itself; the group stays usable. Call it where this rank
+// would have called `ar_all_reduce`, on that call's `stream`. On the GPU backends the peers
+// learn that the call was refused, but not the message: their wait runs on the device.
+//
+// `code` says what kind of refusal it is and must be one of the codes of a refused argument:
+// `AR_LENGTH_MISMATCH`, `AR_DTYPE_MISMATCH`, `AR_TOO_LARGE`, `AR_MISALIGNED`,
+// `AR_WRONG_DEVICE`, `AR_UNSUPPORTED_CODEC`, `AR_STRATEGY_UNAVAILABLE`,
+// `AR_WORKSPACE_EXCEEDED` or `AR_INVALID_ARGUMENT`. `message` is NULL (the code's
+// description is sent) or a NUL-terminated string (UTF-8; other bytes are replaced).
+// Returns `AR_SUCCESS` once the refusal is delivered (host) or enqueued (GPU); another
+// `code`, or an invalid `comm`, is `AR_INVALID_USAGE` and reaches no peer.
+//
+// Thread safety: as `ar_all_reduce`, whose place in the sequence of calls it takes.
+//
+// # Safety
+// `message` is NULL or points to a NUL-terminated string.
+ar_result_t ar_reject(ar_comm_t comm, int code, const char *message, void *stream);
+
 // Build every rank of a group in this process (NCCL's `ncclCommInitAll`): `comms[r]`
 // receives rank r's handle, for r in 0..nranks. `devlist[r]` is rank r's device ordinal;
 // NULL means devices 0..nranks-1, as in NCCL, and a device may repeat (several ranks on one
@@ -313,9 +341,12 @@ ar_result_t ar_comm_init_all(ar_comm_t *comms,
 // `ncclCommInitRank`): every process of the group calls it at about the same time with the
 // same `nranks` and `id` (from `ar_get_unique_id` on one of them) and its own `rank`, and
 // it returns once all have joined (or fails at the rendezvous deadline,
-// `ALLREDUCE_BOOTSTRAP_TIMEOUT_S` seconds, 60 by default). `device` is this process's GPU
-// ordinal. GPU backends only: the host backend's ranks are threads of
-// one process (`ar_comm_init_all`), so it returns `AR_INVALID_CONFIG` once the group met.
+// `ALLREDUCE_BOOTSTRAP_TIMEOUT_S` seconds, 60 by default). A rank that rank 0 refuses
+// (another `nranks` or id, a `rank` given twice) fails at once with `AR_BOOTSTRAP_ERROR` and
+// the reason, and so do rank 0 and every rank that has joined: the group cannot form.
+// `device` is this process's GPU ordinal. GPU backends only: the host backend's ranks are
+// threads of one process (`ar_comm_init_all`), so it returns `AR_INVALID_CONFIG` once the
+// group met.
 //
 // Thread-safe; blocks for the rendezvous.
 //
@@ -335,8 +366,10 @@ ar_result_t ar_comm_init_rank(ar_comm_t *comm,
 // the same in every process), and optionally `ALLREDUCE_BOOTSTRAP_TIMEOUT_S` (the
 // rendezvous deadline, 60 s by default), `ALLREDUCE_BOOTSTRAP_PORT` (instead of
 // `MASTER_PORT`) and `ALLREDUCE_BOOTSTRAP_ALLOW_REMOTE=1` (on every rank, for a group across
-// hosts). `device` < 0 takes `LOCAL_RANK` (0 if unset). Otherwise as `ar_comm_init_rank`; a
-// missing or malformed variable is `AR_INVALID_CONFIG` naming it.
+// hosts). `device` < 0 takes `LOCAL_RANK` (0 if unset). Otherwise as `ar_comm_init_rank`
+// (launch mistakes rank 0 refuses, such as two processes with `RANK=0`, are
+// `AR_BOOTSTRAP_ERROR` with the reason at once); a missing or malformed variable is
+// `AR_INVALID_CONFIG` naming it.
 //
 // Thread-safe; blocks for the rendezvous.
 //
@@ -459,9 +492,12 @@ ar_result_t ar_fused_workspace_destroy(ar_fused_workspace_t workspace);
 // The fused call on this rank (FlashInfer's `allreduce_fusion`): `allreduce_out = sum over
 // ranks of input`, then by pattern `residual_out = allreduce_out + residual_in`, `norm_out
 // = RMSNorm(residual_out) * gamma`, and FP8 codes of `norm_out`. `workspace` is this rank's
-// (from the same group as `comm`), `stream` as in `ar_all_reduce`. Arguments the workspace
-// cannot take are refused before anything is enqueued; unlike `ar_all_reduce`, the peers
-// are not told (they wait until the deadline), as with the facade's fused call.
+// (from the same group as `comm`), `stream` as in `ar_all_reduce`. Arguments this library
+// or the workspace cannot take are refused before anything is enqueued, and, as with
+// `ar_all_reduce`, the peers are told: their matching fused call fails with
+// `AR_PEER_REJECTED` (at once on the host, at their next `ar_comm_synchronize` on a GPU)
+// instead of waiting out the deadline, and the group and the workspace stay usable. A
+// workspace of another rank or group is refused without telling anyone.
 //
 // Thread safety: as `ar_all_reduce`.
 //
@@ -472,6 +508,23 @@ ar_result_t ar_all_reduce_fused(const ar_fused_args_t *args,
                                 ar_fused_workspace_t workspace,
                                 ar_comm_t comm,
                                 void *stream);
+
+// Refuse this rank's part of the group's next fused call on `workspace` for `reason` (a
+// binding's own argument checks, made before it could call `ar_all_reduce_fused`): every
+// peer's matching fused call fails with `AR_PEER_REJECTED` carrying `reason` (at once on
+// the host, at its next `ar_comm_synchronize` on a GPU) instead of waiting out the
+// deadline, and the group and the workspace stay usable. Call it where this rank would have
+// called `ar_all_reduce_fused`, on that call's stream. `reason` is NULL (an unnamed
+// refusal) or a NUL-terminated string.
+//
+// Thread safety: as `ar_all_reduce_fused`.
+//
+// # Safety
+// `reason` is NULL or a NUL-terminated string.
+ar_result_t ar_fused_reject(const char *reason,
+                            ar_fused_workspace_t workspace,
+                            ar_comm_t comm,
+                            void *stream);
 
 // Register memory the caller has, so that out-of-place exact one-shot and two-shot calls
 // whose input lies in it read every rank's input in place (no staging copy): `ptrs[i]` is

@@ -87,6 +87,13 @@ pub enum ar_backend_t {
     AR_BACKEND_ROCM = 2,
 }
 
+/// The deadline of every wait for a peer, in milliseconds, where `ar_config_t.timeout_ms` is
+/// 0 or no config is given: the library's one default (Rust's `allreduce::DEFAULT_TIMEOUT`,
+/// Python's `timeout=None`, the bench's and the bootstrap's). A rank that never calls makes
+/// its peers fail with `AR_TIMEOUT`, naming it, this long after they called.
+pub const AR_DEFAULT_TIMEOUT_MS: u32 = 60_000;
+const _: () = assert!(AR_DEFAULT_TIMEOUT_MS as u128 == allreduce::DEFAULT_TIMEOUT.as_millis());
+
 /// Group options for the init functions. Zero-initialise it, set `size` to
 /// `sizeof(ar_config_t)` and change only the fields you need: a zero field keeps the
 /// library's default. Passing NULL instead of a config means every default.
@@ -97,7 +104,7 @@ pub struct ar_config_t {
     pub size: usize,
     /// Largest call in bytes per rank; sizes each rank's workspace. 0: 64 MiB.
     pub max_bytes: usize,
-    /// Deadline of every wait for a peer, in milliseconds. 0: 10 s.
+    /// Deadline of every wait for a peer, in milliseconds. 0: `AR_DEFAULT_TIMEOUT_MS` (60 s).
     pub timeout_ms: u32,
 }
 

@@ -128,6 +128,24 @@ impl ar_result_t {
         }
     }
 
+    /// Whether the code is one of a call refused for its arguments, which `ar_reject` takes:
+    /// the `Error` kinds that are rejections, less the two about the group (`AR_RANK_MISMATCH`,
+    /// `AR_PEER_REJECTED`), which no rank reports about its own arguments.
+    pub fn is_argument_refusal(self) -> bool {
+        matches!(
+            self,
+            AR_LENGTH_MISMATCH
+                | AR_DTYPE_MISMATCH
+                | AR_TOO_LARGE
+                | AR_MISALIGNED
+                | AR_WRONG_DEVICE
+                | AR_UNSUPPORTED_CODEC
+                | AR_STRATEGY_UNAVAILABLE
+                | AR_WORKSPACE_EXCEEDED
+                | AR_INVALID_ARGUMENT
+        )
+    }
+
     /// The code whose value is `code`, if any.
     pub fn from_raw(code: c_int) -> Option<ar_result_t> {
         usize::try_from(code).ok().and_then(|i| ALL.get(i).copied())
@@ -184,6 +202,21 @@ mod tests {
         let want: Vec<ar_result_t> = ALL[1..=codes.len()].to_vec();
         assert_eq!(codes, want);
         assert_eq!(ALL[codes.len() + 1], AR_INVALID_USAGE);
+    }
+
+    #[test]
+    fn argument_refusals_are_the_rejections_less_the_group_ones() {
+        for e in Error::one_of_each() {
+            let code = ar_result_t::of(&e);
+            let about_the_group = matches!(code, AR_RANK_MISMATCH | AR_PEER_REJECTED);
+            assert_eq!(
+                code.is_argument_refusal(),
+                e.is_rejection() && !about_the_group,
+                "{code:?}"
+            );
+        }
+        assert!(!AR_INVALID_USAGE.is_argument_refusal());
+        assert!(!AR_SUCCESS.is_argument_refusal());
     }
 
     #[test]

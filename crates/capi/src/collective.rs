@@ -1,6 +1,6 @@
-//! The all-reduce call.
+//! The all-reduce call, and the refusal of one a binding makes for its own reasons.
 
-use std::ffi::{c_int, c_void};
+use std::ffi::{c_char, c_int, c_void, CStr};
 
 use allreduce::{AllReduceOptions, BufMut, BufRef, Communicator, DType, Error, Stream};
 
@@ -71,13 +71,77 @@ pub unsafe extern "C" fn ar_all_reduce(
             Ok((dtype, options))
         })();
         let (dtype, options) = checked.inspect_err(|error| {
-            // The facade never saw this call, so tell the peers as it would have.
-            comm.reject(error, stream);
+            // The facade never saw this call, so tell the peers as it would have (through the
+            // push protocol where the call named the push one-shot).
+            match args::strategy(strategy) {
+                Ok(s) => comm.reject_call(error, stream, s),
+                Err(_) => comm.reject(error, stream),
+            }
         })?;
         // SAFETY: the caller's promise: `count` elements of `dtype` on this rank's device,
         // valid until the call's work has completed. The facade checks alignment, size and
         // overlap before anything touches them.
         unsafe { enqueue(comm, sendbuff, recvbuff, count, dtype, &options) }
+    })
+}
+
+/// Refuse this rank's part of the group's next `ar_all_reduce` for a reason the caller found
+/// itself, before it could make the call: a language binding's own checks (an object that is
+/// no array, a strided view, an option name it does not know). The peers' matching call
+/// returns `AR_PEER_REJECTED` at once, its message carrying `message`, as it does for the
+/// arguments `ar_all_reduce` refuses itself; the group stays usable. Call it where this rank
+/// would have called `ar_all_reduce`, on that call's `stream`. On the GPU backends the peers
+/// learn that the call was refused, but not the message: their wait runs on the device.
+///
+/// `code` says what kind of refusal it is and must be one of the codes of a refused argument:
+/// `AR_LENGTH_MISMATCH`, `AR_DTYPE_MISMATCH`, `AR_TOO_LARGE`, `AR_MISALIGNED`,
+/// `AR_WRONG_DEVICE`, `AR_UNSUPPORTED_CODEC`, `AR_STRATEGY_UNAVAILABLE`,
+/// `AR_WORKSPACE_EXCEEDED` or `AR_INVALID_ARGUMENT`. `message` is NULL (the code's
+/// description is sent) or a NUL-terminated string (UTF-8; other bytes are replaced).
+/// Returns `AR_SUCCESS` once the refusal is delivered (host) or enqueued (GPU); another
+/// `code`, or an invalid `comm`, is `AR_INVALID_USAGE` and reaches no peer.
+///
+/// Thread safety: as `ar_all_reduce`, whose place in the sequence of calls it takes.
+///
+/// # Safety
+/// `message` is NULL or points to a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn ar_reject(
+    comm: ar_comm_t,
+    code: c_int,
+    message: *const c_char,
+    stream: *mut c_void,
+) -> ar_result_t {
+    call::run(|| {
+        let found = handle::comm(comm)?;
+        let kind = ar_result_t::from_raw(code)
+            .filter(|c| c.is_argument_refusal())
+            .ok_or_else(|| {
+                Failure::usage(format!(
+                    "code {code} is not the code of a refused argument (AR_LENGTH_MISMATCH to \
+                     AR_STRATEGY_UNAVAILABLE, AR_WORKSPACE_EXCEEDED or AR_INVALID_ARGUMENT)"
+                ))
+            })?;
+        let text = if message.is_null() {
+            None
+        } else {
+            // SAFETY: the caller's promise: a NUL-terminated string.
+            Some(unsafe { CStr::from_ptr(message) }.to_string_lossy())
+        };
+        let reason = refusal(kind, text.as_deref());
+        found.comm().reject(&reason, Stream::from_raw(stream));
+        Ok(())
+    })
+}
+
+/// The error the peers are told of for `ar_reject`: the caller's message, named by its kind
+/// unless that is the generic `AR_INVALID_ARGUMENT` (whose text already says so).
+fn refusal(kind: ar_result_t, message: Option<&str>) -> Error {
+    let description = kind.description().to_string_lossy();
+    Error::InvalidArgument(match message.filter(|m| !m.trim().is_empty()) {
+        None => description.into_owned(),
+        Some(m) if kind == ar_result_t::AR_INVALID_ARGUMENT => m.to_string(),
+        Some(m) => format!("{description}: {m}"),
     })
 }
 
@@ -104,4 +168,28 @@ unsafe fn enqueue(
         comm.all_reduce(input, output, options)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refusal_carries_the_callers_message_and_names_its_kind() {
+        use ar_result_t::*;
+        let text = |kind, m| refusal(kind, m).to_string();
+        assert_eq!(
+            text(AR_INVALID_ARGUMENT, Some("x is a list")),
+            "invalid argument: x is a list"
+        );
+        assert_eq!(
+            text(AR_DTYPE_MISMATCH, Some("x is float32, out is float16")),
+            "invalid argument: input and output dtypes differ: x is float32, out is float16"
+        );
+        assert_eq!(
+            text(AR_MISALIGNED, None),
+            "invalid argument: buffer address not aligned"
+        );
+        assert_eq!(text(AR_MISALIGNED, Some(" ")), text(AR_MISALIGNED, None));
+    }
 }

@@ -96,9 +96,12 @@ pub unsafe extern "C" fn ar_comm_init_all(
 /// `ncclCommInitRank`): every process of the group calls it at about the same time with the
 /// same `nranks` and `id` (from `ar_get_unique_id` on one of them) and its own `rank`, and
 /// it returns once all have joined (or fails at the rendezvous deadline,
-/// `ALLREDUCE_BOOTSTRAP_TIMEOUT_S` seconds, 60 by default). `device` is this process's GPU
-/// ordinal. GPU backends only: the host backend's ranks are threads of
-/// one process (`ar_comm_init_all`), so it returns `AR_INVALID_CONFIG` once the group met.
+/// `ALLREDUCE_BOOTSTRAP_TIMEOUT_S` seconds, 60 by default). A rank that rank 0 refuses
+/// (another `nranks` or id, a `rank` given twice) fails at once with `AR_BOOTSTRAP_ERROR` and
+/// the reason, and so do rank 0 and every rank that has joined: the group cannot form.
+/// `device` is this process's GPU ordinal. GPU backends only: the host backend's ranks are
+/// threads of one process (`ar_comm_init_all`), so it returns `AR_INVALID_CONFIG` once the
+/// group met.
 ///
 /// Thread-safe; blocks for the rendezvous.
 ///
@@ -138,8 +141,10 @@ pub unsafe extern "C" fn ar_comm_init_rank(
 /// the same in every process), and optionally `ALLREDUCE_BOOTSTRAP_TIMEOUT_S` (the
 /// rendezvous deadline, 60 s by default), `ALLREDUCE_BOOTSTRAP_PORT` (instead of
 /// `MASTER_PORT`) and `ALLREDUCE_BOOTSTRAP_ALLOW_REMOTE=1` (on every rank, for a group across
-/// hosts). `device` < 0 takes `LOCAL_RANK` (0 if unset). Otherwise as `ar_comm_init_rank`; a
-/// missing or malformed variable is `AR_INVALID_CONFIG` naming it.
+/// hosts). `device` < 0 takes `LOCAL_RANK` (0 if unset). Otherwise as `ar_comm_init_rank`
+/// (launch mistakes rank 0 refuses, such as two processes with `RANK=0`, are
+/// `AR_BOOTSTRAP_ERROR` with the reason at once); a missing or malformed variable is
+/// `AR_INVALID_CONFIG` naming it.
 ///
 /// Thread-safe; blocks for the rendezvous.
 ///

@@ -2,7 +2,7 @@
 //! group (FlashInfer's `trtllm_create_ipc_workspace_for_all_reduce_fusion`) and the call
 //! (FlashInfer's `allreduce_fusion`).
 
-use std::ffi::{c_int, c_void};
+use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::Arc;
 
 use allreduce::{
@@ -153,9 +153,12 @@ pub extern "C" fn ar_fused_workspace_destroy(workspace: ar_fused_workspace_t) ->
 /// The fused call on this rank (FlashInfer's `allreduce_fusion`): `allreduce_out = sum over
 /// ranks of input`, then by pattern `residual_out = allreduce_out + residual_in`, `norm_out
 /// = RMSNorm(residual_out) * gamma`, and FP8 codes of `norm_out`. `workspace` is this rank's
-/// (from the same group as `comm`), `stream` as in `ar_all_reduce`. Arguments the workspace
-/// cannot take are refused before anything is enqueued; unlike `ar_all_reduce`, the peers
-/// are not told (they wait until the deadline), as with the facade's fused call.
+/// (from the same group as `comm`), `stream` as in `ar_all_reduce`. Arguments this library
+/// or the workspace cannot take are refused before anything is enqueued, and, as with
+/// `ar_all_reduce`, the peers are told: their matching fused call fails with
+/// `AR_PEER_REJECTED` (at once on the host, at their next `ar_comm_synchronize` on a GPU)
+/// instead of waiting out the deadline, and the group and the workspace stay usable. A
+/// workspace of another rank or group is refused without telling anyone.
 ///
 /// Thread safety: as `ar_all_reduce`.
 ///
@@ -180,61 +183,146 @@ pub unsafe extern "C" fn ar_all_reduce_fused(
             ))
             .into());
         }
-        if args.is_null() {
-            return Err(Failure::usage("args is null"));
-        }
-        // SAFETY: non-null; the caller promises the leading `size` is readable.
-        let size = unsafe { std::ptr::addr_of!((*args).size).read_unaligned() };
-        if size != std::mem::size_of::<ar_fused_args_t>() {
-            return Err(Failure::usage(format!(
-                "ar_fused_args_t.size is {size}, this library's sizeof(ar_fused_args_t) is {}",
-                std::mem::size_of::<ar_fused_args_t>()
-            )));
-        }
-        // SAFETY: the caller's struct has this library's size and layout.
-        let a = unsafe { args.read_unaligned() };
-        let pattern = pattern(a.pattern)?;
-        let strategy = args::strategy(a.strategy)?;
-        let meta = ws.workspace.metadata();
-        let views = Views {
-            device: found.comm().device(),
-            dtype: meta.dtype,
-            rows: a.tokens.checked_mul(meta.hidden).ok_or_else(|| {
-                Error::InvalidArgument(format!("tokens {} x hidden overflows", a.tokens))
-            })?,
-        };
-        if a.input.is_null() && views.rows > 0 {
-            return Err(Error::InvalidArgument("input is null".into()).into());
-        }
-        // SAFETY (every view below): the caller promises each non-null buffer holds the
-        // documented size on this rank's device until the call's work has completed; the
-        // facade checks sizes against the workspace, alignment and overlaps first.
-        let mut call = unsafe {
-            FusedArgs::new(
-                pattern,
-                a.tokens,
-                views.read(a.input, views.rows, views.dtype),
-            )
-        };
-        call.strategy = strategy;
-        call.stream = Stream::from_raw(stream);
-        call.eps = a.eps;
-        call.weight_bias = a.weight_bias;
-        // SAFETY: as above.
-        unsafe {
-            call.allreduce_out = views.write(a.allreduce_out, views.rows, views.dtype);
-            call.residual_in = views.maybe_read(a.residual_in, views.rows, views.dtype);
-            call.residual_out = views.write(a.residual_out, views.rows, views.dtype);
-            call.gamma = views.maybe_read(a.gamma, meta.hidden, views.dtype);
-            call.norm_out = views.write(a.norm_out, views.rows, views.dtype);
-            call.scale_out = views.write(a.scale_out, a.tokens, DType::F32);
-            call.scale_in = views.maybe_read(a.scale_in, 1, DType::F32);
-            call.quant_out = (!a.quant_out.is_null())
-                .then(|| Fp8BufMut::from_raw(a.quant_out as usize, views.rows, views.device));
-        }
+        let stream = Stream::from_raw(stream);
+        // SAFETY: the caller's promise, passed on.
+        let checked = unsafe { build(args, &ws.workspace, found.comm().device(), stream) };
+        let call = checked.map_err(|(failure, reason)| {
+            // The facade never saw this call, so tell the peers as it would have.
+            let _ = found.comm().reject_fused(&ws.workspace, &reason, stream);
+            failure
+        })?;
         found.comm().all_reduce_fused(&ws.workspace, call)?;
         Ok(())
     })
+}
+
+/// Refuse this rank's part of the group's next fused call on `workspace` for `reason` (a
+/// binding's own argument checks, made before it could call `ar_all_reduce_fused`): every
+/// peer's matching fused call fails with `AR_PEER_REJECTED` carrying `reason` (at once on
+/// the host, at its next `ar_comm_synchronize` on a GPU) instead of waiting out the
+/// deadline, and the group and the workspace stay usable. Call it where this rank would have
+/// called `ar_all_reduce_fused`, on that call's stream. `reason` is NULL (an unnamed
+/// refusal) or a NUL-terminated string.
+///
+/// Thread safety: as `ar_all_reduce_fused`.
+///
+/// # Safety
+/// `reason` is NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn ar_fused_reject(
+    reason: *const c_char,
+    workspace: ar_fused_workspace_t,
+    comm: ar_comm_t,
+    stream: *mut c_void,
+) -> ar_result_t {
+    call::run(|| {
+        let found = handle::comm(comm)?;
+        let ws = handle::workspace(workspace)?;
+        if !Arc::ptr_eq(&found.group, &ws.group) || found.index != ws.rank {
+            return Err(Error::InvalidArgument(format!(
+                "the workspace is rank {}'s of another group or rank than comm (rank {})",
+                ws.rank,
+                found.comm().rank()
+            ))
+            .into());
+        }
+        let text = if reason.is_null() {
+            "the caller refused its arguments".to_string()
+        } else {
+            // SAFETY: the caller's promise.
+            unsafe { CStr::from_ptr(reason) }
+                .to_string_lossy()
+                .into_owned()
+        };
+        found.comm().reject_fused(
+            &ws.workspace,
+            &Error::InvalidArgument(text),
+            Stream::from_raw(stream),
+        )?;
+        Ok(())
+    })
+}
+
+/// A refusal by this library's own checks: the C result, and the reason the peers get.
+type Refusal = (Failure, Error);
+
+fn refused(e: Error) -> Refusal {
+    (e.clone().into(), e)
+}
+
+fn usage(message: String) -> Refusal {
+    (
+        Failure::usage(message.clone()),
+        Error::InvalidArgument(message),
+    )
+}
+
+/// The facade's arguments from the caller's struct, or why there are none.
+///
+/// # Safety
+/// As `ar_all_reduce_fused`'s `args`.
+unsafe fn build<'a>(
+    args: *const ar_fused_args_t,
+    ws: &FusedWorkspace,
+    device: Device,
+    stream: Stream,
+) -> Result<FusedArgs<'a>, Refusal> {
+    if args.is_null() {
+        return Err(usage("args is null".into()));
+    }
+    // SAFETY: non-null; the caller promises the leading `size` is readable.
+    let size = unsafe { std::ptr::addr_of!((*args).size).read_unaligned() };
+    if size != std::mem::size_of::<ar_fused_args_t>() {
+        return Err(usage(format!(
+            "ar_fused_args_t.size is {size}, this library's sizeof(ar_fused_args_t) is {}",
+            std::mem::size_of::<ar_fused_args_t>()
+        )));
+    }
+    // SAFETY: the caller's struct has this library's size and layout.
+    let a = unsafe { args.read_unaligned() };
+    let pattern = pattern(a.pattern).map_err(refused)?;
+    let strategy = args::strategy(a.strategy).map_err(refused)?;
+    let meta = ws.metadata();
+    let views = Views {
+        device,
+        dtype: meta.dtype,
+        rows: a.tokens.checked_mul(meta.hidden).ok_or_else(|| {
+            refused(Error::InvalidArgument(format!(
+                "tokens {} x hidden overflows",
+                a.tokens
+            )))
+        })?,
+    };
+    if a.input.is_null() && views.rows > 0 {
+        return Err(refused(Error::InvalidArgument("input is null".into())));
+    }
+    // SAFETY (every view below): the caller promises each non-null buffer holds the
+    // documented size on this rank's device until the call's work has completed; the
+    // facade checks sizes against the workspace, alignment and overlaps first.
+    let mut call = unsafe {
+        FusedArgs::new(
+            pattern,
+            a.tokens,
+            views.read(a.input, views.rows, views.dtype),
+        )
+    };
+    call.strategy = strategy;
+    call.stream = stream;
+    call.eps = a.eps;
+    call.weight_bias = a.weight_bias;
+    // SAFETY: as above.
+    unsafe {
+        call.allreduce_out = views.write(a.allreduce_out, views.rows, views.dtype);
+        call.residual_in = views.maybe_read(a.residual_in, views.rows, views.dtype);
+        call.residual_out = views.write(a.residual_out, views.rows, views.dtype);
+        call.gamma = views.maybe_read(a.gamma, meta.hidden, views.dtype);
+        call.norm_out = views.write(a.norm_out, views.rows, views.dtype);
+        call.scale_out = views.write(a.scale_out, a.tokens, DType::F32);
+        call.scale_in = views.maybe_read(a.scale_in, 1, DType::F32);
+        call.quant_out = (!a.quant_out.is_null())
+            .then(|| Fp8BufMut::from_raw(a.quant_out as usize, views.rows, views.device));
+    }
+    Ok(call)
 }
 
 /// Builds the facade's views of one call's raw pointers.

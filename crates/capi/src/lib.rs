@@ -37,10 +37,13 @@ mod registration;
 
 use std::ffi::c_int;
 
-pub use args::{ar_backend_t, ar_config_t, ar_dtype_t, ar_precision_t, ar_red_op_t, ar_strategy_t};
+pub use args::{
+    ar_backend_t, ar_config_t, ar_dtype_t, ar_precision_t, ar_red_op_t, ar_strategy_t,
+    AR_DEFAULT_TIMEOUT_MS,
+};
 pub use call::ar_last_error;
 pub use codes::{ar_get_error_string, ar_result_t};
-pub use collective::ar_all_reduce;
+pub use collective::{ar_all_reduce, ar_reject};
 pub use comm::{
     ar_comm_abort, ar_comm_alignment, ar_comm_backend, ar_comm_count, ar_comm_destroy,
     ar_comm_device, ar_comm_init_all, ar_comm_init_env, ar_comm_init_rank, ar_comm_max_bytes,
@@ -48,8 +51,8 @@ pub use comm::{
     ar_comm_vendor_window,
 };
 pub use fused::{
-    ar_all_reduce_fused, ar_fused_args_t, ar_fused_pattern_t, ar_fused_workspace_create,
-    ar_fused_workspace_destroy,
+    ar_all_reduce_fused, ar_fused_args_t, ar_fused_pattern_t, ar_fused_reject,
+    ar_fused_workspace_create, ar_fused_workspace_destroy,
 };
 pub use handle::{ar_comm, ar_comm_t, ar_fused_workspace, ar_fused_workspace_t};
 pub use registration::{

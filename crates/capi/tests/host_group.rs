@@ -517,6 +517,95 @@ fn refused_arguments_have_their_code_and_message_and_leave_the_group_intact() {
     destroy(&comms);
 }
 
+/// One rank refuses its call through `ar_reject` (as a binding does for what it checks
+/// itself) while the others call `ar_all_reduce`; each rank's code and message.
+fn round_with_reject(
+    comms: &[Comm],
+    culprit: usize,
+    code: c_int,
+    message: Option<&CStr>,
+) -> Vec<(ar_result_t, String)> {
+    on_ranks(comms.len(), |r| {
+        if r != culprit {
+            return match reduce_on(
+                comms[r],
+                r,
+                DType::F32,
+                256,
+                ar_precision_t::AR_EXACT as c_int,
+                ar_strategy_t::AR_STRATEGY_AUTO as c_int,
+                false,
+            ) {
+                Ok(_) => (ar_result_t::AR_SUCCESS, String::new()),
+                Err(failed) => failed,
+            };
+        }
+        let text = message.map_or(ptr::null(), CStr::as_ptr);
+        // SAFETY: a live handle; the message is NULL or a C string; the host takes no stream.
+        let got = checked(unsafe { ar_reject(comms[r].0, code, text, ptr::null_mut()) });
+        (got, last_error())
+    })
+}
+
+#[test]
+fn a_refusal_the_caller_makes_reaches_the_peers_with_its_message() {
+    use ar_result_t::*;
+    let comms = host_group(WORLD, 4096);
+    let cases: [(usize, ar_result_t, Option<&CStr>, &str); 3] = [
+        (
+            2,
+            AR_INVALID_ARGUMENT,
+            Some(c"x is a list; pass a numpy array"),
+            "rank 2 rejected its arguments in call 0: invalid argument: x is a list; pass a \
+             numpy array",
+        ),
+        (
+            0,
+            AR_DTYPE_MISMATCH,
+            Some(c"x is float32, out is float16"),
+            "rank 0 rejected its arguments in call 2: invalid argument: input and output dtypes \
+             differ: x is float32, out is float16",
+        ),
+        (3, AR_MISALIGNED, None, "buffer address not aligned"),
+    ];
+    for (culprit, code, message, want) in cases {
+        for (r, (got, text)) in round_with_reject(&comms, culprit, code as c_int, message)
+            .into_iter()
+            .enumerate()
+        {
+            if r == culprit {
+                assert_eq!(got, AR_SUCCESS, "rank {r}: {text}");
+            } else {
+                assert_eq!(got, AR_PEER_REJECTED, "rank {r}: {text}");
+                assert!(text.contains(want), "rank {r}: {text:?} lacks {want:?}");
+            }
+        }
+        // The group stays in step and exact.
+        exact_round_is_right(&comms, DType::F32, 256);
+    }
+
+    // A code that is no argument refusal, or a bad handle, is malformed and reaches no peer:
+    // the exact round right after finds every rank in step.
+    for code in [AR_SUCCESS, AR_PEER_REJECTED, AR_TIMEOUT, AR_INVALID_USAGE] {
+        // SAFETY: a live handle and a C string.
+        let got = unsafe { ar_reject(comms[1].0, code as c_int, c"no".as_ptr(), ptr::null_mut()) };
+        assert_eq!(checked(got), AR_INVALID_USAGE, "{code:?}");
+        assert!(last_error().contains("not the code of a refused argument"));
+    }
+    // SAFETY: a made-up handle is looked up, never dereferenced.
+    let got = unsafe {
+        ar_reject(
+            0xdead as ar_comm_t,
+            AR_INVALID_ARGUMENT as c_int,
+            ptr::null(),
+            ptr::null_mut(),
+        )
+    };
+    assert_eq!(checked(got), AR_INVALID_USAGE);
+    exact_round_is_right(&comms, DType::F32, 256);
+    destroy(&comms);
+}
+
 #[test]
 fn bad_handles_and_required_pointers_are_invalid_usage() {
     use ar_result_t::*;
@@ -782,7 +871,7 @@ fn fused_residual_rmsnorm_equals_the_reference_and_refuses_what_it_cannot_take()
         assert!(norm == want.norm, "rank {r}: norm_out differs");
     }
 
-    // Refusals every rank meets alike (the fused call does not tell peers of its own).
+    // Refusals every rank meets alike.
     let got = on_ranks(world, |r| run(r, max_tokens + 1, comms[r], ws[r]));
     for (code, text, ..) in got {
         assert_eq!(code, AR_WORKSPACE_EXCEEDED, "{text}");
@@ -792,19 +881,60 @@ fn fused_residual_rmsnorm_equals_the_reference_and_refuses_what_it_cannot_take()
         assert_eq!(code, AR_INVALID_ARGUMENT, "{text}");
         assert!(text.contains("another group or rank"), "{text}");
     }
+    // Rank 0's own refusals (by this library's checks) reach rank 1's matching call, which
+    // fails with AR_PEER_REJECTED carrying the reason instead of waiting for the deadline.
     let mut args = fused_args(tokens);
     args.pattern = 9;
-    // SAFETY: the pattern is refused before any buffer is used.
-    let code = unsafe { ar_all_reduce_fused(&args, ws[0].0, comms[0].0, ptr::null_mut()) };
-    assert_eq!(checked(code), AR_INVALID_ARGUMENT);
-    assert!(last_error().contains("fused pattern 9"), "{}", last_error());
-    args.size = 16;
-    // SAFETY: refused on its size.
-    let code = unsafe { ar_all_reduce_fused(&args, ws[0].0, comms[0].0, ptr::null_mut()) };
-    assert_eq!(checked(code), AR_INVALID_USAGE);
-    // SAFETY: refused: the args pointer is null.
-    let code = unsafe { ar_all_reduce_fused(ptr::null(), ws[0].0, comms[0].0, ptr::null_mut()) };
-    assert_eq!(checked(code), AR_INVALID_USAGE);
+    let mut small = fused_args(tokens);
+    small.size = 16;
+    let bad: [(*const ar_fused_args_t, ar_result_t, &str); 3] = [
+        (&args, AR_INVALID_ARGUMENT, "fused pattern 9"),
+        (&small, AR_INVALID_USAGE, "ar_fused_args_t.size is 16"),
+        (ptr::null(), AR_INVALID_USAGE, "args is null"),
+    ];
+    for (args, want, text) in bad {
+        let args = args as usize;
+        let got = on_ranks(world, |r| match r {
+            // SAFETY: refused (pattern, size, null) before any buffer is used.
+            0 => unsafe {
+                let code = ar_all_reduce_fused(
+                    args as *const ar_fused_args_t,
+                    ws[0].0,
+                    comms[0].0,
+                    ptr::null_mut(),
+                );
+                (checked(code), last_error())
+            },
+            _ => {
+                let (code, text, ..) = run(r, tokens, comms[r], ws[r]);
+                (code, text)
+            }
+        });
+        assert_eq!(got[0].0, want, "{}", got[0].1);
+        assert!(got[0].1.contains(text), "{}", got[0].1);
+        assert_eq!(got[1].0, AR_PEER_REJECTED, "{}", got[1].1);
+        assert!(
+            got[1].1.contains("rank 0") && got[1].1.contains(text),
+            "{}",
+            got[1].1
+        );
+    }
+    // A binding's own refusal, with its message.
+    let got = on_ranks(world, |r| match r {
+        // SAFETY: a NUL-terminated reason.
+        0 => unsafe {
+            let why = c"x has shape (3, 60)".as_ptr();
+            let code = ar_fused_reject(why, ws[0].0, comms[0].0, ptr::null_mut());
+            (code, String::new())
+        },
+        _ => {
+            let (code, text, ..) = run(r, tokens, comms[r], ws[r]);
+            (code, text)
+        }
+    });
+    assert_eq!(got[0].0, AR_SUCCESS);
+    assert_eq!(got[1].0, AR_PEER_REJECTED, "{}", got[1].1);
+    assert!(got[1].1.contains("x has shape (3, 60)"), "{}", got[1].1);
     // A workspace needs the whole group, in rank order.
     let reversed = [handles[1], handles[0]];
     let mut more = [ptr::null_mut(); 2];

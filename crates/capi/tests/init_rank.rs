@@ -173,3 +173,42 @@ fn init_env_names_a_missing_variable() {
         "RANK is not set",
     ));
 }
+
+/// Mistakes of a torchrun-style launch, which the bootstrap refuses: every process fails at
+/// once with `AR_BOOTSTRAP_ERROR` and the reason, well before the 30 s rendezvous deadline.
+#[test]
+fn init_env_ranks_that_disagree_fail_at_once_with_the_reason() {
+    let secret = Secret::generate().unwrap().to_hex();
+    // (rank, WORLD_SIZE) of the second process, and what both must say.
+    for ((rank, world), why) in [
+        ((1, 3), "rank 1 has WORLD_SIZE 3, rank 0 has 2"),
+        ((0, 2), "rank 0 given twice"),
+    ] {
+        let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let env = |rank: usize, world: usize| {
+            [
+                ("RANK", rank.to_string()),
+                ("WORLD_SIZE", world.to_string()),
+                ("MASTER_ADDR", "127.0.0.1".to_string()),
+                ("MASTER_PORT", port.to_string()),
+                ("ALLREDUCE_BOOTSTRAP_SECRET", secret.clone()),
+                ("ALLREDUCE_BOOTSTRAP_TIMEOUT_S", "30".to_string()),
+            ]
+        };
+        let start = std::time::Instant::now();
+        let children = [
+            child(&env(0, 2), ar_result_t::AR_BOOTSTRAP_ERROR, why),
+            child(&env(rank, world), ar_result_t::AR_BOOTSTRAP_ERROR, why),
+        ];
+        children.into_iter().for_each(wait);
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(10),
+            "{why}: {:?}",
+            start.elapsed()
+        );
+    }
+}

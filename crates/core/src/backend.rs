@@ -13,6 +13,17 @@ use crate::{
     SelectionTable, Strategy, Stream, Topology,
 };
 
+/// The deadline of every wait for a peer when the caller names none: the one default of the
+/// Rust API ([`GroupConfig::new`]), the C ABI (`ar_config_t::timeout_ms` = 0), Python
+/// (`timeout=None`), the bench and the multi-process bootstrap's rendezvous. Long enough that
+/// a rank held up by start-up, a JIT compilation or a graph capture between two calls is not
+/// taken for dead; short enough that a rank that will never call turns into an error (naming
+/// it) within a minute rather than a hang.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// `ALLREDUCE_REGISTERED_MIN_BYTES`: the default of [`GroupConfig::registered_min_bytes`].
+pub const REGISTERED_MIN_BYTES_ENV: &str = "ALLREDUCE_REGISTERED_MIN_BYTES";
+
 /// Largest world size any backend accepts. GPU kernels are instantiated for 2..=8 ranks.
 pub const MAX_WORLD: usize = 64;
 
@@ -25,7 +36,9 @@ pub struct GroupConfig {
     pub devices: Vec<u32>,
     /// Largest call in bytes (per rank); sizes the workspace.
     pub max_bytes: usize,
-    /// Deadline of every wait for a peer.
+    /// Deadline of every wait for a peer; [`DEFAULT_TIMEOUT`] unless set. Past it the waiting
+    /// rank reports `Error::Timeout` naming the ranks that had not arrived, and the group is
+    /// aborted: every later call of every rank is `Error::Aborted` until it is rebuilt.
     pub timeout: Duration,
     /// Table behind `Strategy::Auto`; `None` uses the backend's default.
     pub selection: Option<SelectionTable>,
@@ -51,7 +64,7 @@ pub struct GroupConfig {
 impl GroupConfig {
     pub const DEFAULT_REGISTERED_MIN_BYTES: usize = 0;
     pub const DEFAULT_MAX_BYTES: usize = 64 << 20;
-    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+    pub const DEFAULT_TIMEOUT: Duration = DEFAULT_TIMEOUT;
 
     pub fn new(world_size: usize) -> Self {
         GroupConfig {
@@ -63,6 +76,22 @@ impl GroupConfig {
             cast_bf16_to_f16: false,
             topology: None,
             registered_min_bytes: None,
+        }
+    }
+
+    /// [`GroupConfig::registered_min_bytes`] as the group uses it: the config's, else
+    /// [`REGISTERED_MIN_BYTES_ENV`]'s, else the default.
+    pub fn resolved_registered_min_bytes(&self) -> Result<usize> {
+        if let Some(n) = self.registered_min_bytes {
+            return Ok(n);
+        }
+        match std::env::var(REGISTERED_MIN_BYTES_ENV) {
+            Err(_) => Ok(Self::DEFAULT_REGISTERED_MIN_BYTES),
+            Ok(v) => v.trim().parse().map_err(|_| {
+                Error::InvalidConfig(format!(
+                    "{REGISTERED_MIN_BYTES_ENV}={v:?}: want a byte count"
+                ))
+            }),
         }
     }
 

@@ -58,9 +58,15 @@ pub enum Error {
         reason: String,
     },
 
-    /// A wait passed its deadline: a peer never arrived (or arrived too late). After it:
-    /// [`Aftermath::Rebuild`] (every later call of the group is `Aborted`).
-    #[error("rank {rank} timed out after {waited:?} in call {call} waiting for {waiting_for}")]
+    /// A wait passed its deadline: a peer never arrived (or arrived too late). `waiting_for`
+    /// names the phase and, where the backend can tell, the ranks that had not arrived
+    /// ([`Error::timeout`]). After it: [`Aftermath::Rebuild`] (every later call of the group
+    /// is `Aborted`).
+    #[error(
+        "rank {rank} timed out after {} in call {call} waiting for {waiting_for}; the group is \
+         now aborted: every rank's later calls fail until the group is dropped and built again",
+        readable(*.waited)
+    )]
     Timeout {
         rank: usize,
         call: u64,
@@ -140,7 +146,55 @@ pub enum Aftermath {
     Rebuild,
 }
 
+/// A duration as people read it: "10.0 s", "250.0 ms", "40 us".
+pub fn readable(d: Duration) -> String {
+    let s = d.as_secs_f64();
+    if s >= 1.0 {
+        format!("{s:.1} s")
+    } else if s >= 1e-3 {
+        format!("{:.1} ms", s * 1e3)
+    } else {
+        format!("{} us", d.as_micros())
+    }
+}
+
+/// "rank 2", "ranks 1, 3": who `ranks` are, for a message.
+pub fn rank_list(ranks: &[usize]) -> String {
+    let list = ranks
+        .iter()
+        .map(|r| r.to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    match ranks.len() {
+        1 => format!("rank {list}"),
+        _ => format!("ranks {list}"),
+    }
+}
+
 impl Error {
+    /// A timeout of `rank` in `call` after `waited`, in phase `waiting_for` (what it waited
+    /// for), with `missing` the ranks that had not arrived when it gave up (empty where the
+    /// backend cannot tell).
+    pub fn timeout(
+        rank: usize,
+        call: u64,
+        waited: Duration,
+        waiting_for: &str,
+        missing: &[usize],
+    ) -> Error {
+        let waiting_for = if missing.is_empty() {
+            waiting_for.to_string()
+        } else {
+            format!("{waiting_for} ({} never arrived)", rank_list(missing))
+        };
+        Error::Timeout {
+            rank,
+            call,
+            waited,
+            waiting_for,
+        }
+    }
+
     /// Whether the communicator survives this error (see [`Aftermath`]).
     pub fn aftermath(&self) -> Aftermath {
         match self {
@@ -258,6 +312,30 @@ impl Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_timeout_names_the_missing_ranks_and_says_the_group_must_be_rebuilt() {
+        let e = Error::timeout(
+            0,
+            3,
+            Duration::from_nanos(10_011_906_371),
+            "all ranks to stage their input",
+            &[2, 3],
+        );
+        let text = e.to_string();
+        assert!(text.contains("after 10.0 s in call 3"), "{text}");
+        assert!(text.contains("(ranks 2, 3 never arrived)"), "{text}");
+        assert!(
+            text.contains("aborted") && text.contains("built again"),
+            "{text}"
+        );
+        let one = Error::timeout(1, 0, Duration::from_millis(250), "x", &[0]).to_string();
+        assert!(
+            one.contains("250.0 ms") && one.contains("(rank 0 never arrived)"),
+            "{one}"
+        );
+        assert_eq!(readable(Duration::from_micros(40)), "40 us");
+    }
 
     #[test]
     fn every_rejection_leaves_the_communicator_intact_and_only_failures_need_a_rebuild() {

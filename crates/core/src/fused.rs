@@ -270,9 +270,47 @@ pub const FLAG_BYTES: usize = MAX_BLOCKS as usize * 16;
 /// by fused.h's `tags`.
 pub const TAG_BYTES: usize = 8 * 16;
 
+/// The pattern code a rank launches the fused kernel with, with no rows, when its own
+/// arguments were refused (`FusedComm::reject`; fused.h's `kPatternRejected`): no call has it,
+/// so its call tag differs from every peer's, and every rank skips the call.
+pub const REJECTED_PATTERN_CODE: u64 = 0xf;
+
+/// Whether a fused call descriptor (fused.h's `call_desc`) is a refusal's.
+pub fn desc_is_rejection(d: u64) -> bool {
+    (d >> 4) & 0xf == REJECTED_PATTERN_CODE
+}
+
+/// A fused call descriptor (fused.h's `call_desc`) as the [`crate::CallDesc`] it packs, or
+/// `None` for a refusal's or a word no call makes.
+pub fn call_desc_of(d: u64) -> Option<crate::CallDesc> {
+    let dtype = *DType::ALL.get((((d >> 1) & 3) as usize).checked_sub(1)?)?;
+    let pattern = *FusedPattern::ALL.get(((d >> 4) & 0xf) as usize)?;
+    let strategy = if (d >> 3) & 1 == 1 {
+        Strategy::TwoShot
+    } else {
+        Strategy::OneShot
+    };
+    let (tokens, hidden) = ((d >> 32) as usize, ((d >> 8) & 0xff_ffff) as usize);
+    Some(crate::CallDesc {
+        len: tokens * hidden,
+        dtype,
+        strategy,
+        precision: crate::Precision::Exact,
+        input: crate::InputPath::Staged,
+        fused: Some(crate::FusedShape {
+            tokens,
+            hidden,
+            pattern,
+        }),
+    })
+}
+
 /// The call descriptor the fused kernels exchange (fused.h's `call_desc`), in words: what a
 /// `RankMismatch` from a fused call shows for each side.
 pub fn describe_desc(d: u64) -> String {
+    if desc_is_rejection(d) {
+        return "a refusal of its arguments".into();
+    }
     let dtype = match (d >> 1) & 3 {
         1 => "f32",
         2 => "f16",
@@ -531,6 +569,12 @@ pub trait FusedComm: Send + Sync {
     /// Enqueue a validated call on `call.stream`. Device-side failures (a poll past its
     /// deadline) surface through the communicator's `synchronize`.
     fn run(&self, call: &FusedCall) -> Result<()>;
+    /// This rank's part of the group's next fused call was refused before anything was
+    /// enqueued (`reason`): take part in the call as a refusal, so every peer's matching fused
+    /// call fails with `Error::PeerRejected` (carrying `reason`) instead of waiting out the
+    /// deadline, and the workspace and the group stay usable. `stream` is the call's: GPU
+    /// backends enqueue their part there, and their peers learn it at `synchronize`.
+    fn reject(&self, reason: &Error, stream: Stream);
 }
 
 // ---- Host reference ----------------------------------------------------------------------

@@ -17,9 +17,11 @@
 //! | [`registration`] | registered memory: ranges peers read in place, the registry     |
 //! | [`select`]  | the table behind `Strategy::Auto`                                      |
 //! | [`fused`]   | the fused all-reduce + residual + RMSNorm (+ FP8): validation, reference |
+//! | [`call_desc`] | what ranks compare before a call moves data, and the error for a difference |
 
 pub mod backend;
 pub mod buffer;
+pub mod call_desc;
 pub mod codec;
 pub mod dtype;
 pub mod error;
@@ -33,9 +35,10 @@ pub mod topology;
 
 pub use backend::{
     prepare, AllReduceOptions, Backend, BackendComm, Bootstrap, Call, GroupConfig, Limits,
-    BUFFER_ALIGN, MAX_WORLD,
+    BUFFER_ALIGN, DEFAULT_TIMEOUT, MAX_WORLD,
 };
 pub use buffer::{BufMut, BufRef, Device, HostBytes, RawBuffer, Stream};
+pub use call_desc::{CallDesc, FusedShape, InputPath};
 pub use dtype::{DType, Element};
 pub use error::{Aftermath, Error, Result};
 pub use fused::{

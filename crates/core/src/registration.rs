@@ -40,6 +40,20 @@ pub struct Registry {
     entries: Vec<(RegistrationId, Vec<RegisteredRange>)>,
 }
 
+/// Whether `call` reads the peers' inputs where they are when its input lies in registered
+/// memory: out of place, exact, one-shot or two-shot, and at least `min_bytes` (the group's
+/// `GroupConfig::registered_min_bytes`). Other calls stage their input whatever memory it is
+/// in. Every backend decides it so, since the path is part of what ranks agree on.
+pub fn reads_in_place(call: &crate::Call, min_bytes: usize) -> bool {
+    !call.in_place()
+        && call.precision == crate::Precision::Exact
+        && matches!(
+            call.strategy,
+            crate::Strategy::OneShot | crate::Strategy::TwoShot
+        )
+        && call.input.bytes() >= min_bytes
+}
+
 /// Ranges start on this boundary, so an input's offset is 16-byte aligned on every rank
 /// exactly when it is on one (the kernels read 16-byte vectors).
 pub const REGISTRATION_ALIGN: usize = 16;

@@ -70,6 +70,11 @@ pub const ERROR_ABORTED: u32 = 3;
 /// its pushes landed in. Cleared once reported, like [`ERROR_MISMATCH`].
 pub const ERROR_FUSED_MISMATCH: u32 = 4;
 
+/// What a timeout's [`Control::theirs`] holds when a fused kernel's poll timed out
+/// (`kTimeoutInFused`); 0 for the exact kernels' barrier. It says where the ranks that never
+/// arrived can be read: the fused call tags or the barrier flags.
+pub const TIMEOUT_IN_FUSED: u64 = 1;
+
 /// A call descriptor, compared between ranks at the first barrier of every call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Desc(pub u64);

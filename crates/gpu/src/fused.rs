@@ -18,7 +18,7 @@ use std::sync::Arc;
 use crate::abi::{FusedKernelArgs, MAX_WORLD, THREADS};
 use crate::kernels::Kernel;
 use crate::{Fill, GpuRuntime, GroupView};
-use allreduce_core::fused::MAX_BLOCKS;
+use allreduce_core::fused::{MAX_BLOCKS, REJECTED_PATTERN_CODE};
 use allreduce_core::{
     DType, Error, FusedCall, FusedComm, FusedConfig, FusedMetadata, FusedPattern, Result, Rule,
     SelectionTable, Strategy, Stream,
@@ -122,6 +122,9 @@ struct Shared<R: GpuRuntime> {
 
 impl<R: GpuRuntime> Drop for Shared<R> {
     fn drop(&mut self) {
+        for l in &self.lamport {
+            self.group.forget_fused(R::memory_addr(l));
+        }
         // Free each allocation with its own device current.
         while let Some(lamport) = self.lamport.pop() {
             let _ = R::bind(self.group.device(self.lamport.len()));
@@ -504,6 +507,8 @@ impl<R: GpuRuntime> FusedComm for GpuFused<R> {
         args.scale = addr(call.scale_out.or(call.scale_in));
         args.gamma = addr(call.gamma);
         args.weight_bias = call.weight_bias;
+        s.group
+            .note_fused(self.rank, args.lamport[self.rank], args.comm_bytes);
         R::bind(s.group.device(self.rank))?;
         // SAFETY: FusedKernelArgs mirrors the kernel's parameter; the workspaces live as long as
         // `shared`, and `prepare_fused` validated the caller's buffers (device, sizes,
@@ -517,6 +522,33 @@ impl<R: GpuRuntime> FusedComm for GpuFused<R> {
                 None if s.pdl => R::launch_dependent(f, s.grid, 1, THREADS, call.stream, &args),
                 None => R::launch(f, s.grid, THREADS, call.stream, &args),
             }
+        }
+    }
+
+    /// Take part in the call with no rows and the refusal's pattern code
+    /// ([`REJECTED_PATTERN_CODE`]): its call tag differs from every peer's, so every rank
+    /// skips the call as it skips one the ranks disagree on (the workspace stays usable: the
+    /// next call refills the skipped call's buffer), and the peers report `PeerRejected` at
+    /// `synchronize` with the reason recorded here. The kernel does not record the
+    /// disagreement on this rank, whose caller has the error already. Enqueued like a call,
+    /// so it is captured into a graph like one.
+    fn reject(&self, reason: &Error, stream: Stream) {
+        let s = &*self.shared;
+        if s.group.aborted().is_some() {
+            return;
+        }
+        s.group.record_refusal(self.rank, reason);
+        let m = &s.meta[self.rank];
+        let mut args = s.args(self.rank, 0, m.hidden, FusedPattern::AllReduce, 0.0);
+        args.pattern = REJECTED_PATTERN_CODE as u32;
+        s.group
+            .note_fused(self.rank, args.lamport[self.rank], args.comm_bytes);
+        let f = s.kernels[self.rank].oneshot[dtype_index(m.dtype)];
+        // The caller has its own error; a launch that fails here reaches the peers as a
+        // timeout.
+        if R::bind(s.group.device(self.rank)).is_ok() {
+            // SAFETY: as in `run`; tokens = 0, so the null buffers are never touched.
+            let _ = unsafe { R::launch(f, s.grid, THREADS, stream, &args) };
         }
     }
 }

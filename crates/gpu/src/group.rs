@@ -22,9 +22,9 @@ use crate::kernels::{self, Kernel};
 use crate::push::{self, PushKernels, PushMemory};
 use crate::GpuRuntime;
 use allreduce_core::{
-    Backend, BackendComm, Bootstrap, Call, Codec, DType, Deregister, Error, GroupConfig, Limits,
-    Precision, RegisteredInput, RegisteredMemory, RegisteredRange, RegistrationId, Registry,
-    Result, SelectionTable, Strategy, Stream,
+    Backend, BackendComm, Bootstrap, Call, CallDesc, Codec, DType, Deregister, Error, GroupConfig,
+    InputPath, Limits, Precision, RegisteredInput, RegisteredMemory, RegisteredRange,
+    RegistrationId, Registry, Result, SelectionTable, Strategy, Stream,
 };
 
 /// A GPU backend: the shared group logic over runtime `R`.
@@ -259,6 +259,14 @@ struct Group<R: GpuRuntime> {
     /// The push one-shot's kernels and receive buffers (`Strategy::PushOneShot`), or why
     /// there are none.
     push: std::result::Result<Push<R>, String>,
+    /// Per rank, why it last refused its own arguments (plain or fused): the kernels carry
+    /// only that a rank refused, so peers of this process read the reason here when they
+    /// report `PeerRejected`. A peer in another process reports a generic reason.
+    refusals: Mutex<Vec<Option<String>>>,
+    /// Per rank, the fused workspace its last fused call ran on: this rank's Lamport buffers'
+    /// address and the size of one of the three (0, 0: none). Where a fused poll timed out,
+    /// the call tags there say which ranks never arrived.
+    last_fused: Vec<[AtomicU64; 2]>,
 }
 
 /// The push one-shot's part of a group (crate::push): in-process groups only, whose ranks
@@ -656,7 +664,7 @@ impl<R: GpuRuntime> Group<R> {
     ) -> Result<Self> {
         let max_bytes = abi::round_max_bytes(config.max_bytes);
         let stage = stage_bytes(max_bytes);
-        let registered_min_bytes = registered_min_bytes(config)?;
+        let registered_min_bytes = config.resolved_registered_min_bytes()?;
         let mut group = Group {
             world,
             rank_device,
@@ -672,6 +680,8 @@ impl<R: GpuRuntime> Group<R> {
             vendor: Err("the vendor library is not initialised yet".into()),
             windows: Err("the vendor library is not initialised yet".into()),
             caller_abort: Mutex::new(None),
+            refusals: Mutex::new(vec![None; world]),
+            last_fused: (0..world).map(|_| Default::default()).collect(),
             grid,
             max_bytes,
             stage_bytes: stage,
@@ -744,10 +754,7 @@ impl<R: GpuRuntime> Group<R> {
     /// Whether `call` may read the peers' inputs where they are, given memory to read:
     /// out of place, exact, one-shot or two-shot, and not below the registered threshold.
     fn reads_in_place(&self, call: &Call) -> bool {
-        !call.in_place()
-            && call.precision == Precision::Exact
-            && matches!(call.strategy, Strategy::OneShot | Strategy::TwoShot)
-            && call.input.bytes() >= self.registered_min_bytes
+        allreduce_core::registration::reads_in_place(call, self.registered_min_bytes)
     }
 
     /// The next graph slot of `rank` for `call`, recorded for `register_graph_buffers`; `None`
@@ -999,27 +1006,127 @@ impl<R: GpuRuntime> Group<R> {
             .map(|c| aborted_reason(&c))
     }
 
+    /// `bytes` of device memory at `addr` (on `rank`'s device), read through a stream of
+    /// its own: the caller's may be blocked. For reports after a failure, not for calls.
+    fn read_device(&self, rank: usize, addr: u64, bytes: usize) -> Result<Vec<u8>> {
+        let dev = &self.devices[self.rank_device[rank]];
+        R::bind(dev)?;
+        let stream = R::create_stream(dev)?;
+        // SAFETY: the stream outlives the copy (synchronised by the download).
+        let mem = unsafe { R::alloc(&stream, bytes)? };
+        let mut out = vec![0u8; bytes];
+        // SAFETY: `addr` holds `bytes` readable device bytes (the caller's promise), `mem`
+        // as many.
+        unsafe {
+            R::copy_async(R::memory_addr(&mem), addr, bytes, R::stream_handle(&stream))?;
+            R::download(&mem, 0, &mut out, &stream)?;
+        }
+        R::stream_synchronize(&stream)?;
+        Ok(out)
+    }
+
+    /// The ranks whose arrival `rank`'s kernel waited for in vain, by what it recorded in
+    /// `c` (a timeout): the peers whose barrier flag in our workspace is behind the epoch
+    /// waited for, or, for a fused poll, whose call tag of that call is missing from our
+    /// Lamport buffer. Empty where they cannot be read.
+    fn missing_ranks(&self, rank: usize, c: &Control) -> Vec<usize> {
+        let world = self.world;
+        let word = |b: &[u8], at: usize| u32::from_ne_bytes(b[at..at + 4].try_into().expect("4"));
+        let others = (0..world).filter(|&p| p != rank);
+        if c.theirs == abi::TIMEOUT_IN_FUSED {
+            let [base, comm] = self.last_fused[rank]
+                .each_ref()
+                .map(|a| a.load(Ordering::Relaxed));
+            if base == 0 {
+                return Vec::new();
+            }
+            let buffer = u64::from(c.epoch % 3);
+            let tags = base + (buffer + 1) * comm - allreduce_core::fused::TAG_BYTES as u64;
+            let Ok(b) = self.read_device(rank, tags, 16 * world) else {
+                return Vec::new();
+            };
+            // A tag holds the call count + 1 of the call its rank sent it in.
+            let want = c.epoch.wrapping_add(1);
+            return others.filter(|&p| word(&b, 16 * p) != want).collect();
+        }
+        let flags =
+            self.peers[rank] + (abi::FLAGS_OFFSET + c.block as usize * MAX_WORLD * 4) as u64;
+        let Ok(b) = self.read_device(rank, flags, 4 * world) else {
+            return Vec::new();
+        };
+        // Epochs only grow (and wrap): a peer arrived once its flag reached the one awaited.
+        others
+            .filter(|&p| (word(&b, 4 * p).wrapping_sub(c.epoch) as i32) < 0)
+            .collect()
+    }
+
+    /// The peers whose barrier flag for block `block` in `rank`'s workspace is behind the
+    /// most advanced peer's: after an abort (the epoch waited for is not recorded then), the
+    /// ranks that never reached the barrier the others were waiting at. A dead or stuck rank's
+    /// flags stop where it stopped, while every live peer stores its flag before it waits.
+    /// Empty where the flags cannot be read, or where every peer is level (an abort between
+    /// barriers names nobody rather than the wrong rank).
+    fn ranks_behind(&self, rank: usize, block: u32) -> Vec<usize> {
+        let world = self.world;
+        let flags = self.peers[rank] + (abi::FLAGS_OFFSET + block as usize * MAX_WORLD * 4) as u64;
+        let Ok(b) = self.read_device(rank, flags, 4 * world) else {
+            return Vec::new();
+        };
+        let word = |p: usize| u32::from_ne_bytes(b[4 * p..4 * p + 4].try_into().expect("4"));
+        let others: Vec<usize> = (0..world).filter(|&p| p != rank).collect();
+        // Epochs only grow (and wrap): compare by signed difference.
+        let Some(&lead) = others
+            .iter()
+            .max_by(|&&a, &&b| (word(a).wrapping_sub(word(b)) as i32).cmp(&0))
+        else {
+            return Vec::new();
+        };
+        let top = word(lead);
+        others
+            .into_iter()
+            .filter(|&p| (word(p).wrapping_sub(top) as i32) < 0)
+            .collect()
+    }
+
+    /// Why a caller aborted the group ([`GpuComm::abort`]), if one did.
+    fn caller_abort_reason(&self) -> Option<String> {
+        self.caller_abort
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Remember why `rank` refused its arguments, for the peers' `PeerRejected`.
+    fn record_refusal(&self, rank: usize, reason: &Error) {
+        let mut r = self.refusals.lock().unwrap_or_else(|e| e.into_inner());
+        r[rank] = Some(reason.to_string());
+    }
+
+    /// Whether `rank`'s last call on the fused protocol was a push one-shot (its call tags
+    /// are in the push receive buffers, not a fused workspace).
+    fn last_call_was_push(&self, rank: usize) -> bool {
+        let base = self.last_fused[rank][0].load(Ordering::Relaxed);
+        match &self.push {
+            Ok(p) => p.memory[rank]
+                .as_ref()
+                .is_some_and(|m| base != 0 && R::memory_addr(&m.buffers) == base),
+            Err(_) => false,
+        }
+    }
+
+    /// Why `rank` refused its arguments, as [`Error::PeerRejected`] carries it.
+    fn refusal(&self, rank: usize) -> String {
+        let r = self.refusals.lock().unwrap_or_else(|e| e.into_inner());
+        r.get(rank)
+            .cloned()
+            .flatten()
+            .unwrap_or_else(|| "its arguments were refused (see that rank's own error)".into())
+    }
+
     /// Read a Control written by kernels. Volatile: the device writes it behind our back.
     fn read_control(m: &R::HostMapped) -> Control {
         // SAFETY: a live, aligned, host-mapped Control.
         unsafe { std::ptr::read_volatile(R::host_mapped_ptrs(m).0 as *const Control) }
-    }
-}
-
-/// `ALLREDUCE_REGISTERED_MIN_BYTES`: the default of [`GroupConfig::registered_min_bytes`].
-pub const REGISTERED_MIN_BYTES_ENV: &str = "ALLREDUCE_REGISTERED_MIN_BYTES";
-
-fn registered_min_bytes(config: &GroupConfig) -> Result<usize> {
-    if let Some(n) = config.registered_min_bytes {
-        return Ok(n);
-    }
-    match std::env::var(REGISTERED_MIN_BYTES_ENV) {
-        Err(_) => Ok(GroupConfig::DEFAULT_REGISTERED_MIN_BYTES),
-        Ok(v) => v.trim().parse().map_err(|_| {
-            Error::InvalidConfig(format!(
-                "{REGISTERED_MIN_BYTES_ENV}={v:?}: want a byte count"
-            ))
-        }),
     }
 }
 
@@ -1114,6 +1221,23 @@ impl<R: GpuRuntime> GroupView<R> {
     pub fn aborted(&self) -> Option<String> {
         self.0.aborted()
     }
+    /// Remember why `rank` refused its arguments, for the peers' `PeerRejected`.
+    pub fn record_refusal(&self, rank: usize, reason: &Error) {
+        self.0.record_refusal(rank, reason)
+    }
+    /// `rank`'s fused calls now run on the workspace whose Lamport buffers (for this rank)
+    /// start at `lamport`, `comm_bytes` each: where a fused timeout's report looks.
+    pub fn note_fused(&self, rank: usize, lamport: u64, comm_bytes: u64) {
+        let [base, comm] = &self.0.last_fused[rank];
+        base.store(lamport, Ordering::Relaxed);
+        comm.store(comm_bytes, Ordering::Relaxed);
+    }
+    /// The workspace at `lamport` is gone: forget it wherever a rank last ran on it.
+    pub fn forget_fused(&self, lamport: u64) {
+        for [base, _] in &self.0.last_fused {
+            let _ = base.compare_exchange(lamport, 0, Ordering::Relaxed, Ordering::Relaxed);
+        }
+    }
 }
 
 /// One rank of a GPU group.
@@ -1172,30 +1296,52 @@ fn describe(call: &Call) -> Desc {
     )
 }
 
-/// Turn two differing descriptors into the error the host backend would give.
-fn mismatch_error(me: usize, peer: usize, call: u64, mine: Desc, theirs: Desc) -> Error {
-    if theirs == Desc::REJECTED {
-        return Error::PeerRejected {
-            rank: peer,
-            call,
-            reason: "its arguments were refused".into(),
-        };
+/// A descriptor word as core's [`CallDesc`], with `input` for where it reads its input
+/// (the word itself says only staged or registered), or `None` for codes no call of this
+/// build makes.
+fn call_desc_of(d: Desc, input: InputPath) -> Option<CallDesc> {
+    let code = |c: u64| (c as usize).checked_sub(1);
+    Some(CallDesc {
+        len: d.len() as usize,
+        dtype: *DType::ALL.get(code(d.dtype())?)?,
+        strategy: *STRATEGIES.get(code(d.strategy())?)?,
+        precision: match code(d.precision()) {
+            None => Precision::Exact,
+            Some(c) => Precision::Lossy(*Codec::ALL.get(c)?),
+        },
+        input,
+        fused: None,
+    })
+}
+
+/// Where a registered call's second word says its input is.
+fn input_of(d: Desc2) -> InputPath {
+    if d.id() & Desc2::GRAPH_SLOT != 0 {
+        InputPath::GraphSlot((d.id() & !Desc2::GRAPH_SLOT) as usize)
+    } else {
+        InputPath::Registered {
+            id: RegistrationId(d.id()),
+            offset: d.offset() as usize,
+        }
     }
-    let name =
-        |table: &[&str], code: u64| table.get(code as usize).copied().unwrap_or("?").to_string();
-    let dtypes = ["?", "f32", "f16", "bf16"];
-    let strategies = [
-        "?",
-        "oneshot",
-        "twoshot",
-        "quantized",
-        "vendor",
-        "hierarchical",
-        "vendor-symmetric",
-    ];
-    let mut precisions = vec!["exact"];
-    precisions.extend(Codec::ALL.iter().map(|c| c.name()));
-    if mine.is_desc2() {
+}
+
+/// Turn two differing descriptors into the error the host backend gives for the same calls:
+/// both are decoded into core's [`CallDesc`] and compared there ([`CallDesc::mismatch`]).
+/// A peer's refusal ([`Desc::REJECTED`]) is the caller's to report, with its reason.
+fn mismatch_error(me: usize, peer: usize, call: u64, mine: Desc, theirs: Desc) -> Error {
+    let staged_or_registered = |d: Desc| {
+        if d.registered() {
+            // Which registration is the second word's to say (compared separately).
+            InputPath::Registered {
+                id: RegistrationId(0),
+                offset: 0,
+            }
+        } else {
+            InputPath::Staged
+        }
+    };
+    let pair = if mine.is_desc2() {
         let (m, t) = (Desc2(mine.0), Desc2(theirs.0));
         if m == Desc2::UNREGISTERED || t == Desc2::UNREGISTERED {
             let who = if m == Desc2::UNREGISTERED { me } else { peer };
@@ -1205,54 +1351,22 @@ fn mismatch_error(me: usize, peer: usize, call: u64, mine: Desc, theirs: Desc) -
                  register the graph's buffers after capture and before its first replay"
             ));
         }
-        let name = |d: Desc2| {
-            if d.id() & Desc2::GRAPH_SLOT != 0 {
-                format!("graph slot {}", d.id() & !Desc2::GRAPH_SLOT)
-            } else {
-                format!("registration {} at offset {}", d.id(), d.offset())
-            }
-        };
-        return Error::RankMismatch {
-            what: "registered input",
-            call,
-            detail: format!("rank {me} reads {}, rank {peer} {}", name(m), name(t)),
-        };
-    }
-    let path = |d: Desc| {
-        if d.registered() {
-            "a registered input".to_string()
-        } else {
-            "a staged input".to_string()
-        }
-    };
-    let (what, a, b) = if mine.len() != theirs.len() {
-        ("length", mine.len().to_string(), theirs.len().to_string())
-    } else if mine.dtype() != theirs.dtype() {
-        (
-            "dtype",
-            name(&dtypes, mine.dtype()),
-            name(&dtypes, theirs.dtype()),
-        )
-    } else if mine.strategy() != theirs.strategy() {
-        (
-            "strategy",
-            name(&strategies, mine.strategy()),
-            name(&strategies, theirs.strategy()),
-        )
-    } else if mine.registered() != theirs.registered() {
-        ("path", path(mine), path(theirs))
+        // The first words agreed: only the input's place differs.
+        let base = Desc::new(0, 1, 1, 0);
+        call_desc_of(base, input_of(m)).zip(call_desc_of(base, input_of(t)))
     } else {
-        (
-            "precision",
-            name(&precisions, mine.precision()),
-            name(&precisions, theirs.precision()),
-        )
+        call_desc_of(mine, staged_or_registered(mine))
+            .zip(call_desc_of(theirs, staged_or_registered(theirs)))
     };
-    Error::RankMismatch {
-        what,
+    let found = pair.and_then(|(m, t)| m.mismatch(me, peer, call, &t));
+    found.unwrap_or_else(|| Error::RankMismatch {
+        what: "call descriptor",
         call,
-        detail: format!("rank {me} has {a}, rank {peer} has {b}"),
-    }
+        detail: format!(
+            "rank {me} sent {:#x}, rank {peer} {:#x} (a build that numbers calls differently?)",
+            mine.0, theirs.0
+        ),
+    })
 }
 
 impl<R: GpuRuntime> GpuComm<R> {
@@ -1340,11 +1454,6 @@ impl<R: GpuRuntime> GpuComm<R> {
         Ok(())
     }
 
-    /// An exact one-shot or two-shot call whose input lies in registered memory: the peers'
-    /// inputs are at their bases + the same offset, read in place by the registered kernels.
-    /// The descriptor says so (`Desc::REGISTERED`) and the second word names the registration
-    /// and offset, so ranks that did not all take this path, or not on the same memory, skip
-    /// the call together and report a mismatch.
     /// `Strategy::PushOneShot`: one launch of the push kernel (crate::push), at most
     /// `Strategy::PUSH_MAX_BYTES` (prepare refuses larger calls), whatever the world.
     fn push_one_shot(&self, call: &Call) -> Result<()> {
@@ -1363,7 +1472,7 @@ impl<R: GpuRuntime> GpuComm<R> {
                 bytes: call.bytes(),
                 max: push::SLOT_BYTES,
             };
-            self.push_reject(call.stream);
+            self.push_reject(&e, call.stream);
             return Err(e);
         }
         let args = push::args(
@@ -1376,6 +1485,11 @@ impl<R: GpuRuntime> GpuComm<R> {
         );
         let f = p.kernels[g.rank_device[self.rank]].functions[dtype_index(call.dtype())];
         R::bind(self.device())?;
+        // Where a timeout of this call reads the call tags (`missing_ranks`): the push
+        // protocol's buffers, laid out as a fused workspace's.
+        let [base, comm] = &g.last_fused[self.rank];
+        base.store(args.lamport[self.rank], Ordering::Relaxed);
+        comm.store(args.comm_bytes, Ordering::Relaxed);
         // SAFETY: FusedKernelArgs mirrors the kernel's parameter; the buffers and state live
         // as long as the group; `prepare` validated the caller's buffers (device, size,
         // alignment, overlap) and the size fits a slot (checked above).
@@ -1383,9 +1497,11 @@ impl<R: GpuRuntime> GpuComm<R> {
     }
 
     /// A push launch with no data and a "refused" descriptor, so that the peers' push calls
-    /// skip this call and report `PeerRejected` rather than wait out the deadline.
-    fn push_reject(&self, stream: Stream) {
+    /// skip this call and report `PeerRejected` rather than wait out the deadline; `reason`
+    /// is kept for the peers of this process to report.
+    fn push_reject(&self, reason: &Error, stream: Stream) {
         let g = &*self.group;
+        g.record_refusal(self.rank, reason);
         let Ok(p) = &g.push else { return };
         let args = push::args(&g.push_launch(self.rank, p), DType::F32, 0, 0, 0, true);
         let f = p.kernels[g.rank_device[self.rank]].functions[0];
@@ -1395,6 +1511,11 @@ impl<R: GpuRuntime> GpuComm<R> {
         }
     }
 
+    /// An exact one-shot or two-shot call whose input lies in registered memory: the peers'
+    /// inputs are at their bases + the same offset, read in place by the registered kernels.
+    /// The descriptor says so (`Desc::REGISTERED`) and the second word names the registration
+    /// and offset, so ranks that did not all take this path, or not on the same memory, skip
+    /// the call together and report a mismatch.
     fn all_reduce_registered(&self, call: &Call, input: InPlace) -> Result<()> {
         let g = &*self.group;
         let kernels = g.kernels[g.rank_device[self.rank]].as_ref().expect("alive");
@@ -1815,12 +1936,13 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
         }
     }
 
-    fn reject(&self, _reason: &Error, stream: Stream) {
+    fn reject(&self, reason: &Error, stream: Stream) {
         // Join the call's first barrier with a "rejected" descriptor and nothing to move, so
         // the peers skip the call and report PeerRejected instead of waiting out the deadline.
         if self.aborted().is_some() {
             return;
         }
+        self.group.record_refusal(self.rank, reason);
         self.calls.fetch_add(1, Ordering::Relaxed);
         let g = &*self.group;
         let kernels = g.kernels[g.rank_device[self.rank]].as_ref().expect("alive");
@@ -1843,7 +1965,7 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
         if strategy == Strategy::PushOneShot {
             if self.aborted().is_none() {
                 self.calls.fetch_add(1, Ordering::Relaxed);
-                self.push_reject(stream);
+                self.push_reject(reason, stream);
             }
         } else {
             self.reject(reason, stream);
@@ -1925,12 +2047,25 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
                     c.epoch as u64,
                     c.mine,
                     c.theirs,
+                    |r| self.group.refusal(r),
                 ));
             }
             if c.error == abi::ERROR_FUSED_MISMATCH {
-                return Err(fused_mismatch_error(self.rank, &c));
+                return match fused_mismatch_error(self.rank, &c, |r| self.group.refusal(r)) {
+                    Some(e) => Err(e),
+                    None => self
+                        .aborted()
+                        .map_or(Ok(()), |reason| Err(Error::Aborted { reason })),
+                };
             }
             let call = self.calls.load(Ordering::Relaxed).saturating_sub(1);
+            if Desc(c.theirs) == Desc::REJECTED {
+                return Err(Error::PeerRejected {
+                    rank: c.rank as usize,
+                    call,
+                    reason: self.group.refusal(c.rank as usize),
+                });
+            }
             return Err(mismatch_error(
                 self.rank,
                 c.rank as usize,
@@ -1940,19 +2075,45 @@ impl<R: GpuRuntime> BackendComm for GpuComm<R> {
             ));
         }
         if c.error == abi::ERROR_TIMEOUT {
-            return Err(Error::Timeout {
-                rank: c.rank as usize,
-                call: self.calls.load(Ordering::Relaxed).saturating_sub(1),
-                waited: Duration::from_nanos(c.waited_ns),
-                waiting_for: format!("peers' flags at block {}, epoch {}", c.block, c.epoch),
-            });
+            let waiting_for = if c.theirs == abi::TIMEOUT_IN_FUSED {
+                // The push one-shot polls on the fused protocol, in its own buffers.
+                let kind = if self.group.last_call_was_push(self.rank) {
+                    "push"
+                } else {
+                    "fused"
+                };
+                format!(
+                    "the peers' call tags of {kind} call {} at block {}",
+                    c.epoch, c.block
+                )
+            } else {
+                format!("the peers' flags at block {}, epoch {}", c.block, c.epoch)
+            };
+            return Err(Error::timeout(
+                c.rank as usize,
+                self.calls.load(Ordering::Relaxed).saturating_sub(1),
+                Duration::from_nanos(c.waited_ns),
+                &waiting_for,
+                &self.group.missing_ranks(self.rank, &c),
+            ));
         }
         if c.error == abi::ERROR_ABORTED {
             // The caller's reason where a caller aborted the group (`abort`); else the
             // kernel's: a peer timed out.
-            return Err(Error::Aborted {
-                reason: self.aborted().unwrap_or_else(|| aborted_reason(&c)),
-            });
+            let mut reason = self.aborted().unwrap_or_else(|| aborted_reason(&c));
+            if self.group.caller_abort_reason().is_none() {
+                // The rank that timed out may be in another process, with the names of the
+                // ranks it missed: say who this rank's own flags show behind.
+                let behind = self.group.ranks_behind(self.rank, c.block);
+                if !behind.is_empty() {
+                    reason.push_str(&format!(
+                        "; {} had not arrived at block {} where the other ranks had",
+                        allreduce_core::error::rank_list(&behind),
+                        c.block
+                    ));
+                }
+            }
+            return Err(Error::Aborted { reason });
         }
         match self.aborted() {
             Some(reason) => Err(Error::Aborted { reason }),
@@ -2084,17 +2245,38 @@ fn registration_across_processes() -> Error {
     }
 }
 
-/// Ranks that disagreed on a fused call's shape: every rank skipped it, the group is usable.
-fn fused_mismatch_error(me: usize, c: &Control) -> Error {
-    Error::RankMismatch {
-        what: "a fused call's shape",
-        call: c.epoch as u64,
-        detail: format!(
-            "rank {me} called with {}, rank {} with {}; every rank skipped the call",
-            allreduce_core::fused::describe_desc(c.mine),
-            c.rank,
-            allreduce_core::fused::describe_desc(c.theirs)
-        ),
+/// What a rank whose fused call the ranks skipped reports (`ERROR_FUSED_MISMATCH`): the
+/// peer's refusal (`refusal` gives its reason) as `PeerRejected`, nothing where this rank was
+/// the one that refused (its caller had the error at the call), else the shapes' difference
+/// as core compares them. Every rank skipped the call; the group is usable.
+fn fused_mismatch_error(
+    me: usize,
+    c: &Control,
+    refusal: impl Fn(usize) -> String,
+) -> Option<Error> {
+    use allreduce_core::fused::{call_desc_of, desc_is_rejection, describe_desc};
+    let (peer, call) = (c.rank as usize, c.epoch as u64);
+    if desc_is_rejection(c.mine) {
+        return None;
+    }
+    if desc_is_rejection(c.theirs) {
+        return Some(Error::PeerRejected {
+            rank: peer,
+            call,
+            reason: refusal(peer),
+        });
+    }
+    match (call_desc_of(c.mine), call_desc_of(c.theirs)) {
+        (Some(mine), Some(theirs)) => mine.mismatch(me, peer, call, &theirs),
+        _ => Some(Error::RankMismatch {
+            what: "a fused call's shape",
+            call,
+            detail: format!(
+                "rank {me} called with {}, rank {peer} with {}; every rank skipped the call",
+                describe_desc(c.mine),
+                describe_desc(c.theirs)
+            ),
+        }),
     }
 }
 

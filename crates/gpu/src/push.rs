@@ -176,14 +176,22 @@ pub fn is_push_desc(d: u64) -> bool {
 }
 
 /// Ranks whose push calls differed, as the error the other strategies give: `PeerRejected`
-/// when the peer's call was refused on its host, else `RankMismatch` naming what differs.
-pub fn mismatch_error(me: usize, peer: usize, call: u64, mine: u64, theirs: u64) -> Error {
+/// when the peer's call was refused on its host (`refusal` gives its reason), else
+/// `RankMismatch` naming what differs.
+pub fn mismatch_error(
+    me: usize,
+    peer: usize,
+    call: u64,
+    mine: u64,
+    theirs: u64,
+    refusal: impl Fn(usize) -> String,
+) -> Error {
     let pattern = |d: u64| ((d >> 4) & 0xf) as u32;
     if pattern(theirs) == PATTERN_PUSH_REJECTED {
         return Error::PeerRejected {
             rank: peer,
             call,
-            reason: "its arguments were refused".into(),
+            reason: refusal(peer),
         };
     }
     let (what, a, b) = if (mine >> 1) & 3 != (theirs >> 1) & 3 {
@@ -275,6 +283,7 @@ mod tests {
             7,
             desc(9, DType::BF16, false),
             desc(10, DType::BF16, false),
+            |_| unreachable!(),
         );
         assert!(
             matches!(&e, Error::RankMismatch { what: "length", call: 7, detail } if detail.contains("has 9, rank 1 has 10")),
@@ -286,6 +295,7 @@ mod tests {
             7,
             desc(8, DType::F16, false),
             desc(4, DType::F32, false),
+            |_| unreachable!(),
         );
         assert!(
             matches!(&e, Error::RankMismatch { what: "dtype", .. }),
@@ -297,8 +307,12 @@ mod tests {
             7,
             desc(8, DType::F16, false),
             desc(0, DType::F32, true),
+            |r| format!("rank {r}'s reason"),
         );
-        assert!(matches!(e, Error::PeerRejected { rank: 1, .. }), "{e:?}");
+        assert!(
+            matches!(&e, Error::PeerRejected { rank: 1, reason, .. } if reason == "rank 1's reason"),
+            "{e:?}"
+        );
         assert!(is_push_desc(desc(3, DType::F32, false)));
         assert!(!is_push_desc(1 << 32 | 4096 << 8 | 1 << 4 | 3 << 1 | 1));
     }

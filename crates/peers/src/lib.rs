@@ -11,10 +11,19 @@
 //!   residual + RMSNorm and FP8 output), as FlashInfer ships them, with its own launcher.
 //! - [`FlashinferPcie`]: FlashInfer's PCIe IPC all-reduce (`flashinfer::comm::pcie_ipc`), with
 //!   the launch its Python layer picks when nothing was tuned ([`PcieLaunch::seed`]).
+//! - [`Sglang`]: SGLang's custom all-reduce v2 (Lamport push and barrier pull kernels, one- and
+//!   two-shot each), with its Hopper dispatch table ([`SglangConfig`]) and launch
+//!   ([`SglangLaunch`]).
 
 use std::ffi::c_void;
 
 use allreduce_core::DType;
+
+mod sglang;
+pub use sglang::{
+    choose_block_size, sglang_unavailable, two_shot_push_slot_bytes, Sglang, SglangAlgo,
+    SglangConfig, SglangHeuristic, SglangLaunch, SGLANG_MAX_SIZE,
+};
 
 /// The pinned packages the peers were built from, or `None` when they were not fetched.
 pub fn versions() -> Option<&'static str> {

@@ -83,8 +83,11 @@ struct Control {        // host-mapped pinned memory, zeroed at creation
   unsigned int epoch;   // the epoch it waited for / of the call
   unsigned long long waited_ns;
   unsigned long long mine;    // mismatch: this rank's descriptor
-  unsigned long long theirs;  // mismatch: the peer's
+  unsigned long long theirs;  // mismatch: the peer's; timeout: kTimeoutInFused or 0 (exact)
 };
+// What a timeout's `theirs` holds when a fused kernel's poll timed out: the host then reads
+// the call tags, not the barrier flags, to tell which ranks never arrived.
+constexpr unsigned long long kTimeoutInFused = 1;
 constexpr unsigned int kErrorTimeout = 1;
 // Not fatal: every rank of the call saw the same descriptors and skipped it. The host clears
 // it once reported; a timeout (which leaves ranks out of step) is never cleared.

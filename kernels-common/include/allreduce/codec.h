@@ -346,11 +346,12 @@ AR_DEVICE uint16_t encode_plain(const float (&x)[kN], const Scan& sc, uint32_t (
   // The scale's f32 bits (field << 16); the value rounded is finite here, so round_scale's
   // NaN case cannot arise.
   uint32_t sbits = 0;
+  // div_rn(amax, 256) (codec::FP8_BLOCK_MAX) and div_rn(-m, H): both divisors are powers of
+  // two, so the product by 2^-k is the same correctly rounded value of the same exact quotient
+  // (subnormal results included).
   if (C::kFp8) {
-    if (sc.finite && sc.amax != 0.0f) sbits = round_scale_bits(div_rn(sc.amax, 448.0f));
+    if (sc.finite && sc.amax != 0.0f) sbits = round_scale_bits(mul_rn(sc.amax, 1.0f / 256.0f));
   } else {
-    // div_rn(-m, H): H is a power of two, so the product by 2^-k is the same correctly
-    // rounded value of the same exact quotient (subnormal results included).
     if (sc.finite && sc.amax != 0.0f) sbits = round_scale_bits(mul_rn(-sc.m, 1.0f / float(C::kH)));
   }
   const uint16_t field = static_cast<uint16_t>(sbits >> 16);
@@ -637,6 +638,27 @@ AR_DEVICE void store_codes(char* block, int q, const Codes<C, kN>& c) {
   }
 }
 
+// The smallest nonzero |x| of the block over the lane group, in every lane (0 for a block of
+// zeros): minima of |x|'s bits minus 1, two elements an instruction, where a zero wraps to the
+// largest pattern and never wins (non-negative f32 order as their bits do).
+template <int kN>
+AR_DEVICE float group_min_nonzero_abs(const float (&x)[kN]) {
+  auto nz_bits = [](float v) { return as_uint(abs_f(v)) - 1u; };
+  uint32_t b = nz_bits(x[0]);
+#pragma unroll
+  for (int j = 1; j + 1 < kN; j += 2) b = min3_u32(b, nz_bits(x[j]), nz_bits(x[j + 1]));
+  b = min3_u32(b, nz_bits(x[kN - 1]), b);
+  if constexpr (kN <= 16) {
+    const uint32_t p = quad_xor<1>(b);
+    b = p < b ? p : b;
+  }
+  if constexpr (kN <= 8) {
+    const uint32_t p = quad_xor<2>(b);
+    b = p < b ? p : b;
+  }
+  return as_float(b + 1u);
+}
+
 // codec::encode_block (v1 codecs): the block's N codes of this lane, packed, and its field.
 template <typename C, int kN>
 AR_DEVICE uint16_t encode_v1(const float (&x)[kN], int q, Codes<C, kN>& out) {
@@ -669,7 +691,9 @@ AR_DEVICE uint16_t encode_v1(const float (&x)[kN], int q, Codes<C, kN>& out) {
     // Both products are exact (7-bit scales): s_h^2 < 32 s_p^2 is s_h < sqrt(32) s_p. And the
     // transform must beat the rest of the block (a spike far above it is better plain).
     const float rest = mul_rn(kAdaptiveRestWeight, sub_rn(abs_sum(x), ax.amax));
-    const bool hadamard = tried && mul_rn(sh, sh) < mul_rn(mul_rn(sp, sp), 32.0f) && sh < rest;
+    // A block of one nonzero magnitude stays plain (exact for constants).
+    const bool one_magnitude = group_min_nonzero_abs(x) == ax.amax;
+    const bool hadamard = tried && !one_magnitude && mul_rn(sh, sh) < mul_rn(mul_rn(sp, sp), 32.0f) && sh < rest;
     float v[kN];
 #pragma unroll
     for (int j = 0; j < kN; ++j) v[j] = hadamard ? y[j] : x[j];

@@ -183,6 +183,12 @@ AR_DEVICE float code_of(float v, float lo, float hi) {
   return min_f(max_f(rne_small(v), lo), hi);
 }
 
+// v2::finite_code: a code c (an integer, |c| >= 1 wherever it matters) whose decoded value
+// c * S rounds to +-Inf, one toward zero.
+AR_DEVICE float finite_code(float c, float s) {
+  return abs_f(mul_rn(c, s)) > 3.40282347e38f ? sub_rn(c, c > 0.0f ? 1.0f : -1.0f) : c;
+}
+
 // A quotient's code clamp(RNE(v), -H, H-1), for a quotient by a balanced scale (below): as
 // its biased code word H + code (code_bits: the f32 subnormal (v + H) 2^-149 rounded onto the
 // subnormal grid of step 2^-149 is RNE(v + H) = RNE(v) + H, H even; nothing above the word's
@@ -272,12 +278,18 @@ AR_DEVICE Side2 plain_v2(const float (&x)[kN], int q, const ScanK& sc, bool empt
   const float s0 = mul_rn(abs_f(sc.m), inv_kh) <= abs_f(rest) ? rest : mul_rn(-sc.m, inv_kh);
   const float s = round_to_scale<C>(s0);
   empty = empty || s == 0.0f;
-  const float kqf = empty ? 0.0f : code_of(div_rn(sc.m, s), -kh, kh - 1.0f);
+  const float kqf = empty ? 0.0f : finite_code(code_of(div_rn(sc.m, s), -kh, kh - 1.0f), s);
   const int32_t kq = static_cast<int32_t>(kqf);
   k_low = uint32_t(kq) & ((1u << C::kCodeBits) - 1u);  // its slot's code word
   k = empty ? 0 : sc.k;
   float qt[kN];
   quotients<kN, C::kH>(x0, empty ? 1.0f : s, qt);
+  // Below H |S| = 2^127 no code can decode past f32's maximum (group-uniform, almost never
+  // taken): the reference's finite_code on every code only where it can change one.
+  if (abs_f(s) >= 0x1p127f / float(C::kH)) {
+#pragma unroll
+    for (int j = 0; j < kN; ++j) qt[j] = finite_code(rne_small(clamp_top<C>(qt[j])), s);
+  }
   float off = 0.0f;  // the sum of |x - code * S| over the others
 #pragma unroll
   for (int j = 0; j < kN; ++j) {
@@ -443,7 +455,7 @@ AR_DEVICE float e2m1_to_f32(uint32_t c) {
 
 // v2::fp4_exponent.
 AR_DEVICE int fp4_exponent(float a) {
-  const uint32_t b = as_uint(div_rn(a, 2688.0f));
+  const uint32_t b = as_uint(div_rn(a, 1792.0f));
   const int biased = int(b >> 23);
   if (biased == 0) return -126;
   const int e = biased - 127 + int((b & 0x7FFFFFu) != 0);
@@ -456,7 +468,11 @@ AR_DEVICE Side2 encode_fp4(const float (&x)[kN], int q, Codes<C, kN>& out) {
   // The halves' largest magnitudes, in every lane: ah[0] of elements 0..15, ah[1] of 16..31.
   // With a NaN-propagating max they also give the block's amax and finiteness (Inf is the
   // largest magnitude, a NaN wins over everything), one instruction per element in all.
-  float ah[2];
+  // The halves' smallest nonzero magnitudes likewise (al; a NaN's effect on them is discarded
+  // with the poisoned block): a half whose two are equal maps to 4 (v2::FP4_CONSTANT_TOP).
+  // Minima of |x|'s bits minus 1, two elements an instruction: a zero wraps to the largest
+  // pattern and never wins; a half of zeros gives 0 back, the same scale 0 as the reference.
+  float ah[2], al[2];
   auto amax_of = [](float a, float b) {
 #if AR_MAX_NAN
     return max_nan(a, b);
@@ -464,23 +480,45 @@ AR_DEVICE Side2 encode_fp4(const float (&x)[kN], int q, Codes<C, kN>& out) {
     return max_f(a, b);
 #endif
   };
+  auto nz_bits = [](float v) { return as_uint(abs_f(v)) - 1u; };
   if constexpr (kN == 32) {
     ah[0] = abs_f(x[0]);
     ah[1] = abs_f(x[16]);
+    uint32_t lb[2] = {nz_bits(x[0]), nz_bits(x[16])};
 #pragma unroll
     for (int j = 1; j < 16; ++j) {
       ah[0] = amax_of(ah[0], abs_f(x[j]));
       ah[1] = amax_of(ah[1], abs_f(x[16 + j]));
     }
+#pragma unroll
+    for (int j = 1; j < 15; j += 2) {
+      lb[0] = min3_u32(lb[0], nz_bits(x[j]), nz_bits(x[j + 1]));
+      lb[1] = min3_u32(lb[1], nz_bits(x[16 + j]), nz_bits(x[17 + j]));
+    }
+    lb[0] = min3_u32(lb[0], nz_bits(x[15]), lb[0]);
+    lb[1] = min3_u32(lb[1], nz_bits(x[31]), lb[1]);
+    al[0] = as_float(lb[0] + 1u);
+    al[1] = as_float(lb[1] + 1u);
   } else {
     float own = abs_f(x[0]);
+    uint32_t own_lb = nz_bits(x[0]);
 #pragma unroll
     for (int j = 1; j < kN; ++j) own = amax_of(own, abs_f(x[j]));
-    if constexpr (kN == 8) own = amax_of(own, quad_xor<1>(own));
+#pragma unroll
+    for (int j = 1; j + 1 < kN; j += 2) own_lb = min3_u32(own_lb, nz_bits(x[j]), nz_bits(x[j + 1]));
+    own_lb = min3_u32(own_lb, nz_bits(x[kN - 1]), own_lb);
+    if constexpr (kN == 8) {
+      own = amax_of(own, quad_xor<1>(own));
+      const uint32_t p = quad_xor<1>(own_lb);
+      own_lb = p < own_lb ? p : own_lb;
+    }
     const float other = kN == 8 ? quad_xor<2>(own) : quad_xor<1>(own);
+    const uint32_t other_lb = kN == 8 ? quad_xor<2>(own_lb) : quad_xor<1>(own_lb);
     const bool low = q * kN < 16;
     ah[0] = low ? own : other;
     ah[1] = low ? other : own;
+    al[0] = as_float((low ? own_lb : other_lb) + 1u);
+    al[1] = as_float((low ? other_lb : own_lb) + 1u);
   }
 #if AR_MAX_NAN
   const float a = max_nan(ah[0], ah[1]);
@@ -497,7 +535,7 @@ AR_DEVICE Side2 encode_fp4(const float (&x)[kN], int q, Codes<C, kN>& out) {
   float s[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    sc8[i] = live ? f32_to_e4m3(div_rn(div_rn(ah[i], 6.0f), g)) : 0u;
+    sc8[i] = live ? f32_to_e4m3(div_rn(div_rn(ah[i], al[i] == ah[i] ? 4.0f : 6.0f), g)) : 0u;
     // v2::encode_fp4: a half scale whose code 6 would overflow takes the next lower E4M3.
     sc8[i] -= mul_rn(mul_rn(e4m3_to_f32(sc8[i]), g), 6.0f) > 3.40282347e38f ? 1u : 0u;
     s[i] = mul_rn(e4m3_to_f32(sc8[i]), g);

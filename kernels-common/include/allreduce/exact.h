@@ -35,6 +35,7 @@ AR_DEVICE char* reduced_of(char* ws, const Args& a) {
 AR_DEVICE void record_timeout(Control* c, const Args& a, unsigned b, uint32_t epoch, u64 waited) {
   if (cas_sys(&c->error, 0u, kErrorTimeout) != 0u) return;  // keep the first report
   c->rank = a.rank;
+  c->theirs = 0;  // a barrier's flags (not kTimeoutInFused)
   c->block = b;
   c->epoch = epoch;
   c->waited_ns = waited;

@@ -58,6 +58,9 @@ namespace fused {
 constexpr int kMaxVecs = 4;  // 16-byte vectors of one row per thread: a row is held in registers
 constexpr int kPushUnroll = 4;  // input vectors each thread loads before pushing them
 constexpr uint32_t kPatternAllReduce = 0, kPatternNorm = 1, kPatternNormFp8 = 2, kPatternNormFp8Static = 3;
+// A rank whose arguments the host refused launches with this pattern and no rows (the host's
+// REJECTED_PATTERN_CODE): its tag matches no call, so every rank skips the call.
+constexpr uint32_t kPatternRejected = 15;
 
 // One block's call state; kMaxBlocks of them per rank (the workspace's "flag" region).
 struct BlockState {
@@ -280,6 +283,7 @@ AR_DEVICE void report_timeout(const FusedKernelArgs& a, uint32_t calls, u64 wait
     c->block = block_x();
     c->epoch = calls;
     c->waited_ns = waited;
+    c->theirs = kTimeoutInFused;
   }
   for (unsigned r = 0; r < a.world; ++r) st_release_sys(abort_word(a.ws[r]), 1u);
   fence_system();
@@ -399,8 +403,10 @@ AR_DEVICE void send_tag(const FusedKernelArgs& a, uint32_t calls, uint32_t buffe
 
 // Not fatal: every rank sees the same tags and skips the call; the host reports it once and
 // clears it, as the exact kernels' kErrorMismatch. A timeout or abort recorded first is kept.
+// A refusing rank records nothing: its caller has the error already (as kDescRejected).
 AR_DEVICE void record_mismatch(const FusedKernelArgs& a, uint32_t peer, uint32_t calls, u64 mine, u64 theirs) {
   Control* c = a.control;
+  if (a.pattern == kPatternRejected) return;
   if (cas_sys(&c->error, 0u, kErrorFusedMismatch) == 0u) {
     c->rank = peer;
     c->block = block_x();

@@ -179,9 +179,25 @@ impl IntBlock {
     }
 }
 
+/// A plain code (or `K`) whose decoded value `c * S` would round to ±Inf, one toward zero.
+///
+/// Only an element within half a step of f32's maximum can round past it: a rounded-up scale
+/// puts `-H S` (or `-KH S`) above the largest element, or `rne` rounds its quotient up. One code
+/// toward zero decodes below the element itself (`|c S| - |S| < |x|`), finite, within one step
+/// `|S|` of it instead of half a step. Unclamped codes are integers of magnitude >= 1 there.
+#[inline]
+fn finite_code(c: f32, s: f32) -> f32 {
+    if (c * s).is_infinite() {
+        c - c.signum()
+    } else {
+        c
+    }
+}
+
 /// The plain candidate: the largest element `m = x[k]` on the scale's grid as `K`, the rest
 /// with the second-largest `m2` at code `-H`, unless `m` would not fit `K`'s range, in which
-/// case `m` takes `K = -2^(w-1)` and sets the scale.
+/// case `m` takes `K = -2^(w-1)` and sets the scale. Codes and `K` that would decode to ±Inf
+/// are one toward zero ([`finite_code`]).
 pub(super) fn plain_candidate(codec: Codec, x: &[f32; BLOCK], k: usize, m: f32) -> IntBlock {
     let h = codec.half_range().expect("integer codec") as f32;
     let kh = (1u32 << (spike_bits(codec) - 1)) as f32;
@@ -198,9 +214,9 @@ pub(super) fn plain_candidate(codec: Codec, x: &[f32; BLOCK], k: usize, m: f32) 
     }
     let mut u = [0u8; BLOCK];
     for (c, &v) in u.iter_mut().zip(x) {
-        *c = (rne_small(v / s).clamp(-h, h - 1.0) + h) as u8;
+        *c = (finite_code(rne_small(v / s).clamp(-h, h - 1.0), s) + h) as u8;
     }
-    let kq = rne_small(m / s).clamp(-kh, kh - 1.0) as i32;
+    let kq = finite_code(rne_small(m / s).clamp(-kh, kh - 1.0), s) as i32;
     u[k] = (kq & ((1 << codec.code_bits()) - 1)) as u8;
     IntBlock {
         u,
@@ -323,11 +339,20 @@ fn int_read(codec: Codec, codes: &[u8], side: &[u8]) -> IntBlock {
     }
 }
 
+/// fp4: the E2M1 value a half whose nonzero elements share one magnitude (a constant, also
+/// beside the zero padding of a ragged tensor's last block, or its sign pattern) maps them
+/// to: 4, a power of two, so the half scale `amax_h / 4` is exact for every magnitude of at
+/// most 4 significant bits and the half comes back exactly. Every other half maps its largest
+/// magnitude to 6 (E2M1's largest), whose third in the scale makes no constant exact (1.0
+/// came back as 1.03125); for a half of one magnitude the two cost the same precision.
+const FP4_CONSTANT_TOP: f32 = 4.0;
+
 /// fp4: the group exponent `e` of a block whose largest magnitude is `a > 0`: the smallest
-/// power of two `G = 2^e >= a / 2688` (`2688 = 6 * 448`, so every half's scale
-/// `amax_h / 6 / G` is at most 448), clamped to `[-126, 127]` so that `G` is an f32 normal.
+/// power of two `G = 2^e >= a / 1792` (`1792 = 4 * 448`, so every half's scale
+/// `amax_h / 6 / G` or `amax_h / 4 / G` is at most 448), clamped to `[-126, 127]` so that
+/// `G` is an f32 normal.
 fn fp4_exponent(a: f32) -> i32 {
-    let t = a / (E2M1_MAX * E4M3_MAX);
+    let t = a / (FP4_CONSTANT_TOP * E4M3_MAX);
     let b = t.to_bits();
     let biased = (b >> 23) as i32;
     if biased == 0 {
@@ -360,7 +385,13 @@ fn encode_fp4(x: &[f32; BLOCK], codes: &mut [u8], side: &mut [u8]) {
     side[0] = (e + 127) as u8;
     for (half, (xs, cs)) in x.chunks_exact(16).zip(c.chunks_exact_mut(16)).enumerate() {
         let ah = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let mut sc = f32_to_e4m3((ah / E2M1_MAX) / g);
+        // The smallest nonzero magnitude (+Inf for a half of zeros, whose scale is 0 anyway).
+        let al = xs
+            .iter()
+            .filter(|v| **v != 0.0)
+            .fold(f32::INFINITY, |m, v| m.min(v.abs()));
+        let top = if al == ah { FP4_CONSTANT_TOP } else { E2M1_MAX };
+        let mut sc = f32_to_e4m3((ah / top) / g);
         // Near f32's maximum the rounded-up half scale times E2M1's 6 can overflow, and the
         // largest code would decode to Inf: the next lower scale then (one E4M3 step, at
         // most 1/8, under the half's maximum: its codes saturate at 6 within the bound).
@@ -436,14 +467,15 @@ pub(super) fn decode_block(codec: Codec, codes: &[u8], side: &[u8], out: &mut [f
 /// transforms' roundings, covered by 2^-10, and an absolute 2^-60).
 ///
 /// fp4: a half's scale `S = e4m3(amax_h / 6 / G) G` is within 2^-4 of `amax_h / 6` (E4M3's
-/// 3 mantissa bits) plus `2^-10 G` (its subnormals), `G < amax / 1344`; E2M1's coarsest
-/// rounding is `S` (half the spacing 2 of [4, 6]) and saturation at 6 costs less. So
-/// `amax / 6 * 17/16 + 2^-10 amax / 1344`, plus 2^-130 for blocks at the bottom of the
-/// range.
+/// 3 mantissa bits) plus `2^-10 G` (its subnormals), `G < amax / 896`; E2M1's coarsest
+/// rounding is `S` (half the spacing 2 of [4, 6]) and saturation at 6 costs less. A half of
+/// one magnitude (scale `amax_h / 4`) codes every element as ±4 within 2^-4 of itself plus
+/// `4 * 2^-10 G`, or to zero where its scale is. So `amax / 6 * 17/16 + 4 * 2^-10 amax /
+/// 896`, plus 2^-130 for blocks at the bottom of the range.
 pub(super) fn step_bound(codec: Codec, amax: f32) -> f32 {
     let a = f64::from(amax.abs());
     let b = if codec == Codec::Fp4E2M1 {
-        a / 6.0 * (17.0 / 16.0) + a / 1344.0 / 1024.0 + 2f64.powi(-130)
+        a / 6.0 * (17.0 / 16.0) + 4.0 * a / 896.0 / 1024.0 + 2f64.powi(-130)
     } else {
         let h = f64::from(codec.half_range().expect("integer codec"));
         let kh = f64::from(1u32 << (spike_bits(codec) - 1));

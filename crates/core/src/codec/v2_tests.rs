@@ -391,7 +391,7 @@ fn error_within_step_bound_on_gaussian_and_spiky_blocks() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(2000))]
+    #![proptest_config(super::prop_config::config(2000))]
 
     #[test]
     fn prop_v2_error_within_step_bound(
@@ -441,6 +441,57 @@ fn fp4_near_the_largest_f32_stays_finite() {
         x[20] = a;
         let y = assert_within_bound(Codec::Fp4E2M1, &x);
         assert!(y.iter().all(|v| v.is_finite()), "{a}: {y:?}");
+    }
+}
+
+/// Blocks whose largest element lies within a rounding of f32's maximum: a code or `K` that
+/// rounds away from zero past it would decode to Inf; it is taken one toward zero.
+#[test]
+fn int_v2_near_the_largest_f32_stays_finite() {
+    // Found by `prop_v2_error_within_step_bound`: one element, q4v2's 7-bit scale rounds
+    // `m / 64` up, and `K = -64` decoded `64 S` past f32::MAX.
+    let mut v = [0.0f32; BLOCK];
+    v[14] = 0.960_623_8;
+    let mut x = v.map(|a| a * 10f32.powi(33));
+    x[14] *= 353_633.94;
+    let mut blocks = vec![x];
+    for a in [
+        f32::MAX,
+        -f32::MAX,
+        3.4e38,
+        -3.39e38,
+        2.0f32.powi(127) * 1.999,
+    ] {
+        let mut x = [0.0f32; BLOCK];
+        x[5] = a;
+        blocks.push(x);
+        // The rest sets the scale and rounds it up: a code `-H` or `H-1` past the maximum.
+        blocks.push(std::array::from_fn(|i| if i % 3 == 0 { a } else { -a }));
+        blocks.push(std::array::from_fn(
+            |i| if i == 9 { a } else { -a / 1.0001 },
+        ));
+        // The rest's scale carries `m` and `rne(m / S)` rounds `K` up past the maximum.
+        for d in [7.5f32, 100.5, 2000.5, 30000.5] {
+            blocks.push(std::array::from_fn(|i| match i {
+                0 => a,
+                1 => -a / d,
+                _ => a / (2.0 * d),
+            }));
+        }
+    }
+    let mut rng = Rng(41);
+    for _ in 0..3000 {
+        let mut x = rng.block(3e37);
+        let k = (rng.next() % 32) as usize;
+        x[k] = f32::MAX * (1.0 - (rng.next() % 1000) as f32 * 1e-6);
+        x[k] = if rng.next() % 2 == 0 { x[k] } else { -x[k] };
+        blocks.push(x);
+    }
+    for x in &blocks {
+        for codec in INTS {
+            let y = assert_within_bound(codec, x);
+            assert!(y.iter().all(|v| v.is_finite()), "{codec}: {x:?} -> {y:?}");
+        }
     }
 }
 

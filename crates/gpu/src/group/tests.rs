@@ -2496,6 +2496,29 @@ fn push_calls_launch_the_push_kernel_with_every_ranks_buffers() {
         (a.tokens, a.pattern),
         (0, crate::push::PATTERN_PUSH_REJECTED)
     );
+    // A peer in this process that the kernels tell of the refusal reports its reason.
+    let refused = |tokens: u64| tokens << 32 | 5 << 4 | 1 << 1 | 1;
+    let bf16 = |tokens: u64, tail: u64| tokens << 32 | tail << 8 | 4 << 4 | 3 << 1 | 1;
+    write_control(
+        &comms[1],
+        1,
+        Control {
+            error: abi::ERROR_FUSED_MISMATCH,
+            rank: 2,
+            epoch: 1,
+            mine: bf16(126, 1),
+            theirs: refused(0),
+            ..Default::default()
+        },
+    );
+    match comms[1].synchronize(Stream::NULL) {
+        Err(Error::PeerRejected {
+            rank: 2, reason, ..
+        }) => {
+            assert_eq!(reason, e.to_string())
+        }
+        other => panic!("{other:?}"),
+    }
 
     // Lossy: not this strategy.
     assert!(c
@@ -2532,4 +2555,231 @@ fn push_calls_launch_the_push_kernel_with_every_ranks_buffers() {
         other => panic!("{other:?}"),
     }
     assert!(c.synchronize(Stream::NULL).is_ok());
+}
+
+#[test]
+fn a_fused_refusal_joins_with_the_refusal_pattern_and_reaches_the_peers_with_its_reason() {
+    let config = allreduce_core::FusedConfig::new(16, 1024, DType::BF16);
+    let (comms, fused) = fused_group(vec![0, 1, 2], &config);
+    take_launches();
+    let why = Error::WorkspaceExceeded {
+        what: "tokens",
+        requested: 17,
+        max: 16,
+    };
+    fused[2].reject(&why, Stream::NULL);
+    let l = take_launches().pop().expect("one launch");
+    assert_eq!(l.kernel, "ar_fused_oneshot_bf16_w0");
+    let a = l.fused();
+    assert_eq!((a.rank, a.tokens, a.hidden), (2, 0, 1024));
+    assert_eq!(
+        u64::from(a.pattern),
+        allreduce_core::fused::REJECTED_PATTERN_CODE
+    );
+    // What the kernels record on a peer whose tags showed the refusal.
+    let mine = 2u64 << 32 | 1024 << 8 | 1 << 4 | 3 << 1 | 1;
+    let refusal = 1024 << 8 | allreduce_core::fused::REJECTED_PATTERN_CODE << 4 | 3 << 1 | 1;
+    write_control(
+        &comms[0],
+        0,
+        Control {
+            error: abi::ERROR_FUSED_MISMATCH,
+            rank: 2,
+            epoch: 9,
+            mine,
+            theirs: refusal,
+            ..Default::default()
+        },
+    );
+    match comms[0].synchronize(Stream::NULL) {
+        Err(Error::PeerRejected {
+            rank: 2, reason, ..
+        }) => assert_eq!(reason, why.to_string()),
+        other => panic!("{other:?}"),
+    }
+    // Reported once; the group is intact.
+    comms[0].synchronize(Stream::NULL).unwrap();
+    // A plain refusal carries its reason to the peers as well.
+    let plain = Error::InvalidArgument("input and output overlap".into());
+    comms[1].reject(&plain, Stream::NULL);
+    write_control(
+        &comms[0],
+        0,
+        Control {
+            error: abi::ERROR_MISMATCH,
+            rank: 1,
+            mine: Desc::new(100, 2, 1, 0).0,
+            theirs: Desc::REJECTED.0,
+            ..Default::default()
+        },
+    );
+    match comms[0].synchronize(Stream::NULL) {
+        Err(Error::PeerRejected {
+            rank: 1, reason, ..
+        }) => assert_eq!(reason, plain.to_string()),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_fused_shape_mismatch_is_core_s_comparison() {
+    let comms = group(vec![0, 1]);
+    let desc = |pattern: u64| 2u64 << 32 | 1024 << 8 | pattern << 4 | 3 << 1 | 1;
+    write_control(
+        &comms[1],
+        1,
+        Control {
+            error: abi::ERROR_FUSED_MISMATCH,
+            rank: 0,
+            epoch: 4,
+            mine: desc(0),
+            theirs: desc(1),
+            ..Default::default()
+        },
+    );
+    let want = allreduce_core::fused::call_desc_of(desc(0))
+        .unwrap()
+        .mismatch(
+            1,
+            0,
+            4,
+            &allreduce_core::fused::call_desc_of(desc(1)).unwrap(),
+        );
+    assert_eq!(comms[1].synchronize(Stream::NULL).err(), want);
+    assert!(want.is_some());
+}
+
+#[test]
+fn a_timeout_names_the_ranks_whose_flags_never_came() {
+    let comms = group(vec![0, 1, 2, 3]);
+    // Rank 0's block 5 waited for epoch 7: ranks 1 and 3 never raised their flags in its
+    // workspace (rank 3's is one barrier behind), rank 2 did.
+    let flags = comms[0].group.peers[0] + (abi::FLAGS_OFFSET + 5 * MAX_WORLD * 4) as u64;
+    for (p, epoch) in [(0u64, 7u32), (1, 0), (2, 7), (3, 6)] {
+        // SAFETY: inside rank 0's mock workspace (host memory).
+        unsafe { std::ptr::write((flags + 4 * p) as *mut u32, epoch) };
+    }
+    write_control(
+        &comms[0],
+        0,
+        Control {
+            error: abi::ERROR_TIMEOUT,
+            rank: 0,
+            block: 5,
+            epoch: 7,
+            waited_ns: 2_000_000_000,
+            ..Default::default()
+        },
+    );
+    let text = comms[0].synchronize(Stream::NULL).unwrap_err().to_string();
+    assert!(text.contains("after 2.0 s"), "{text}");
+    assert!(text.contains("(ranks 1, 3 never arrived)"), "{text}");
+}
+
+#[test]
+fn a_fused_timeout_names_the_ranks_whose_call_tags_never_came() {
+    let config = allreduce_core::FusedConfig::new(16, 1024, DType::BF16);
+    let (comms, fused) = fused_group(vec![0, 1, 2], &config);
+    // A refusal is a fused call like any other: it says which workspace rank 1 runs on.
+    fused[1].reject(&Error::InvalidArgument("x".into()), Stream::NULL);
+    let a = take_launches().pop().expect("the refusal's launch").fused();
+    // Fused call 4 (buffer 1): only rank 0's tag arrived in rank 1's buffer.
+    let tags = a.lamport[1] + 2 * a.comm_bytes - allreduce_core::fused::TAG_BYTES as u64;
+    for (p, tag) in [(0u64, 5u32), (1, 5), (2, 4)] {
+        // SAFETY: inside rank 1's mock Lamport buffers (host memory).
+        unsafe { std::ptr::write((tags + 16 * p) as *mut u32, tag) };
+    }
+    write_control(
+        &comms[0],
+        1,
+        Control {
+            error: abi::ERROR_TIMEOUT,
+            rank: 1,
+            epoch: 4,
+            waited_ns: 300_000_000,
+            theirs: abi::TIMEOUT_IN_FUSED,
+            ..Default::default()
+        },
+    );
+    let text = comms[1].synchronize(Stream::NULL).unwrap_err().to_string();
+    assert!(text.contains("300.0 ms"), "{text}");
+    assert!(text.contains("fused call 4"), "{text}");
+    assert!(text.contains("(rank 2 never arrived)"), "{text}");
+}
+
+#[test]
+fn a_push_timeout_names_the_ranks_whose_call_tags_never_came() {
+    let comms = group(vec![0, 1, 2]);
+    take_launches();
+    let push = AllReduceOptions::default().strategy(Strategy::PushOneShot);
+    let call = prepared(&comms[1], 0x10000, 0x1_000_000, 64, DType::BF16, push);
+    comms[1].all_reduce(&call).unwrap();
+    let a = take_launches().pop().expect("the push launch").fused();
+    // Push call 4 (buffer 1): only rank 0's tag arrived in rank 1's receive buffer.
+    let tags = a.lamport[1] + 2 * a.comm_bytes - allreduce_core::fused::TAG_BYTES as u64;
+    for (p, tag) in [(0u64, 5u32), (1, 5), (2, 4)] {
+        // SAFETY: inside rank 1's mock receive buffers (host memory).
+        unsafe { std::ptr::write((tags + 16 * p) as *mut u32, tag) };
+    }
+    write_control(
+        &comms[0],
+        1,
+        Control {
+            error: abi::ERROR_TIMEOUT,
+            rank: 1,
+            epoch: 4,
+            waited_ns: 300_000_000,
+            theirs: abi::TIMEOUT_IN_FUSED,
+            ..Default::default()
+        },
+    );
+    let text = comms[1].synchronize(Stream::NULL).unwrap_err().to_string();
+    assert!(text.contains("push call 4"), "{text}");
+    assert!(text.contains("(rank 2 never arrived)"), "{text}");
+}
+
+#[test]
+fn an_aborted_rank_names_the_peers_its_flags_show_behind() {
+    // A rank of a multi-process group whose kernel left on the abort word (a peer in another
+    // process timed out): its own workspace's flags at that block show who never came. Here
+    // ranks 0 and 3 reached epoch 9, rank 2 stopped at 8 (killed), rank 1 is the reader.
+    let comms = group(vec![0, 1, 2, 3]);
+    let flags = comms[1].group.peers[1] + (abi::FLAGS_OFFSET + 4 * MAX_WORLD * 4) as u64;
+    for (p, epoch) in [(0u64, 9u32), (1, 9), (2, 8), (3, 9)] {
+        // SAFETY: inside rank 1's mock workspace (host memory).
+        unsafe { std::ptr::write((flags + 4 * p) as *mut u32, epoch) };
+    }
+    write_control(
+        &comms[1],
+        1,
+        Control {
+            error: abi::ERROR_ABORTED,
+            rank: 1,
+            block: 4,
+            ..Default::default()
+        },
+    );
+    match comms[1].synchronize(Stream::NULL) {
+        Err(Error::Aborted { reason }) => assert!(
+            reason.contains("rank 2 had not arrived at block 4"),
+            "{reason}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    // Level flags (an abort between barriers) name nobody rather than the wrong rank.
+    let comms = group(vec![0, 1]);
+    write_control(
+        &comms[0],
+        0,
+        Control {
+            error: abi::ERROR_ABORTED,
+            rank: 0,
+            block: 2,
+            ..Default::default()
+        },
+    );
+    match comms[0].synchronize(Stream::NULL) {
+        Err(Error::Aborted { reason }) => assert!(!reason.contains("had not arrived"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
 }
