@@ -173,16 +173,7 @@ pub unsafe extern "C" fn ar_all_reduce_fused(
     stream: *mut c_void,
 ) -> ar_result_t {
     call::run(|| {
-        let found = handle::comm(comm)?;
-        let ws = handle::workspace(workspace)?;
-        if !Arc::ptr_eq(&found.group, &ws.group) || found.index != ws.rank {
-            return Err(Error::InvalidArgument(format!(
-                "the workspace is rank {}'s of another group or rank than comm (rank {})",
-                ws.rank,
-                found.comm().rank()
-            ))
-            .into());
-        }
+        let (found, ws) = comm_and_workspace(comm, workspace)?;
         let stream = Stream::from_raw(stream);
         // SAFETY: the caller's promise, passed on.
         let checked = unsafe { build(args, &ws.workspace, found.comm().device(), stream) };
@@ -216,16 +207,7 @@ pub unsafe extern "C" fn ar_fused_reject(
     stream: *mut c_void,
 ) -> ar_result_t {
     call::run(|| {
-        let found = handle::comm(comm)?;
-        let ws = handle::workspace(workspace)?;
-        if !Arc::ptr_eq(&found.group, &ws.group) || found.index != ws.rank {
-            return Err(Error::InvalidArgument(format!(
-                "the workspace is rank {}'s of another group or rank than comm (rank {})",
-                ws.rank,
-                found.comm().rank()
-            ))
-            .into());
-        }
+        let (found, ws) = comm_and_workspace(comm, workspace)?;
         let text = if reason.is_null() {
             "the caller refused its arguments".to_string()
         } else {
@@ -359,4 +341,23 @@ impl Views {
         // SAFETY: the caller's promise.
         (!p.is_null()).then(|| unsafe { BufMut::from_raw(p as usize, len, dtype, self.device) })
     }
+}
+
+/// `comm` and `workspace` looked up, with the workspace checked to be this rank's of the same
+/// group: a fused call or refusal on another rank's workspace would wait on the wrong peers.
+fn comm_and_workspace(
+    comm: ar_comm_t,
+    workspace: ar_fused_workspace_t,
+) -> Result<(handle::CommRef, WorkspaceRef), Failure> {
+    let found = handle::comm(comm)?;
+    let ws = handle::workspace(workspace)?;
+    if !Arc::ptr_eq(&found.group, &ws.group) || found.index != ws.rank {
+        return Err(Error::InvalidArgument(format!(
+            "the workspace is rank {}'s of another group or rank than comm (rank {})",
+            ws.rank,
+            found.comm().rank()
+        ))
+        .into());
+    }
+    Ok((found, ws))
 }
