@@ -267,8 +267,11 @@ impl HostComm {
         let ctx = self.begin();
         self.publish(ctx, desc);
         match call.strategy {
-            Strategy::OneShot => self.one_shot::<T>(ctx, call),
-            Strategy::PushOneShot => self.push_one_shot::<T>(ctx, call),
+            Strategy::OneShot => self.one_shot::<T>(ctx, call, reduce::sum_into),
+            // The reference of the GPU's push one-shot: the one-shot's arithmetic on inputs
+            // whose -0.0 were pushed as +0.0 (the kernel's sentinel is -0.0, so no rank sends
+            // one). The host has no push to make; it stages and sums.
+            Strategy::PushOneShot => self.one_shot::<T>(ctx, call, reduce::sum_pushed_into),
             Strategy::TwoShot => self.two_shot::<T>(ctx, call),
             Strategy::QuantizedTwoShot => {
                 let codec = call
@@ -324,7 +327,14 @@ impl HostComm {
             .collect()
     }
 
-    fn one_shot<T: Element>(&self, ctx: Ctx, call: &Call) -> Result<()> {
+    /// Stage, agree, then sum every rank's staged input with `sum` (the one-shot's
+    /// `reduce::sum_into`, or the push one-shot's `reduce::sum_pushed_into`).
+    fn one_shot<T: Element>(
+        &self,
+        ctx: Ctx,
+        call: &Call,
+        sum: fn(&[&[T]], &mut [T]),
+    ) -> Result<()> {
         self.stage_input(ctx, call);
         self.barrier(ctx, "all ranks to stage their input")?;
         self.agree(ctx)?;
@@ -334,23 +344,7 @@ impl HostComm {
         // SAFETY: `prepare` checked the output's size, alignment and device; the caller
         // lends it exclusively for the call. The input was staged, so in-place is fine.
         let out = unsafe { output_slice::<T>(call) };
-        reduce::sum_into(&inputs, out);
-        Ok(())
-    }
-
-    /// The reference of the GPU's push one-shot: the one-shot's arithmetic on inputs whose
-    /// -0.0 were pushed as +0.0 (the GPU kernel's sentinel is -0.0, so no rank sends one).
-    /// The host has no push to make; it stages and sums as `one_shot` does.
-    fn push_one_shot<T: Element>(&self, ctx: Ctx, call: &Call) -> Result<()> {
-        self.stage_input(ctx, call);
-        self.barrier(ctx, "all ranks to stage their input")?;
-        self.agree(ctx)?;
-        let n = call.len();
-        // SAFETY: as in one_shot.
-        let inputs = unsafe { self.staged::<T>(ctx, n) };
-        // SAFETY: as in one_shot.
-        let out = unsafe { output_slice::<T>(call) };
-        reduce::sum_pushed_into(&inputs, out);
+        sum(&inputs, out);
         Ok(())
     }
 
