@@ -101,24 +101,36 @@ fn run_case(
     Ok(out)
 }
 
+/// A group's communicators and the codecs its quantized two-shot runs.
+type QuantizedGroup = (Vec<allreduce::Communicator>, Vec<Codec>);
+
+/// A group of `world` ranks and the codecs its quantized two-shot runs, or None (the reason
+/// printed) where the backend has too few ranks or no quantized two-shot.
+fn quantized_group(h: &dyn Harness, world: usize) -> Result<Option<QuantizedGroup>, String> {
+    if world > h.max_world() {
+        println!(
+            "    world {world} skipped: the backend runs at most {} ranks",
+            h.max_world()
+        );
+        return Ok(None);
+    }
+    let comms = crate::suite::group_of(h, world)?;
+    if !crate::suite::quantized_available(&comms) {
+        println!("    world {world} skipped: no quantized two-shot on this backend");
+        return Ok(None);
+    }
+    let codecs = crate::suite::codecs_run(&comms, Strategy::QuantizedTwoShot)?;
+    Ok(Some((comms, codecs)))
+}
+
 /// vLLM's and QuickReduce's lossy cases and constants at 2, 4 and 8 ranks.
 pub fn lossy_peer_tolerances(h: &dyn Harness) -> Result<(), String> {
     let n = (1 << 16) + 5;
     let mut misses = Vec::new();
     for world in [2, 4, 8] {
-        if world > h.max_world() {
-            println!(
-                "    world {world} skipped: the backend runs at most {} ranks",
-                h.max_world()
-            );
+        let Some((comms, codecs)) = quantized_group(h, world)? else {
             continue;
-        }
-        let comms = crate::suite::group_of(h, world)?;
-        if !crate::suite::quantized_available(&comms) {
-            println!("    world {world} skipped: no quantized two-shot on this backend");
-            continue;
-        }
-        let codecs = crate::suite::codecs_run(&comms, Strategy::QuantizedTwoShot)?;
+        };
         for dtype in [DType::F16, DType::BF16] {
             // vLLM: randint(1, 23) on each rank.
             let vllm: Vec<HostBytes> = (0..world)
@@ -204,19 +216,9 @@ pub fn lossy_constants_are_exact(h: &dyn Harness) -> Result<(), String> {
     let n = constants.len() * run + 45;
     let mut misses = Vec::new();
     for world in [2, 4, 8] {
-        if world > h.max_world() {
-            println!(
-                "    world {world} skipped: the backend runs at most {} ranks",
-                h.max_world()
-            );
+        let Some((comms, codecs)) = quantized_group(h, world)? else {
             continue;
-        }
-        let comms = crate::suite::group_of(h, world)?;
-        if !crate::suite::quantized_available(&comms) {
-            println!("    world {world} skipped: no quantized two-shot on this backend");
-            continue;
-        }
-        let codecs = crate::suite::codecs_run(&comms, Strategy::QuantizedTwoShot)?;
+        };
         for dtype in [DType::F16, DType::BF16] {
             // Runs of whole blocks, then the last few runs shifted off the block grid.
             let values: Vec<f32> = (0..n)
